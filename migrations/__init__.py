@@ -1,0 +1,1 @@
+"""Alembic migrations of the jobsup database (the daemon runs `upgrade head` at start)."""

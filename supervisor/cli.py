@@ -1,0 +1,281 @@
+"""The `jobsup` command (also `python -m supervisor`). Every flag has a JOBSUP_ variable."""
+
+from __future__ import annotations
+
+import logging
+import sys
+import time
+from pathlib import Path
+from typing import Annotated, Any
+
+import typer
+from rich.console import Console
+from rich.table import Table
+
+from supervisor.client import Client
+from supervisor.config import Settings
+from supervisor.errors import JobsupError
+
+app = typer.Typer(add_completion=False, no_args_is_help=True,
+                  help="jobsup: launch, watch and forecast long-running ML jobs.")
+console = Console()
+err_console = Console(stderr=True)
+
+Url = Annotated[str, typer.Option("--url", envvar="JOBSUP_URL",
+                                  help="Where the daemon listens.")]
+DEFAULT_URL = "http://127.0.0.1:8765"
+STATE_STYLE = {"pending": "yellow", "running": "cyan", "succeeded": "green",
+               "failed": "bold red", "stopped": "magenta", "lost": "red"}
+
+
+def client(url: str) -> Client:
+    return Client(url, token=Settings().token)
+
+
+def fail(exc: JobsupError) -> None:
+    err_console.print(f"[bold red]error:[/] {exc.message}", highlight=False)
+    if exc.hint:
+        err_console.print(f"[bold]hint:[/] {exc.hint}", highlight=False)
+    raise typer.Exit(1)
+
+
+def human_bytes(n: int | None) -> str:
+    if n is None:
+        return "-"
+    size = float(n)
+    for unit in ("B", "KB", "MB", "GB", "TB"):
+        if abs(size) < 1000 or unit == "TB":
+            return f"{size:.0f} {unit}" if unit == "B" else f"{size:.1f} {unit}"
+        size /= 1000
+    return f"{size:.1f} PB"
+
+
+def short_time(iso: str | None) -> str:
+    return iso.replace("T", " ")[:19] if iso else "-"
+
+
+def state_text(job: dict[str, Any]) -> str:
+    state = job["state"]
+    return f"[{STATE_STYLE.get(state, '')}]{state}[/]"
+
+
+def pairs(items: list[str], what: str) -> dict[str, str]:
+    out = {}
+    for item in items:
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            raise JobsupError(f"{what} {item!r} is not of the form KEY=VALUE")
+        out[key] = value
+    return out
+
+
+@app.command()
+def serve(
+    host: Annotated[str, typer.Option(envvar="JOBSUP_HOST")] = "127.0.0.1",
+    port: Annotated[int, typer.Option(envvar="JOBSUP_PORT")] = 8765,
+    data_dir: Annotated[Path | None, typer.Option(envvar="JOBSUP_DATA_DIR",
+                                                  help="default ~/.local/share/jobsup")] = None,
+) -> None:
+    """Run the daemon (foreground)."""
+    from supervisor.daemon import serve as run_daemon
+
+    logging.basicConfig(level=logging.INFO,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    overrides: dict[str, Any] = {"host": host, "port": port}
+    if data_dir is not None:
+        overrides["data_dir"] = data_dir
+    try:
+        run_daemon(Settings(**overrides))
+    except JobsupError as exc:
+        fail(exc)
+
+
+@app.command(context_settings={"allow_interspersed_args": False})
+def submit(
+    command: Annotated[list[str], typer.Argument(help="The program and its arguments (after --).",
+                                                 show_default=False)],
+    name: Annotated[str, typer.Option(help="A name for the job.")],
+    output: Annotated[str | None, typer.Option(help="Directory the job writes items into.")] = None,
+    pattern: Annotated[str | None, typer.Option(help="Glob of one item file, e.g. '**/*.pt'.")] = None,
+    expect: Annotated[int | None, typer.Option(help="Expected number of items.")] = None,
+    stall_timeout: Annotated[float | None, typer.Option(help="Seconds without progress.")] = None,
+    startup_timeout: Annotated[float | None, typer.Option(help="Max seconds before the first item.")] = None,
+    stop_grace: Annotated[float | None, typer.Option(help="Seconds from SIGTERM to SIGKILL.")] = None,
+    restart: Annotated[str | None, typer.Option(help="never | on-failure")] = None,
+    max_restarts: Annotated[int | None, typer.Option()] = None,
+    depends_on: Annotated[list[str] | None, typer.Option("--depends-on", help="Job id; repeatable.")] = None,
+    env: Annotated[list[str] | None, typer.Option("--env", "-e", help="KEY=VALUE; repeatable.")] = None,
+    label: Annotated[list[str] | None, typer.Option("--label", "-l", help="KEY=VALUE; repeatable.")] = None,
+    cwd: Annotated[Path | None, typer.Option(help="Working directory (default: here).")] = None,
+    url: Url = DEFAULT_URL,
+) -> None:
+    """Submit a job: jobsup submit --name NAME [options] -- CMD [ARG...]. Prints its id."""
+    try:
+        spec: dict[str, Any] = {"name": name, "command": command,
+                                "cwd": str((cwd or Path.cwd()).resolve())}
+        optional = {"output_dir": output, "pattern": pattern, "expected_items": expect,
+                    "stall_timeout_s": stall_timeout, "startup_timeout_s": startup_timeout,
+                    "stop_grace_s": stop_grace, "restart_policy": restart,
+                    "max_restarts": max_restarts, "depends_on": depends_on}
+        spec.update({k: v for k, v in optional.items() if v is not None})
+        if output is not None:
+            spec["output_dir"] = str(Path(output).resolve())
+        if env:
+            spec["env"] = pairs(env, "--env")
+        if label:
+            spec["labels"] = pairs(label, "--label")
+        job = client(url).post("/api/v1/jobs", json=spec)
+    except JobsupError as exc:
+        fail(exc)
+    for warning in job.get("warnings", []):
+        err_console.print(f"[bold yellow]warning:[/] {warning}", highlight=False)
+    print(job["id"])
+
+
+@app.command("ls")
+def list_jobs(
+    state: Annotated[str | None, typer.Option(help="Only jobs in this state.")] = None,
+    url: Url = DEFAULT_URL,
+) -> None:
+    """List jobs."""
+    try:
+        jobs = client(url).get("/api/v1/jobs", params={"state": state} if state else None)
+    except JobsupError as exc:
+        fail(exc)
+    table = Table(box=None, header_style="bold")
+    for column in ("ID", "NAME", "STATE", "PID", "EXIT", "RESTARTS", "STARTED", "REASON"):
+        table.add_column(column, overflow="fold")
+    for job in jobs:
+        exit_text = (f"sig {job['signal']}" if job["signal"] is not None
+                     else "-" if job["exit_code"] is None else str(job["exit_code"]))
+        table.add_row(job["id"], job["name"], state_text(job), str(job["pid"] or "-"),
+                      exit_text, str(job["restarts"]), short_time(job["started_at"]),
+                      job.get("reason") or "")
+    if not jobs:
+        console.print("no jobs yet: `jobsup submit --name NAME -- CMD ...`")
+        return
+    console.print(table)
+
+
+@app.command()
+def show(job_id: Annotated[str, typer.Argument(help="Job id.")], url: Url = DEFAULT_URL) -> None:
+    """Show one job: state, exit, spec and its state transitions."""
+    try:
+        c = client(url)
+        job = c.get(f"/api/v1/jobs/{job_id}")
+        events = c.get(f"/api/v1/jobs/{job_id}/events")
+    except JobsupError as exc:
+        fail(exc)
+    spec = job["spec"]
+    table = Table(box=None, show_header=False)
+    table.add_column(style="bold")
+    table.add_column(overflow="fold")
+    rows = [
+        ("id", job["id"]), ("name", job["name"]), ("state", state_text(job)),
+        ("reason", job.get("reason") or "-"), ("command", " ".join(spec["command"])),
+        ("cwd", spec.get("cwd") or "-"), ("pid", str(job["pid"] or "-")),
+        ("exit", f"code {job['exit_code']}" if job["exit_code"] is not None
+         else f"signal {job['signal']}" if job["signal"] is not None else "-"),
+        ("attempt", f"{job['attempt']} (restarts {job['restarts']}/{spec['max_restarts']}, "
+                    f"policy {spec['restart_policy']})"),
+        ("created", short_time(job["created_at"])), ("started", short_time(job["started_at"])),
+        ("ended", short_time(job["ended_at"])),
+        ("output", spec.get("output_dir") or "-"),
+        ("depends on", ", ".join(spec["depends_on"]) or "-"),
+    ]
+    for key, value in rows:
+        table.add_row(key, value)
+    console.print(table)
+    console.print("[bold]events[/]")
+    for event in events:
+        console.print(f"  {short_time(event['t'])}  {event['from_state'] or '-':>9} -> "
+                      f"{event['to_state']:<9} {event['reason'] or ''}", highlight=False)
+
+
+@app.command()
+def logs(
+    job_id: Annotated[str, typer.Argument(help="Job id.")],
+    tail: Annotated[int, typer.Option("--tail", "-n", help="Lines to show.")] = 100,
+    follow: Annotated[bool, typer.Option("--follow", "-f", help="Keep printing new output.")] = False,
+    url: Url = DEFAULT_URL,
+) -> None:
+    """Print a job's stdout+stderr (the latest attempt)."""
+    try:
+        c = client(url)
+        response = c.request("GET", f"/api/v1/jobs/{job_id}/logs", params={"tail": tail})
+        sys.stdout.write(response.text)
+        sys.stdout.flush()
+        if follow:
+            follow_log(c, job_id, int(response.headers.get("x-jobsup-log-offset", "0")),
+                       int(response.headers.get("x-jobsup-attempt", "0")))
+    except JobsupError as exc:
+        fail(exc)
+    except KeyboardInterrupt:
+        raise typer.Exit(130) from None
+
+
+def follow_log(c: Client, job_id: str, offset: int, attempt: int, poll_s: float = 0.5) -> None:
+    """Print new output until the job has ended and everything was read."""
+    while True:
+        response = c.request("GET", f"/api/v1/jobs/{job_id}/logs",
+                             params={"offset": offset, "attempt": attempt or None})
+        chunk = response.text
+        if chunk:
+            sys.stdout.write(chunk)
+            sys.stdout.flush()
+        offset = int(response.headers.get("x-jobsup-log-offset", offset))
+        if chunk:
+            continue
+        job = c.get(f"/api/v1/jobs/{job_id}")
+        if job["attempt"] > attempt:
+            if attempt:
+                print(f"--- jobsup: attempt {job['attempt']} ---", flush=True)
+            attempt, offset = job["attempt"], 0
+            continue
+        if job["state"] in ("succeeded", "failed", "stopped", "lost"):
+            return
+        time.sleep(poll_s)
+
+
+@app.command()
+def stop(
+    job_id: Annotated[str, typer.Argument(help="Job id.")],
+    wait: Annotated[bool, typer.Option(help="Wait until the job has ended.")] = True,
+    url: Url = DEFAULT_URL,
+) -> None:
+    """Stop a job: SIGTERM to its whole process group, SIGKILL after the grace."""
+    try:
+        c = client(url)
+        job = c.post(f"/api/v1/jobs/{job_id}/stop")
+        while wait and job["state"] in ("pending", "running"):
+            time.sleep(0.2)
+            job = c.get(f"/api/v1/jobs/{job_id}")
+    except JobsupError as exc:
+        fail(exc)
+    console.print(f"{job['id']} {state_text(job)} {job.get('reason') or ''}", highlight=False)
+
+
+@app.command()
+def demo(
+    data_dir: Annotated[Path | None, typer.Option(envvar="JOBSUP_DATA_DIR")] = None,
+    items: Annotated[int, typer.Option(help="Items the demo job writes.")] = 40,
+    keep_daemon: Annotated[bool, typer.Option(help="Leave the daemon running at the end.")] = True,
+    url: Url = DEFAULT_URL,
+) -> None:
+    """Run the demo under the daemon (starting one if none answers at --url)."""
+    from supervisor.demo import run_demo
+
+    try:
+        code = run_demo(url=url, data_dir=data_dir, items=items, keep_daemon=keep_daemon,
+                        console=console)
+    except JobsupError as exc:
+        fail(exc)
+    raise typer.Exit(code)
+
+
+def main() -> None:
+    app(prog_name="jobsup")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,42 @@
+"""A small HTTP client of the daemon for the CLI; errors become JobsupError."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import httpx
+
+from supervisor.errors import JobsupError
+
+
+class Client:
+    def __init__(self, url: str, token: str | None = None, timeout_s: float = 10.0):
+        self.url = url.rstrip("/")
+        headers = {"Authorization": f"Bearer {token}"} if token else {}
+        self._http = httpx.Client(base_url=self.url, headers=headers, timeout=timeout_s)
+
+    def request(self, method: str, path: str, **kwargs: Any) -> httpx.Response:
+        try:
+            response = self._http.request(method, path, **kwargs)
+        except httpx.TransportError as exc:
+            raise JobsupError(
+                f"cannot reach the jobsup daemon at {self.url} ({exc.__class__.__name__})",
+                hint="start it with `jobsup serve`, or point --url / JOBSUP_URL at it",
+            ) from None
+        if response.status_code >= 400:
+            try:
+                body = response.json()
+                message, hint = body.get("error") or str(body), body.get("hint")
+            except ValueError:
+                message, hint = response.text.strip() or response.reason_phrase, None
+            raise JobsupError(f"{message} (HTTP {response.status_code})", hint=hint)
+        return response
+
+    def get(self, path: str, **kwargs: Any) -> Any:
+        return self.request("GET", path, **kwargs).json()
+
+    def post(self, path: str, **kwargs: Any) -> Any:
+        return self.request("POST", path, **kwargs).json()
+
+    def close(self) -> None:
+        self._http.close()

@@ -1,0 +1,105 @@
+"""`jobsup serve`: lock the data dir, upgrade the schema, re-adopt jobs, serve the API."""
+
+from __future__ import annotations
+
+import errno
+import fcntl
+import ipaddress
+import logging
+import os
+import socket
+from collections.abc import AsyncIterator, Iterator
+from contextlib import asynccontextmanager, contextmanager
+from pathlib import Path
+from typing import IO
+
+import uvicorn
+from fastapi import FastAPI
+
+from supervisor.api import create_app
+from supervisor.config import Settings
+from supervisor.db import make_engine, make_sessionmaker, upgrade
+from supervisor.engine import Engine
+from supervisor.errors import DaemonAlreadyRunning, UnsafeBind
+
+log = logging.getLogger(__name__)
+
+
+def is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        try:
+            return all(ipaddress.ip_address(info[4][0]).is_loopback
+                       for info in socket.getaddrinfo(host, None))
+        except (OSError, ValueError):
+            return False
+
+
+def check_bind(settings: Settings) -> None:
+    if not is_loopback(settings.host) and not settings.token:
+        raise UnsafeBind(
+            f"refusing to listen on {settings.host} without a token",
+            hint="set JOBSUP_TOKEN (clients send it as a bearer token), or bind 127.0.0.1",
+        )
+
+
+@contextmanager
+def data_dir_lock(data_dir: Path) -> Iterator[IO[str]]:
+    """Hold an exclusive lock on `<data_dir>/daemon.lock` while the daemon lives. The
+    kernel drops it when the process dies, even by SIGKILL; the file records the pid."""
+    data_dir.mkdir(parents=True, exist_ok=True)
+    lock_file = open(data_dir / "daemon.lock", "a+")  # noqa: SIM115 - held for the context
+    try:
+        try:
+            fcntl.flock(lock_file, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError as exc:
+            if exc.errno not in (errno.EAGAIN, errno.EACCES):
+                raise
+            lock_file.seek(0)
+            owner = lock_file.read().strip() or "?"
+            raise DaemonAlreadyRunning(
+                f"another jobsup daemon (pid {owner}) owns {data_dir}",
+                hint="use that daemon, stop it first, or pass another --data-dir",
+            ) from None
+        lock_file.truncate(0)
+        lock_file.write(f"{os.getpid()}\n")
+        lock_file.flush()
+        yield lock_file
+    finally:
+        lock_file.close()
+
+
+def build_app(settings: Settings) -> FastAPI:
+    """The app with its engine started and stopped by the app's lifespan."""
+    db_engine = make_engine(settings.resolved_database_url)
+    upgrade(db_engine)
+    sessions = make_sessionmaker(db_engine)
+    engine = Engine(settings, sessions)
+
+    @asynccontextmanager
+    async def lifespan(_app: FastAPI) -> AsyncIterator[None]:
+        engine.start()
+        log.info("jobsup daemon ready on http://%s:%d (data dir %s)", settings.host,
+                 settings.port, settings.data_dir)
+        try:
+            yield
+        finally:
+            engine.stop()
+            db_engine.dispose()
+
+    app = create_app(settings, sessions, wake=engine.wake)
+    app.router.lifespan_context = lifespan
+    app.state.engine = engine
+    return app
+
+
+def serve(settings: Settings) -> None:
+    check_bind(settings)
+    settings.jobs_dir.mkdir(parents=True, exist_ok=True)
+    with data_dir_lock(settings.data_dir):
+        app = build_app(settings)
+        uvicorn.run(app, host=settings.host, port=settings.port, log_level="warning",
+                    access_log=False)

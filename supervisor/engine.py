@@ -1,0 +1,254 @@
+"""The loop that ties one tick together: exits -> stops -> starts (then, as they land:
+sample -> store -> forecast -> alert -> notify). No logic of its own beyond ordering
+and the job lifecycle rules that decide which state comes next."""
+
+from __future__ import annotations
+
+import logging
+import signal as signals
+import threading
+import time
+from collections.abc import Callable
+
+from sqlalchemy.orm import Session, sessionmaker
+
+from supervisor import store
+from supervisor.config import Settings
+from supervisor.launcher import Attempt, Backend, ExitStatus, LocalBackend
+from supervisor.models import Job
+from supervisor.spec import ExitReason, JobSpec, JobState, RestartPolicy
+
+log = logging.getLogger(__name__)
+
+LAUNCH_CONFIRM_S = 10.0
+"""A launch recorded in the DB whose shim left no trace after this many seconds never
+started (the daemon died between the two); it is launched again."""
+
+STOP_BACKSTOP_S = 5.0
+"""Seconds past a job's stop grace after which the daemon SIGKILLs the job itself."""
+
+
+def signal_name(sig: int) -> str:
+    try:
+        return signals.Signals(sig).name
+    except ValueError:
+        return f"signal {sig}"
+
+
+class Engine:
+    def __init__(self, settings: Settings, sessions: sessionmaker[Session], *,
+                 backend: Backend | None = None, clock: Callable[[], float] = time.time):
+        self.settings = settings
+        self.sessions = sessions
+        self.clock = clock
+        self.backend: Backend = backend or LocalBackend(settings.jobs_dir, on_exit=self.wake)
+        self._wake = threading.Event()
+        self._should_exit = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._stop_sent: set[tuple[str, int]] = set()
+        self._killed: set[tuple[str, int]] = set()
+
+    # -- lifecycle ------------------------------------------------------------------
+    def start(self) -> None:
+        """Re-adopt what runs, then tick in a thread until `stop()`."""
+        self.recover()
+        self._thread = threading.Thread(target=self._run, name="jobsup-engine", daemon=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        """Stop the loop. Jobs keep running: their shims do not depend on the daemon."""
+        self._should_exit.set()
+        self._wake.set()
+        if self._thread is not None:
+            self._thread.join(timeout=10)
+        self.backend.close()
+
+    def wake(self) -> None:
+        """Run a tick now (a process exited, a job was submitted or stopped)."""
+        self._wake.set()
+
+    def recover(self) -> None:
+        """After a daemon (re)start: watch every running attempt and settle what ended
+        while the daemon was down (the tick reads the exit files the shims wrote)."""
+        with self.sessions() as session:
+            for job in store.jobs_in_states(session, JobState.RUNNING):
+                attempt = self._attempt(job)
+                self.backend.watch(attempt, self.backend.read_worker(attempt))
+        self.tick()
+
+    def _run(self) -> None:
+        interval = self.settings.sample_interval
+        next_tick = time.monotonic() + interval
+        while not self._should_exit.is_set():
+            self._wake.wait(max(0.0, next_tick - time.monotonic()))
+            if self._should_exit.is_set():
+                return
+            self._wake.clear()
+            try:
+                self.tick()
+            except Exception:  # one bad tick must not end supervision
+                log.exception("tick failed")
+            now = time.monotonic()
+            if now >= next_tick:  # scheduled tick done: next one, without drift
+                next_tick += interval
+                if next_tick <= now:
+                    next_tick = now + interval
+
+    # -- one tick ---------------------------------------------------------------------
+    def tick(self) -> None:
+        now = self.clock()
+        self.backend.reap()
+        with self.sessions() as session:
+            for job in store.jobs_in_states(session, JobState.RUNNING):
+                self._check_running(session, job, now)
+                session.commit()
+            for job in store.jobs_in_states(session, JobState.PENDING):
+                self._check_pending(session, job, now)
+                session.commit()
+
+    def _attempt(self, job: Job) -> Attempt:
+        return self.backend.attempt(job.id, job.attempt, job.shim_pid, job.shim_create_time)
+
+    def _check_running(self, session: Session, job: Job, now: float) -> None:
+        attempt = self._attempt(job)
+        if job.shim_pid is None and attempt.shim_pid is not None:
+            job.shim_pid, job.shim_create_time = attempt.shim_pid, attempt.shim_create_time
+        worker = self.backend.read_worker(attempt)
+        if worker is not None and job.pid is None:
+            job.pid, job.pid_create_time = worker.pid, worker.create_time
+
+        status = self.backend.read_exit(attempt)
+        if status is not None:
+            self.backend.forget(attempt)
+            self._finish(session, job, status, now)
+            return
+
+        if job.stop_requested_at is not None:
+            self._stop_running(job, attempt, now)
+
+        if self.backend.shim_alive(attempt):
+            return
+        if worker is not None and self.backend.worker_alive(worker):
+            return  # the shim died but the job runs on; watched until it ends
+        status = self.backend.read_exit(attempt)  # the shim may have just finished
+        if status is not None:
+            self._finish(session, job, status, now)
+        elif attempt.shim_pid is None and worker is None:
+            if now - (job.started_at or now) > LAUNCH_CONFIRM_S:
+                store.transition(session, job, JobState.PENDING, now=now,
+                                 reason="the daemon died while launching; launching again")
+        else:
+            job.exit_reason = ExitReason.LOST.value
+            why = ("the job's process vanished after its shim died; exit status unknown"
+                   if attempt.shim_pid is not None and worker is not None else
+                   "the job's processes vanished without recording an exit status")
+            store.transition(session, job, JobState.LOST, now=now, reason=why)
+
+    def _stop_running(self, job: Job, attempt: Attempt, now: float) -> None:
+        key = (job.id, job.attempt)
+        worker = self.backend.read_worker(attempt)
+        if key not in self._stop_sent:
+            self._stop_sent.add(key)
+            log.info("job %s: stopping (SIGTERM, SIGKILL after %.0f s)", job.id,
+                     self._grace(job))
+            self.backend.request_stop(attempt, worker)
+        elif (key not in self._killed and job.stop_requested_at is not None
+              and now - job.stop_requested_at > self._grace(job) + STOP_BACKSTOP_S):
+            self._killed.add(key)
+            log.warning("job %s: still running %.0f s after stop; SIGKILL", job.id,
+                        now - job.stop_requested_at)
+            self.backend.kill(attempt, worker)
+
+    def _grace(self, job: Job) -> float:
+        spec = JobSpec.model_validate_json(job.spec_json)
+        return spec.stop_grace_s or self.settings.stop_grace_s
+
+    def _finish(self, session: Session, job: Job, status: ExitStatus, now: float) -> None:
+        """Classify the exit and decide: ended, or pending again for a restart."""
+        job.exit_code, job.signal = status.exit_code, status.signal
+        ended_at = status.ended_at
+        if job.stop_requested_at is not None or status.stop_requested:
+            job.exit_reason = ExitReason.STOPPED.value
+            how = "SIGKILL after the grace" if status.killed_after_grace else "SIGTERM"
+            store.transition(session, job, JobState.STOPPED, now=ended_at,
+                             reason=f"stopped on request ({how})")
+            return
+        if status.spawn_error:
+            job.exit_reason = ExitReason.EXIT.value
+            reason = status.spawn_error
+        elif status.signal is not None:
+            job.exit_reason = ExitReason.SIGNAL.value
+            reason = f"killed by signal {status.signal} ({signal_name(status.signal)})"
+        elif status.exit_code == 0:
+            job.exit_reason = ExitReason.EXIT.value
+            store.transition(session, job, JobState.SUCCEEDED, now=ended_at,
+                             reason="exited with code 0")
+            return
+        else:
+            job.exit_reason = ExitReason.EXIT.value
+            reason = f"exited with code {status.exit_code}"
+
+        spec = JobSpec.model_validate_json(job.spec_json)
+        if spec.restart_policy is RestartPolicy.ON_FAILURE and job.restarts < spec.max_restarts:
+            delay = min(self.settings.restart_backoff_s * 2**job.restarts,
+                        self.settings.restart_backoff_max_s)
+            job.restarts += 1
+            job.next_start_at = now + delay
+            store.transition(
+                session, job, JobState.PENDING, now=ended_at,
+                reason=f"{reason}; restart {job.restarts}/{spec.max_restarts} in {delay:.1f} s",
+            )
+            self.wake_at(job.next_start_at)
+            return
+        store.transition(session, job, JobState.FAILED, now=ended_at, reason=reason)
+
+    def wake_at(self, t: float) -> None:
+        """Tick at `t` (restart backoff shorter than the tick interval)."""
+        delay = t - self.clock()
+        if 0 < delay < self.settings.sample_interval:
+            timer = threading.Timer(delay, self.wake)
+            timer.daemon = True
+            timer.start()
+
+    def _check_pending(self, session: Session, job: Job, now: float) -> None:
+        if job.stop_requested_at is not None:
+            job.exit_reason = ExitReason.STOPPED.value
+            store.transition(session, job, JobState.STOPPED, now=now,
+                             reason="stopped on request before it started")
+            return
+        spec = JobSpec.model_validate_json(job.spec_json)
+        for dep_id in spec.depends_on:
+            dep = session.get(Job, dep_id)
+            dep_state = JobState(dep.state) if dep is not None else JobState.LOST
+            if dep_state in (JobState.FAILED, JobState.STOPPED, JobState.LOST):
+                name = dep.name if dep is not None else "?"
+                store.transition(session, job, JobState.FAILED, now=now,
+                                 reason=f"dependency {dep_id} ({name}) {dep_state.value}")
+                return
+            if dep_state is not JobState.SUCCEEDED:
+                return
+        if job.next_start_at is not None and now < job.next_start_at:
+            return
+        self._launch(session, job, spec, now)
+
+    def _launch(self, session: Session, job: Job, spec: JobSpec, now: float) -> None:
+        """Record the attempt first, then start it: a daemon crash between the two
+        leaves a `running` row the next daemon can settle, never a job started twice."""
+        job.attempt += 1
+        job.started_at, job.ended_at, job.next_start_at = now, None, None
+        job.pid = job.pid_create_time = job.shim_pid = job.shim_create_time = None
+        job.exit_code = job.signal = job.exit_reason = None
+        store.transition(session, job, JobState.RUNNING, now=now,
+                         reason=f"started (attempt {job.attempt})")
+        session.commit()
+        try:
+            attempt = self.backend.start(job.id, job.attempt, spec,
+                                         cwd=spec.cwd or ".",
+                                         stop_grace_s=spec.stop_grace_s
+                                         or self.settings.stop_grace_s)
+        except OSError as exc:
+            job.exit_reason = ExitReason.EXIT.value
+            store.transition(session, job, JobState.FAILED, now=now,
+                             reason=f"could not start the job's shim: {exc}")
+            return
+        job.shim_pid, job.shim_create_time = attempt.shim_pid, attempt.shim_create_time

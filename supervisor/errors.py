@@ -1,0 +1,50 @@
+"""Typed errors. The API turns them into HTTP answers in one handler, the CLI into
+`error: ... / hint: ...` lines with exit code 1."""
+
+from __future__ import annotations
+
+
+class JobsupError(Exception):
+    """A failure the user can act on; never shown with a traceback."""
+
+    status_code = 400
+
+    def __init__(self, message: str, *, hint: str | None = None, field: str | None = None):
+        super().__init__(message)
+        self.message = message
+        self.hint = hint
+        self.field = field
+
+
+class InvalidSpec(JobsupError):
+    """A job spec that cannot run as given (missing executable, bad cwd, ...)."""
+
+    status_code = 422
+
+
+class JobNotFound(JobsupError):
+    status_code = 404
+
+    def __init__(self, job_id: str):
+        super().__init__(
+            f"no job with id {job_id!r}", hint="`jobsup ls` lists the jobs this daemon knows"
+        )
+        self.job_id = job_id
+
+
+class Conflict(JobsupError):
+    """The request is valid but the job's state does not allow it."""
+
+    status_code = 409
+
+
+class DaemonAlreadyRunning(JobsupError):
+    """Another daemon holds the lock of this data dir."""
+
+
+class UnsafeBind(JobsupError):
+    """A non-loopback bind without a token."""
+
+
+class Unauthorized(JobsupError):
+    status_code = 401

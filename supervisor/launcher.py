@@ -1,0 +1,310 @@
+"""Start, stop and re-adopt jobs. Backend `local`: the shim runs on this machine.
+
+The engine talks to a backend only through `Backend`: start an attempt, read what the
+shim recorded, ask whether the attempt still lives, stop it. A later `slurm` backend
+implements the same calls with sbatch/squeue/sacct and a shim on the compute node.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import select
+import shutil
+import signal
+import subprocess
+import sys
+import threading
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Protocol
+
+from supervisor.errors import InvalidSpec
+from supervisor.fileio import atomic_write_json, read_json
+from supervisor.procfs import create_time, is_same_process, signal_group
+from supervisor.spec import JobSpec
+
+log = logging.getLogger(__name__)
+
+SCRUBBED_ENV = ("JOBSUP_TOKEN",)
+"""Daemon settings a job must not inherit (secrets)."""
+
+
+@dataclass(frozen=True)
+class Attempt:
+    """One launch of a job: where its files live and which processes run it."""
+
+    job_id: str
+    number: int
+    dir: Path
+    shim_pid: int | None = None
+    shim_create_time: float | None = None
+
+
+@dataclass(frozen=True)
+class WorkerInfo:
+    pid: int
+    create_time: float | None
+    started_at: float
+
+
+@dataclass(frozen=True)
+class ExitStatus:
+    """What the shim wrote when the worker ended."""
+
+    exit_code: int | None
+    signal: int | None
+    ended_at: float
+    stop_requested: bool
+    killed_after_grace: bool
+    max_rss_bytes: int
+    spawn_error: str | None
+
+
+def job_dir(jobs_dir: Path, job_id: str) -> Path:
+    return jobs_dir / job_id
+
+
+def attempt_dir(jobs_dir: Path, job_id: str, number: int) -> Path:
+    return jobs_dir / job_id / f"attempt-{number}"
+
+
+def log_path(jobs_dir: Path, job_id: str, number: int) -> Path:
+    """stdout+stderr of one attempt."""
+    return attempt_dir(jobs_dir, job_id, number) / "output.log"
+
+
+def progress_path(jobs_dir: Path, job_id: str) -> Path:
+    """The file a cooperating worker replaces with its progress JSON (JOBSUP_PROGRESS_FILE)."""
+    return jobs_dir / job_id / "progress.json"
+
+
+def job_environment(base: Mapping[str, str], spec: JobSpec, job_id: str, number: int,
+                    progress_file: Path) -> dict[str, str]:
+    env = {k: v for k, v in base.items() if k not in SCRUBBED_ENV}
+    env.update(spec.env)
+    env["JOBSUP_JOB_ID"] = job_id
+    env["JOBSUP_ATTEMPT"] = str(number)
+    env["JOBSUP_PROGRESS_FILE"] = str(progress_file)
+    env["PYTHONUNBUFFERED"] = "1"
+    return env
+
+
+class Backend(Protocol):
+    def start(self, job_id: str, number: int, spec: JobSpec, *, cwd: str,
+              stop_grace_s: float) -> Attempt: ...
+    def attempt(self, job_id: str, number: int, shim_pid: int | None,
+                shim_create_time: float | None) -> Attempt: ...
+    def read_worker(self, attempt: Attempt) -> WorkerInfo | None: ...
+    def worker_alive(self, worker: WorkerInfo) -> bool: ...
+    def read_exit(self, attempt: Attempt) -> ExitStatus | None: ...
+    def shim_alive(self, attempt: Attempt) -> bool: ...
+    def request_stop(self, attempt: Attempt, worker: WorkerInfo | None) -> None: ...
+    def kill(self, attempt: Attempt, worker: WorkerInfo | None) -> None: ...
+    def watch(self, attempt: Attempt, worker: WorkerInfo | None) -> None: ...
+    def forget(self, attempt: Attempt) -> None: ...
+    def reap(self) -> None: ...
+    def close(self) -> None: ...
+
+
+class LocalBackend:
+    """Shims as children of the daemon on this machine."""
+
+    def __init__(self, jobs_dir: Path, on_exit: Callable[[], None]):
+        self.jobs_dir = jobs_dir
+        self._children: dict[int, subprocess.Popen[bytes]] = {}
+        self._watcher = ExitWatcher(on_exit)
+
+    def start(self, job_id: str, number: int, spec: JobSpec, *, cwd: str,
+              stop_grace_s: float) -> Attempt:
+        adir = attempt_dir(self.jobs_dir, job_id, number)
+        adir.mkdir(parents=True, exist_ok=True)
+        env = job_environment(os.environ, spec, job_id, number,
+                              progress_path(self.jobs_dir, job_id))
+        atomic_write_json(adir / "launch.json", {
+            "job_id": job_id, "attempt": number, "argv": spec.command, "cwd": cwd,
+            "env": env, "log_path": str(adir / "output.log"), "stop_grace_s": stop_grace_s,
+        })
+        with open(adir / "shim.log", "ab") as shim_log:
+            proc = subprocess.Popen(
+                [sys.executable, "-m", "supervisor.shim", str(adir)],
+                stdin=subprocess.DEVNULL, stdout=shim_log, stderr=subprocess.STDOUT,
+                start_new_session=True, close_fds=True, cwd="/",
+                env={**{k: v for k, v in os.environ.items() if k not in SCRUBBED_ENV},
+                     "PYTHONPATH": _package_root_on_path()},
+            )
+        self._children[proc.pid] = proc
+        attempt = Attempt(job_id, number, adir, proc.pid, create_time(proc.pid))
+        self._watcher.add(proc.pid)
+        return attempt
+
+    def attempt(self, job_id: str, number: int, shim_pid: int | None,
+                shim_create_time: float | None) -> Attempt:
+        """The attempt of a stored job; the shim's identity from its own `shim.json` when
+        the daemon died before recording it."""
+        adir = attempt_dir(self.jobs_dir, job_id, number)
+        if shim_pid is None:
+            data = read_json(adir / "shim.json")
+            if isinstance(data, dict) and isinstance(data.get("pid"), int):
+                shim_pid, shim_create_time = data["pid"], data.get("create_time")
+        return Attempt(job_id, number, adir, shim_pid, shim_create_time)
+
+    def worker_alive(self, worker: WorkerInfo) -> bool:
+        return is_same_process(worker.pid, worker.create_time)
+
+    def read_worker(self, attempt: Attempt) -> WorkerInfo | None:
+        data = read_json(attempt.dir / "worker.json")
+        if not isinstance(data, dict) or not isinstance(data.get("pid"), int):
+            return None
+        return WorkerInfo(data["pid"], data.get("create_time"), float(data["started_at"]))
+
+    def read_exit(self, attempt: Attempt) -> ExitStatus | None:
+        data = read_json(attempt.dir / "status.json")
+        if not isinstance(data, dict):
+            return None
+        return ExitStatus(
+            exit_code=data.get("exit_code"), signal=data.get("signal"),
+            ended_at=float(data["ended_at"]), stop_requested=bool(data.get("stop_requested")),
+            killed_after_grace=bool(data.get("killed_after_grace")),
+            max_rss_bytes=int(data.get("max_rss_bytes") or 0),
+            spawn_error=data.get("spawn_error"),
+        )
+
+    def shim_alive(self, attempt: Attempt) -> bool:
+        return is_same_process(attempt.shim_pid, attempt.shim_create_time)
+
+    def request_stop(self, attempt: Attempt, worker: WorkerInfo | None) -> None:
+        """Ask the shim to stop the job (it runs SIGTERM -> grace -> SIGKILL). Without a
+        live shim, signal the worker's group directly, if it is still the same process."""
+        if self.shim_alive(attempt) and attempt.shim_pid is not None:
+            os.kill(attempt.shim_pid, signal.SIGTERM)
+        elif worker is not None and is_same_process(worker.pid, worker.create_time):
+            signal_group(worker.pid, signal.SIGTERM)
+
+    def kill(self, attempt: Attempt, worker: WorkerInfo | None) -> None:
+        """Backstop when the shim did not finish a stop in time: SIGKILL the group."""
+        if worker is not None and is_same_process(worker.pid, worker.create_time):
+            signal_group(worker.pid, signal.SIGKILL)
+        if self.shim_alive(attempt) and attempt.shim_pid is not None:
+            os.kill(attempt.shim_pid, signal.SIGKILL)
+
+    def watch(self, attempt: Attempt, worker: WorkerInfo | None) -> None:
+        """Wake the engine as soon as this attempt's shim (or shim-less worker) exits."""
+        if self.shim_alive(attempt) and attempt.shim_pid is not None:
+            self._watcher.add(attempt.shim_pid)
+        elif worker is not None and is_same_process(worker.pid, worker.create_time):
+            self._watcher.add(worker.pid)
+
+    def forget(self, attempt: Attempt) -> None:
+        if attempt.shim_pid is not None:
+            self._watcher.remove(attempt.shim_pid)
+
+    def reap(self) -> None:
+        """Collect exited shims we started, so none stays a zombie."""
+        for pid, proc in list(self._children.items()):
+            if proc.poll() is not None:
+                del self._children[pid]
+
+    def close(self) -> None:
+        self._watcher.close()
+
+
+def _package_root_on_path() -> str:
+    """PYTHONPATH that lets the shim import `supervisor` even from a source checkout."""
+    root = str(Path(__file__).resolve().parent.parent)
+    existing = os.environ.get("PYTHONPATH")
+    return f"{root}{os.pathsep}{existing}" if existing else root
+
+
+class ExitWatcher:
+    """A thread polling pidfds: a process exit wakes the engine at once instead of at
+    the next tick. pidfds work for processes that are not our children (re-adopted
+    shims after a daemon restart)."""
+
+    def __init__(self, on_exit: Callable[[], None]):
+        self._on_exit = on_exit
+        self._lock = threading.Lock()
+        self._fds: dict[int, int] = {}  # fd -> pid
+        self._poll = select.poll()
+        self._wake_r, self._wake_w = os.pipe()
+        self._poll.register(self._wake_r, select.POLLIN)
+        self._closed = False
+        self._thread = threading.Thread(target=self._run, name="jobsup-exit-watcher",
+                                        daemon=True)
+        self._thread.start()
+
+    def add(self, pid: int) -> None:
+        try:
+            fd = os.pidfd_open(pid)
+        except OSError:  # already gone (the tick will notice), or no pidfd support
+            self._on_exit()
+            return
+        with self._lock:
+            if pid in self._fds.values():
+                os.close(fd)
+                return
+            self._fds[fd] = pid
+            self._poll.register(fd, select.POLLIN)
+        os.write(self._wake_w, b"x")
+
+    def remove(self, pid: int) -> None:
+        with self._lock:
+            for fd, watched in list(self._fds.items()):
+                if watched == pid:
+                    self._drop(fd)
+
+    def _drop(self, fd: int) -> None:
+        self._poll.unregister(fd)
+        del self._fds[fd]
+        os.close(fd)
+
+    def _run(self) -> None:
+        while not self._closed:
+            events = self._poll.poll(1000)
+            exited = False
+            with self._lock:
+                for fd, _mask in events:
+                    if fd == self._wake_r:
+                        os.read(self._wake_r, 4096)
+                    elif fd in self._fds:
+                        self._drop(fd)
+                        exited = True
+            if exited:
+                self._on_exit()
+
+    def close(self) -> None:
+        self._closed = True
+        os.write(self._wake_w, b"x")
+        self._thread.join(timeout=2)
+        with self._lock:
+            for fd in list(self._fds):
+                self._drop(fd)
+        os.close(self._wake_r)
+        os.close(self._wake_w)
+
+
+def check_runnable(spec: JobSpec, *, default_cwd: str) -> JobSpec:
+    """The spec with an absolute cwd, or InvalidSpec naming what cannot run: a cwd that
+    does not exist, a program not found on PATH or not executable."""
+    cwd = Path(spec.cwd or default_cwd)
+    if not cwd.is_absolute():
+        cwd = Path(default_cwd) / cwd
+    if not cwd.is_dir():
+        raise InvalidSpec(f"cwd: directory {str(cwd)!r} does not exist", field="cwd")
+    program = spec.command[0]
+    if "/" in program:
+        path = Path(program) if Path(program).is_absolute() else cwd / program
+        if not path.is_file():
+            raise InvalidSpec(f"command: executable {program!r} not found (looked at {path})",
+                              field="command")
+        if not os.access(path, os.X_OK):
+            raise InvalidSpec(f"command: {program!r} is not executable",
+                              hint=f"chmod +x {path}", field="command")
+    else:
+        search_path = spec.env.get("PATH", os.environ.get("PATH", os.defpath))
+        if shutil.which(program, path=search_path) is None:
+            raise InvalidSpec(f"command: executable {program!r} not found on PATH",
+                              hint="give an absolute path or set PATH in the job's env",
+                              field="command")
+    return spec.model_copy(update={"cwd": str(cwd.resolve())})

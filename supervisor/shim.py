@@ -1,0 +1,221 @@
+"""The per-job shim: `python -m supervisor.shim ATTEMPT_DIR`.
+
+The daemon never owns a job directly. It starts this small process in a new session;
+the shim starts the worker in a process group of its own, waits for it and writes the
+exit status to `status.json` atomically. A daemon crash, upgrade or `kill -9` therefore
+never kills a job, and the exit status is known even when the job ended while the
+daemon was down (the conmon / containerd-shim pattern).
+
+The shim is also the job's subreaper: descendants that double-fork or `setsid` away
+are re-parented to it, so it reaps every zombie and, when the worker ends, kills what
+the worker left behind. A job that has ended has no process left.
+
+Stop: SIGTERM (or SIGINT/SIGHUP) to the shim forwards SIGTERM to the worker's group
+and, after `stop_grace_s`, sends SIGKILL to the group and every remaining descendant.
+
+Stdlib only (plus two stdlib-only helpers of this package): it must start fast and
+must not break when the daemon's dependencies are upgraded under a running job.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from types import FrameType
+from typing import Any
+
+from supervisor.fileio import atomic_write_json, read_json
+from supervisor.procfs import create_time, group_alive, parse_stat, signal_group
+
+PR_SET_CHILD_SUBREAPER = 36
+LEFTOVER_GRACE_S = 2.0
+"""Seconds leftover descendants get between SIGTERM and SIGKILL once the worker ended."""
+
+
+def _become_subreaper() -> bool:
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        return libc.prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0) == 0
+    except (OSError, AttributeError):
+        return False
+
+
+def _children_of(ppid: int) -> list[int]:
+    """Pids whose parent is `ppid` (one pass over /proc)."""
+    found = []
+    for entry in os.scandir("/proc"):
+        if not entry.name.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry.name}/stat", "rb") as f:
+                parsed = parse_stat(f.read())
+        except OSError:
+            continue
+        if parsed is not None and parsed[1] == ppid and parsed[0] != "Z":
+            found.append(int(entry.name))
+    return found
+
+
+def _reap_all() -> None:
+    """Reap every exited child without blocking."""
+    while True:
+        try:
+            pid, _ = os.waitpid(-1, os.WNOHANG)
+        except ChildProcessError:
+            return
+        if pid == 0:
+            return
+
+
+class Shim:
+    def __init__(self, attempt_dir: Path, launch: dict[str, Any]):
+        self.attempt_dir = attempt_dir
+        self.launch = launch
+        self.grace_s = float(launch.get("stop_grace_s", 10.0))
+        self.worker: subprocess.Popen[bytes] | None = None
+        self.stop_requested = False
+        self.killed = False
+
+    # -- signal handlers: Python runs them in the main thread between bytecodes, so
+    # they may call os.killpg; wait4 is retried after them (PEP 475).
+    def _on_stop(self, signum: int, _frame: FrameType | None) -> None:
+        if self.stop_requested:
+            return
+        self.stop_requested = True
+        if self.worker is not None:
+            signal_group(self.worker.pid, signal.SIGTERM)
+        signal.setitimer(signal.ITIMER_REAL, self.grace_s)
+
+    def _on_grace_over(self, _signum: int, _frame: FrameType | None) -> None:
+        self.killed = True
+        if self.worker is not None:
+            signal_group(self.worker.pid, signal.SIGKILL)
+        for pid in _children_of(os.getpid()):
+            _kill(pid, signal.SIGKILL)
+
+    def run(self) -> int:
+        for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+            signal.signal(sig, self._on_stop)
+        signal.signal(signal.SIGALRM, self._on_grace_over)
+        _become_subreaper()
+        me = os.getpid()
+        atomic_write_json(self.attempt_dir / "shim.json", {"pid": me, "create_time": create_time(me)})
+
+        log_path = self.launch["log_path"]
+        with open(log_path, "ab", buffering=0) as log:
+            try:
+                self.worker = subprocess.Popen(
+                    self.launch["argv"],
+                    cwd=self.launch["cwd"],
+                    env=self.launch["env"],
+                    stdin=subprocess.DEVNULL,
+                    stdout=log,
+                    stderr=subprocess.STDOUT,
+                    process_group=0,
+                    close_fds=True,
+                )
+            except OSError as exc:
+                message = f"jobsup: cannot start {self.launch['argv'][0]!r}: {exc.strerror}\n"
+                log.write(message.encode())
+                code = 126 if isinstance(exc, PermissionError) else 127
+                self._write_status(exit_code=code, sig=None, spawn_error=message.strip())
+                return 0
+
+        worker_pid = self.worker.pid
+        atomic_write_json(
+            self.attempt_dir / "worker.json",
+            {"pid": worker_pid, "create_time": create_time(worker_pid), "started_at": time.time()},
+        )
+        if self.stop_requested:  # a stop that arrived while the worker was starting
+            signal_group(worker_pid, signal.SIGTERM)
+
+        status, max_rss_kb = self._wait_for(worker_pid)
+        self.worker.returncode = 0  # reaped by wait4 above; keep Popen from waiting again
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        self._clean_up_leftovers(worker_pid)
+
+        if os.WIFSIGNALED(status):
+            self._write_status(exit_code=None, sig=os.WTERMSIG(status), max_rss_kb=max_rss_kb)
+        else:
+            code = os.WEXITSTATUS(status) if os.WIFEXITED(status) else None
+            self._write_status(exit_code=code, sig=None, max_rss_kb=max_rss_kb)
+        return 0
+
+    def _wait_for(self, worker_pid: int) -> tuple[int, int]:
+        """Reap children (the worker and any orphan re-parented to us) until the worker
+        has exited; returns its wait status and peak RSS in KiB."""
+        while True:
+            try:
+                pid, status, usage = os.wait4(-1, 0)
+            except ChildProcessError:  # cannot happen while the worker lives; be safe
+                return 0, 0
+            if pid == worker_pid:
+                return status, usage.ru_maxrss
+
+    def _clean_up_leftovers(self, worker_pid: int) -> None:
+        """Kill what the worker left: its process group, then our remaining children
+        (orphans re-parented to us), SIGTERM first and SIGKILL after a short grace."""
+        me = os.getpid()
+        leftovers = signal_group(worker_pid, signal.SIGTERM)
+        for pid in _children_of(me):
+            leftovers = True
+            _kill(pid, signal.SIGTERM)
+        deadline = time.monotonic() + (0 if self.killed else LEFTOVER_GRACE_S)
+        while leftovers:
+            _reap_all()
+            children = _children_of(me)
+            group_left = group_alive(worker_pid)
+            if not children and not group_left:
+                break
+            if time.monotonic() >= deadline:
+                signal_group(worker_pid, signal.SIGKILL)
+                for pid in children:
+                    _kill(pid, signal.SIGKILL)
+            time.sleep(0.05)
+        _reap_all()
+
+    def _write_status(
+        self, *, exit_code: int | None, sig: int | None, max_rss_kb: int = 0,
+        spawn_error: str | None = None,
+    ) -> None:
+        atomic_write_json(
+            self.attempt_dir / "status.json",
+            {
+                "pid": self.worker.pid if self.worker else None,
+                "exit_code": exit_code,
+                "signal": sig,
+                "ended_at": time.time(),
+                "stop_requested": self.stop_requested,
+                "killed_after_grace": self.killed,
+                "max_rss_bytes": max_rss_kb * 1024,
+                "spawn_error": spawn_error,
+            },
+        )
+
+
+def _kill(pid: int, sig: signal.Signals) -> None:
+    try:
+        os.kill(pid, sig)
+    except ProcessLookupError:
+        pass
+
+
+def main(argv: list[str]) -> int:
+    if len(argv) != 1:
+        print("usage: python -m supervisor.shim ATTEMPT_DIR", file=sys.stderr)
+        return 2
+    attempt_dir = Path(argv[0])
+    launch = read_json(attempt_dir / "launch.json")
+    if not isinstance(launch, dict):
+        print(f"jobsup shim: no readable launch.json in {attempt_dir}", file=sys.stderr)
+        return 2
+    return Shim(attempt_dir, launch).run()
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,153 @@
+"""The JobSpec and the API's response models: the one place field names live (API.md)."""
+
+from __future__ import annotations
+
+from enum import StrEnum
+from typing import Annotated
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+
+class JobState(StrEnum):
+    PENDING = "pending"
+    RUNNING = "running"
+    SUCCEEDED = "succeeded"
+    FAILED = "failed"
+    STOPPED = "stopped"
+    LOST = "lost"
+
+    @property
+    def ended(self) -> bool:
+        return self in ENDED_STATES
+
+
+ENDED_STATES = frozenset({JobState.SUCCEEDED, JobState.FAILED, JobState.STOPPED, JobState.LOST})
+
+
+class ExitReason(StrEnum):
+    EXIT = "exit"
+    SIGNAL = "signal"
+    OOM = "oom"
+    STOPPED = "stopped"
+    LOST = "lost"
+
+
+class RestartPolicy(StrEnum):
+    NEVER = "never"
+    ON_FAILURE = "on-failure"
+
+
+PositiveSeconds = Annotated[float, Field(gt=0)]
+
+
+class JobSpec(BaseModel):
+    """What to run and how to watch it (the body of `POST /api/v1/jobs`)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    name: str = Field(min_length=1, max_length=128)
+    command: list[str] = Field(min_length=1, description="argv; never run through a shell")
+    cwd: str | None = Field(default=None, description="default: the daemon's cwd")
+    env: dict[str, str] = Field(default_factory=dict)
+    output_dir: str | None = None
+    pattern: str = "**/*"
+    expected_items: int | None = Field(default=None, gt=0)
+    stall_timeout_s: PositiveSeconds = 600.0
+    startup_timeout_s: PositiveSeconds | None = None
+    stop_grace_s: PositiveSeconds | None = Field(
+        default=None, description="SIGTERM -> SIGKILL delay on stop; default from the daemon"
+    )
+    restart_policy: RestartPolicy = RestartPolicy.NEVER
+    max_restarts: int = Field(default=0, ge=0)
+    depends_on: list[str] = Field(default_factory=list)
+    labels: dict[str, str] = Field(default_factory=dict)
+
+    @field_validator("command")
+    @classmethod
+    def _command_has_program(cls, command: list[str]) -> list[str]:
+        if not command[0].strip():
+            raise ValueError("the program (command[0]) must not be empty")
+        if any("\x00" in arg for arg in command):
+            raise ValueError("arguments must not contain NUL bytes")
+        return command
+
+    @field_validator("env")
+    @classmethod
+    def _env_names(cls, env: dict[str, str]) -> dict[str, str]:
+        for key, value in env.items():
+            if not key or "=" in key or "\x00" in key or "\x00" in value:
+                raise ValueError(f"invalid environment variable name or value: {key!r}")
+        return env
+
+
+class Progress(BaseModel):
+    items_done: int | None = None
+    items_total: int | None = None
+    files: int = 0
+    bytes_written: int = 0
+    source: str | None = None
+    last_progress_at: str | None = None
+    metrics: dict[str, float] = Field(default_factory=dict)
+
+
+class Forecast(BaseModel):
+    rate_items_per_s: float | None = None
+    eta_s: float | None = None
+    eta_at: str | None = None
+    bytes_per_item: float | None = None
+    projected_total_bytes: int | None = None
+    disk_free_bytes: int | None = None
+    disk_full_in_s: float | None = None
+    will_fit: bool | None = None
+
+
+class Resources(BaseModel):
+    status: str | None = None
+    num_procs: int = 0
+    num_threads: int = 0
+    cpu_percent: float = 0.0
+    rss_bytes: int = 0
+    read_bytes: int = 0
+    gpu_memory_bytes: int | None = None
+
+
+class AlertOut(BaseModel):
+    id: int
+    job_id: str
+    rule: str
+    severity: str
+    state: str
+    started_at: str
+    resolved_at: str | None
+    message: str
+
+
+class JobOut(BaseModel):
+    """A job as the API returns it."""
+
+    id: str
+    name: str
+    spec: JobSpec
+    state: JobState
+    pid: int | None
+    exit_code: int | None
+    signal: int | None
+    exit_reason: ExitReason | None
+    reason: str | None = Field(description="why the job is in its state, in words")
+    restarts: int
+    attempt: int = Field(description="launches so far (1 after the first start)")
+    created_at: str
+    started_at: str | None
+    ended_at: str | None
+    progress: Progress
+    forecast: Forecast
+    resources: Resources
+    alerts: list[AlertOut]
+    warnings: list[str] = Field(default_factory=list)
+
+
+class EventOut(BaseModel):
+    t: str
+    from_state: JobState | None
+    to_state: JobState
+    reason: str | None

@@ -1,0 +1,88 @@
+"""Reads and writes of jobs and their events. States change only through `transition`."""
+
+from __future__ import annotations
+
+import logging
+import secrets
+from collections.abc import Sequence
+
+from sqlalchemy import select, update
+from sqlalchemy.orm import Session
+
+from supervisor.errors import JobNotFound
+from supervisor.models import Job, JobEvent
+from supervisor.spec import JobSpec, JobState
+
+log = logging.getLogger(__name__)
+
+
+def new_job_id(session: Session) -> str:
+    """8 hex digits: short enough to type, checked against the table for collisions."""
+    while True:
+        job_id = secrets.token_hex(4)
+        if session.get(Job, job_id) is None:
+            return job_id
+
+
+def create_job(session: Session, *, spec: JobSpec, now: float) -> Job:
+    job = Job(
+        id=new_job_id(session), name=spec.name, spec_json=spec.model_dump_json(),
+        state=JobState.PENDING.value, created_at=now, attempt=0, restarts=0,
+    )
+    session.add(job)
+    session.add(JobEvent(job_id=job.id, t=now, from_state=None, to_state=job.state,
+                         reason="submitted"))
+    return job
+
+
+def get_job(session: Session, job_id: str) -> Job:
+    job = session.get(Job, job_id)
+    if job is None:
+        raise JobNotFound(job_id)
+    return job
+
+
+def list_jobs(session: Session, *, state: JobState | None = None) -> Sequence[Job]:
+    query = select(Job).order_by(Job.created_at, Job.id)
+    if state is not None:
+        query = query.where(Job.state == state.value)
+    return session.scalars(query).all()
+
+
+def jobs_in_states(session: Session, *states: JobState) -> Sequence[Job]:
+    query = select(Job).where(Job.state.in_([s.value for s in states]))
+    return session.scalars(query.order_by(Job.created_at, Job.id)).all()
+
+
+def existing_ids(session: Session, ids: Sequence[str]) -> set[str]:
+    if not ids:
+        return set()
+    return set(session.scalars(select(Job.id).where(Job.id.in_(list(ids)))).all())
+
+
+def request_stop(session: Session, job_id: str, *, now: float) -> None:
+    """Record the user's stop; the engine acts on it in its next tick. A single UPDATE,
+    so it never overwrites what the engine writes to the same row."""
+    session.execute(
+        update(Job).where(Job.id == job_id, Job.stop_requested_at.is_(None))
+        .values(stop_requested_at=now)
+    )
+
+
+def events(session: Session, job_id: str) -> Sequence[JobEvent]:
+    return session.scalars(
+        select(JobEvent).where(JobEvent.job_id == job_id).order_by(JobEvent.t, JobEvent.id)
+    ).all()
+
+
+def transition(session: Session, job: Job, to: JobState, *, now: float,
+               reason: str | None) -> None:
+    """The one place a job's state changes: sets it and records the event."""
+    from_state = job.state
+    job.state = to.value
+    job.reason = reason
+    if to.ended:
+        job.ended_at = now
+    session.add(JobEvent(job_id=job.id, t=now, from_state=from_state, to_state=to.value,
+                         reason=reason))
+    log.info("job %s: %s -> %s (%s)", job.id, from_state, to.value, reason or "")
