@@ -24,6 +24,7 @@ err_console = Console(stderr=True)
 Url = Annotated[str, typer.Option("--url", envvar="JOBSUP_URL",
                                   help="Where the daemon listens.")]
 DEFAULT_URL = "http://127.0.0.1:8765"
+
 STATE_STYLE = {"pending": "yellow", "running": "cyan", "succeeded": "green",
                "failed": "bold red", "stopped": "magenta", "lost": "red"}
 
@@ -95,21 +96,32 @@ def submit(
     command: Annotated[list[str], typer.Argument(help="The program and its arguments (after --).",
                                                  show_default=False)],
     name: Annotated[str, typer.Option(help="A name for the job.")],
-    output: Annotated[str | None, typer.Option(help="Directory the job writes items into.")] = None,
-    pattern: Annotated[str | None, typer.Option(help="Glob of one item file, e.g. '**/*.pt'.")] = None,
-    expect: Annotated[int | None, typer.Option(help="Expected number of items.")] = None,
-    stall_timeout: Annotated[float | None, typer.Option(help="Seconds without progress.")] = None,
-    startup_timeout: Annotated[float | None, typer.Option(help="Max seconds before the first item.")] = None,
-    stop_grace: Annotated[float | None, typer.Option(help="Seconds from SIGTERM to SIGKILL.")] = None,
-    restart: Annotated[str | None, typer.Option(help="never | on-failure")] = None,
-    max_restarts: Annotated[int | None, typer.Option()] = None,
-    depends_on: Annotated[list[str] | None, typer.Option("--depends-on", help="Job id; repeatable.")] = None,
-    env: Annotated[list[str] | None, typer.Option("--env", "-e", help="KEY=VALUE; repeatable.")] = None,
-    label: Annotated[list[str] | None, typer.Option("--label", "-l", help="KEY=VALUE; repeatable.")] = None,
+    output: Annotated[str | None,
+                       typer.Option(help="Directory the job writes items into.")] = None,
+    pattern: Annotated[str | None,
+                        typer.Option(help="Glob of one item file, e.g. '**/*.pt'.")] = None,
+    expect: Annotated[int | None,
+                       typer.Option(help="Expected number of items.")] = None,
+    stall_timeout: Annotated[float | None,
+                              typer.Option(help="Seconds with no progress: stalled.")] = None,
+    startup_timeout: Annotated[float | None,
+                                typer.Option(help="Max seconds before the first item.")] = None,
+    stop_grace: Annotated[float | None,
+                           typer.Option(help="Seconds from SIGTERM to SIGKILL on stop.")] = None,
+    restart: Annotated[str | None,
+                        typer.Option(help="never | on-failure")] = None,
+    max_restarts: Annotated[int | None,
+                             typer.Option(help="Restarts with on-failure.")] = None,
+    depends_on: Annotated[list[str] | None,
+                           typer.Option(help="Job id that must succeed first; repeatable.")] = None,
+    env: Annotated[list[str] | None,
+                   typer.Option("--env", "-e", help="KEY=VALUE; repeatable.")] = None,
+    label: Annotated[list[str] | None,
+                     typer.Option("--label", "-l", help="KEY=VALUE; repeatable.")] = None,
     cwd: Annotated[Path | None, typer.Option(help="Working directory (default: here).")] = None,
     url: Url = DEFAULT_URL,
 ) -> None:
-    """Submit a job: jobsup submit --name NAME [options] -- CMD [ARG...]. Prints its id."""
+    """Submit a job: jobsup submit --name NAME \\[OPTIONS] -- CMD \\[ARG...]. Prints its id."""
     try:
         spec: dict[str, Any] = {"name": name, "command": command,
                                 "cwd": str((cwd or Path.cwd()).resolve())}
@@ -196,7 +208,8 @@ def show(job_id: Annotated[str, typer.Argument(help="Job id.")], url: Url = DEFA
 def logs(
     job_id: Annotated[str, typer.Argument(help="Job id.")],
     tail: Annotated[int, typer.Option("--tail", "-n", help="Lines to show.")] = 100,
-    follow: Annotated[bool, typer.Option("--follow", "-f", help="Keep printing new output.")] = False,
+    follow: Annotated[bool, typer.Option("--follow", "-f",
+                                         help="Keep printing new output.")] = False,
     url: Url = DEFAULT_URL,
 ) -> None:
     """Print a job's stdout+stderr (the latest attempt)."""

@@ -40,7 +40,7 @@ def start_daemon(url: str, data_dir: Path) -> subprocess.Popen[bytes]:
 
 def run_demo(*, url: str, data_dir: Path | None, items: int, keep_daemon: bool,
              console: Console) -> int:
-    settings = Settings(**({"data_dir": data_dir} if data_dir else {}))
+    settings = Settings(data_dir=data_dir) if data_dir else Settings()
     client = Client(url, token=settings.token)
     daemon = None
     if daemon_answers(client):

@@ -19,6 +19,7 @@ must not break when the daemon's dependencies are upgraded under a running job.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import os
 import signal
@@ -104,7 +105,8 @@ class Shim:
         signal.signal(signal.SIGALRM, self._on_grace_over)
         _become_subreaper()
         me = os.getpid()
-        atomic_write_json(self.attempt_dir / "shim.json", {"pid": me, "create_time": create_time(me)})
+        atomic_write_json(self.attempt_dir / "shim.json",
+                          {"pid": me, "create_time": create_time(me)})
 
         log_path = self.launch["log_path"]
         with open(log_path, "ab", buffering=0) as log:
@@ -142,8 +144,8 @@ class Shim:
         if os.WIFSIGNALED(status):
             self._write_status(exit_code=None, sig=os.WTERMSIG(status), max_rss_kb=max_rss_kb)
         else:
-            code = os.WEXITSTATUS(status) if os.WIFEXITED(status) else None
-            self._write_status(exit_code=code, sig=None, max_rss_kb=max_rss_kb)
+            exit_code = os.WEXITSTATUS(status) if os.WIFEXITED(status) else None
+            self._write_status(exit_code=exit_code, sig=None, max_rss_kb=max_rss_kb)
         return 0
 
     def _wait_for(self, worker_pid: int) -> tuple[int, int]:
@@ -199,10 +201,8 @@ class Shim:
 
 
 def _kill(pid: int, sig: signal.Signals) -> None:
-    try:
+    with contextlib.suppress(ProcessLookupError):
         os.kill(pid, sig)
-    except ProcessLookupError:
-        pass
 
 
 def main(argv: list[str]) -> int:

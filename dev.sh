@@ -1,0 +1,63 @@
+#!/usr/bin/env bash
+# The project's two commands (README Quickstart):
+#   ./dev.sh demo [ARGS]   set up .venv and run the demo under the jobsup daemon
+#   ./dev.sh test [ARGS]   set up .venv and run lint, type checks and the test suite
+# Setup is idempotent: the venv is (re)installed only when pyproject.toml or
+# constraints.txt changed. Nothing needs to be installed by hand.
+set -euo pipefail
+cd "$(dirname "$0")"
+
+find_python() {
+    for candidate in "${PYTHON:-}" python3.11 python3; do
+        [ -n "$candidate" ] || continue
+        if command -v "$candidate" >/dev/null 2>&1 &&
+            "$candidate" -c 'import sys; sys.exit(sys.version_info < (3, 11))'; then
+            echo "$candidate"
+            return
+        fi
+    done
+    echo "error: Python >= 3.11 is needed (set PYTHON=/path/to/python3.11)" >&2
+    exit 1
+}
+
+setup_venv() {
+    local stamp want
+    want=$(cat pyproject.toml constraints.txt | sha256sum | cut -d' ' -f1)
+    stamp=.venv/.jobsup-setup
+    if [ -x .venv/bin/python ] && [ "$(cat "$stamp" 2>/dev/null)" = "$want" ]; then
+        return
+    fi
+    [ -x .venv/bin/python ] || "$(find_python)" -m venv .venv
+    echo "setting up .venv (pip install -e '.[dev]') ..." >&2
+    # constraints.txt pins torch to the release whose CPU build pip finds locally
+    .venv/bin/python -m pip install --quiet --disable-pip-version-check \
+        -c constraints.txt -e '.[dev]'
+    echo "$want" >"$stamp"
+}
+
+cmd=${1:-}
+[ $# -gt 0 ] && shift
+case "$cmd" in
+demo)
+    setup_venv
+    exec .venv/bin/jobsup demo "$@"
+    ;;
+test)
+    setup_venv
+    .venv/bin/ruff check .
+    .venv/bin/mypy
+    set +e
+    .venv/bin/pytest "$@"
+    rc=$?
+    set -e
+    if [ "$rc" -eq 5 ]; then
+        echo "error: pytest collected no tests; that is a failure here" >&2
+        exit 1
+    fi
+    exit "$rc"
+    ;;
+*)
+    echo "usage: ./dev.sh demo [ARGS] | ./dev.sh test [PYTEST ARGS]" >&2
+    exit 2
+    ;;
+esac

@@ -1,0 +1,173 @@
+"""Test helpers: a real daemon process on a free loopback port, real SQLite, real HTTP."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from supervisor.procfs import is_same_process
+
+REPO = Path(__file__).resolve().parent.parent
+PY = sys.executable
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def wait_for(predicate: Callable[[], Any], timeout: float, interval: float = 0.05,
+             what: str = "condition") -> Any:
+    deadline = time.monotonic() + timeout
+    while True:
+        value = predicate()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout} s waiting for {what}")
+        time.sleep(interval)
+
+
+class Daemon:
+    """`python -m supervisor serve` as a child process of the test."""
+
+    def __init__(self, data_dir: Path, env: dict[str, str] | None = None):
+        self.data_dir = data_dir
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        inherited = {k: v for k, v in os.environ.items() if not k.startswith("JOBSUP_")}
+        self.env = {**inherited, "JOBSUP_SAMPLE_INTERVAL": "0.5", **(env or {})}
+        self.proc: subprocess.Popen[bytes] | None = None
+        self.http = httpx.Client(base_url=self.url, timeout=10)
+        self.starts = 0
+
+    @property
+    def log_path(self) -> Path:
+        return self.data_dir / f"daemon-{self.starts}.log"
+
+    def start(self, wait: bool = True) -> Daemon:
+        self.starts += 1
+        self.data_dir.mkdir(parents=True, exist_ok=True)
+        with open(self.log_path, "wb") as log:
+            self.proc = subprocess.Popen(
+                [PY, "-m", "supervisor", "serve", "--port", str(self.port),
+                 "--data-dir", str(self.data_dir)],
+                stdout=log, stderr=subprocess.STDOUT, env=self.env, cwd=REPO,
+            )
+        if wait:
+            wait_for(self._healthy, 20, what=f"daemon on {self.url}; log:\n{self.log()}")
+        return self
+
+    def _healthy(self) -> bool:
+        assert self.proc is not None
+        if self.proc.poll() is not None:
+            raise AssertionError(f"daemon exited {self.proc.returncode}:\n{self.log()}")
+        try:
+            return self.http.get("/healthz").status_code == 200
+        except httpx.TransportError:
+            return False
+
+    def log(self) -> str:
+        try:
+            return self.log_path.read_text(errors="replace")
+        except OSError:
+            return ""
+
+    def kill(self) -> None:
+        """SIGKILL, as a crash would."""
+        assert self.proc is not None
+        self.proc.send_signal(signal.SIGKILL)
+        self.proc.wait(10)
+
+    def stop(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(15)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(5)
+
+    # -- API helpers -------------------------------------------------------------------
+    def submit(self, command: list[str], name: str = "job", **spec: Any) -> dict[str, Any]:
+        response = self.http.post("/api/v1/jobs", json={"name": name, "command": command, **spec})
+        assert response.status_code == 201, response.text
+        return response.json()
+
+    def job(self, job_id: str) -> dict[str, Any]:
+        response = self.http.get(f"/api/v1/jobs/{job_id}")
+        assert response.status_code == 200, response.text
+        return response.json()
+
+    def events(self, job_id: str) -> list[dict[str, Any]]:
+        return self.http.get(f"/api/v1/jobs/{job_id}/events").json()
+
+    def wait_state(self, job_id: str, *states: str, timeout: float = 15) -> dict[str, Any]:
+        def reached() -> dict[str, Any] | None:
+            job = self.job(job_id)
+            return job if job["state"] in states else None
+
+        return wait_for(reached, timeout, what=f"job {job_id} in {states}")
+
+    def logs(self, job_id: str, tail: int = 100) -> str:
+        return self.http.get(f"/api/v1/jobs/{job_id}/logs", params={"tail": tail}).text
+
+
+@pytest.fixture
+def make_daemon(tmp_path: Path) -> Iterator[Callable[..., Daemon]]:
+    daemons: list[Daemon] = []
+
+    def make(env: dict[str, str] | None = None, data_dir: Path | None = None,
+             start: bool = True) -> Daemon:
+        daemon = Daemon(data_dir or tmp_path / f"data{len(daemons)}", env)
+        daemons.append(daemon)
+        return daemon.start() if start else daemon
+
+    yield make
+    for daemon in daemons:
+        daemon.stop()
+        daemon.http.close()
+    # no job may outlive its test: kill every shim and worker these daemons started
+    for daemon in daemons:
+        kill_jobs_of(daemon.data_dir)
+
+
+@pytest.fixture
+def daemon(make_daemon: Callable[..., Daemon]) -> Daemon:
+    return make_daemon()
+
+
+def kill_jobs_of(data_dir: Path) -> None:
+    for pid_file in data_dir.glob("jobs/*/attempt-*/*.json"):
+        if pid_file.name not in ("shim.json", "worker.json"):
+            continue
+        try:
+            info = json.loads(pid_file.read_text())
+        except (OSError, ValueError):
+            continue
+        if not is_same_process(info.get("pid"), info.get("create_time")):
+            continue
+        try:
+            if pid_file.name == "worker.json":
+                os.killpg(info["pid"], signal.SIGKILL)
+            else:
+                os.kill(info["pid"], signal.SIGKILL)
+        except OSError:
+            pass
+
+
+def python_job(code: str) -> list[str]:
+    """argv running `code` in a fresh Python."""
+    return [PY, "-c", code]

@@ -1,0 +1,80 @@
+"""Jobs outlive the daemon: SIGKILL it, let jobs end meanwhile, restart, re-adopt."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from tests.conftest import Daemon, python_job, wait_for
+
+
+def test_daemon_sigkill_while_two_jobs_run(make_daemon, tmp_path: Path) -> None:
+    daemon: Daemon = make_daemon()
+    flag = tmp_path / "go"
+    long = daemon.submit(python_job("import time; time.sleep(600)"), name="long")
+    ends = daemon.submit(
+        python_job(f"import os, sys, time\nwhile not os.path.exists({str(flag)!r}): "
+                   "time.sleep(0.05)\nsys.exit(5)"), name="ends-while-down")
+    wait_for(lambda: all(daemon.job(j["id"])["pid"] for j in (long, ends)), 10,
+             what="both workers running")
+    long_before = daemon.job(long["id"])
+
+    daemon.kill()
+    flag.touch()  # the second job exits 5 while no daemon runs
+    status_file = daemon.data_dir / "jobs" / ends["id"] / "attempt-1" / "status.json"
+    wait_for(status_file.exists, 10, what="the shim's exit file")
+
+    t0 = time.monotonic()
+    daemon.start()
+    long_after = daemon.wait_state(long["id"], "running", timeout=5)
+    ended = daemon.wait_state(ends["id"], "failed", timeout=5)
+    assert time.monotonic() - t0 < 5
+    assert long_after["pid"] == long_before["pid"]
+    assert (ended["exit_code"], ended["exit_reason"]) == (5, "exit")
+    # the re-adopted job is still supervised: a stop works through its shim
+    daemon.http.post(f"/api/v1/jobs/{long['id']}/stop")
+    stopped = daemon.wait_state(long["id"], "stopped", timeout=15)
+    assert stopped["exit_reason"] == "stopped"
+
+
+def test_exit_while_down_then_success_and_pending_jobs_start(make_daemon) -> None:
+    daemon: Daemon = make_daemon()
+    first = daemon.submit(python_job("import time; time.sleep(1.5)"), name="first")
+    second = daemon.submit(python_job("pass"), name="second", depends_on=[first["id"]])
+    daemon.wait_state(first["id"], "running")
+    daemon.kill()
+    time.sleep(2.0)  # `first` succeeds while the daemon is down
+    daemon.start()
+    assert daemon.wait_state(first["id"], "succeeded", timeout=5)["exit_code"] == 0
+    assert daemon.wait_state(second["id"], "succeeded", timeout=10)["attempt"] == 1
+
+
+def test_running_job_with_no_trace_left_is_lost(make_daemon) -> None:
+    daemon: Daemon = make_daemon()
+    job = daemon.submit(python_job("import time; time.sleep(600)"))
+    wait_for(lambda: daemon.job(job["id"])["pid"], 10, what="worker pid")
+    daemon.kill()
+    attempt = daemon.data_dir / "jobs" / job["id"] / "attempt-1"
+    for name in ("shim.json", "worker.json"):
+        info = json.loads((attempt / name).read_text())
+        subprocess.run(["kill", "-9", str(info["pid"])], check=True)
+    time.sleep(0.5)
+    daemon.start()
+    done = daemon.wait_state(job["id"], "lost", timeout=5)
+    assert done["exit_reason"] == "lost"
+
+
+def test_second_daemon_on_the_same_data_dir_refuses(make_daemon) -> None:
+    daemon: Daemon = make_daemon()
+    result = subprocess.run(
+        [sys.executable, "-m", "supervisor", "serve", "--port", "0",
+         "--data-dir", str(daemon.data_dir)],
+        capture_output=True, text=True, timeout=30, env=daemon.env,
+    )
+    assert result.returncode == 1
+    assert f"error: another jobsup daemon (pid {daemon.proc.pid}) owns" in result.stderr
+    assert "hint:" in result.stderr and "Traceback" not in result.stderr
+    assert daemon.http.get("/healthz").status_code == 200  # the first is untouched
