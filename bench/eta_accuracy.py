@@ -10,6 +10,8 @@ Baselines:
 - naive: elapsed since start / items done * items left (what a shell one-liner does);
 - tqdm EMA: tqdm's `EMA` (smoothing 0.3, bias-corrected) over dn and dt, updated on
   every observation where the count changed; rate = ema_dn / ema_dt.
+The "oracle" row is no method: it knows the true mean rate, so its error is the part no
+estimate can remove (the randomness of the items still to come).
 
 Run: .venv/bin/python bench/eta_accuracy.py [--seeds 5] [--items 10000]
 """
@@ -30,7 +32,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from supervisor.forecast import Observation, forecast_job  # noqa: E402
 
 CHECKPOINTS = (0.10, 0.25, 0.50, 0.75)
-METHODS = ("forecast_job", "naive elapsed", "tqdm EMA 0.3")
+METHODS = ("forecast_job", "naive elapsed", "tqdm EMA 0.3", "oracle: true mean rate")
 
 
 @dataclass(frozen=True)
@@ -123,6 +125,9 @@ def errors_for_seed(seed: int, shape: JobShape) -> dict[tuple[str, float], float
             "forecast_job": ours.eta_s if ours.eta_s is not None else math.nan,
             "naive elapsed": naive_eta(seen, shape.items_total),
             "tqdm EMA 0.3": tqdm_ema_eta(seen, shape.items_total, 0.3),
+            # not a method: the error left when the mean rate is known exactly
+            "oracle: true mean rate": (shape.items_total - (seen[-1].items_done or 0))
+            * shape.mean_item_s,
         }
         for method, predicted in predictions.items():
             errors[(method, fraction)] = abs(predicted - truth) / truth * 100

@@ -5,8 +5,8 @@ import hmac
 import logging
 import os
 import time
-from collections.abc import Awaitable, Callable, Iterator
-from datetime import UTC, datetime
+from collections.abc import Awaitable, Callable, Iterator, Mapping
+from datetime import datetime
 from typing import Annotated, Any
 
 from fastapi import Depends, FastAPI, Query, Request, Response
@@ -15,20 +15,21 @@ from fastapi.responses import JSONResponse, PlainTextResponse
 from sqlalchemy.orm import Session, sessionmaker
 
 from supervisor import __version__, store
+from supervisor.api_time import iso
 from supervisor.config import Settings
 from supervisor.errors import Conflict, InvalidSpec, JobsupError
 from supervisor.fileio import read_from, tail_lines
 from supervisor.launcher import check_runnable, log_path
-from supervisor.models import Job
+from supervisor.models import Job, Sample
+from supervisor.observe import JobView, preflight_warnings
 from supervisor.spec import (
     EventOut,
     ExitReason,
-    Forecast,
     JobOut,
     JobSpec,
     JobState,
     Progress,
-    Resources,
+    SampleOut,
 )
 
 log = logging.getLogger(__name__)
@@ -39,23 +40,30 @@ LOG_CHUNK_BYTES = 1 << 20
 """Most bytes one `logs?offset=` answer carries."""
 
 
-def iso(t: float | None) -> str | None:
-    """Seconds since the epoch -> ISO 8601 UTC (`2026-11-29T14:18:15.123456Z`)."""
-    if t is None:
-        return None
-    return datetime.fromtimestamp(t, UTC).isoformat().replace("+00:00", "Z")
-
-
-def job_out(job: Job, warnings: list[str] | None = None) -> JobOut:
+def job_out(job: Job, view: JobView | None, warnings: list[str] | None = None) -> JobOut:
+    if view is None:
+        progress = (Progress.model_validate_json(job.progress_json) if job.progress_json
+                    else Progress(items_total=JobSpec.model_validate_json(
+                        job.spec_json).expected_items))
+        view = JobView(progress=progress)
     return JobOut(
         id=job.id, name=job.name, spec=JobSpec.model_validate_json(job.spec_json),
         state=JobState(job.state), pid=job.pid, exit_code=job.exit_code, signal=job.signal,
         exit_reason=ExitReason(job.exit_reason) if job.exit_reason else None,
         reason=job.reason, restarts=job.restarts, attempt=job.attempt,
         created_at=iso(job.created_at) or "", started_at=iso(job.started_at),
-        ended_at=iso(job.ended_at), progress=Progress(), forecast=Forecast(),
-        resources=Resources(), alerts=[], warnings=warnings or [],
+        ended_at=iso(job.ended_at), progress=view.progress, forecast=view.forecast,
+        resources=view.resources, alerts=[], warnings=warnings or [],
     )
+
+
+def sample_out(row: Sample) -> SampleOut:
+    return SampleOut(
+        t=iso(row.t) or "", items_done=row.items_done, files=row.files,
+        bytes_written=row.bytes_written, cpu_percent=row.cpu_percent, rss_bytes=row.rss_bytes,
+        gpu_memory_bytes=row.gpu_memory_bytes, disk_free_bytes=row.disk_free_bytes,
+        items_total=row.items_total, read_bytes=row.read_bytes, write_bytes=row.write_bytes,
+        num_procs=row.num_procs, cpu_time_s=row.cpu_time_s)
 
 
 def _validation_message(errors: list[Any]) -> str:
@@ -67,9 +75,10 @@ def _validation_message(errors: list[Any]) -> str:
     return "; ".join(parts)
 
 
-def create_app(settings: Settings, sessions: sessionmaker[Session],
-               wake: Callable[[], None] = lambda: None) -> FastAPI:
-    """The API over a store; `wake` asks the engine for a tick (after a submit or stop)."""
+def create_app(settings: Settings, sessions: sessionmaker[Session], *,
+               wake: Callable[[], None], views: Callable[[], Mapping[str, JobView]]) -> FastAPI:
+    """The API over a store. `wake` asks the engine for a tick (after a submit or stop);
+    `views` returns the engine's latest per-job progress, forecast and resources."""
     app = FastAPI(title="jobsup", version=__version__)
     default_cwd = os.getcwd()
 
@@ -116,10 +125,13 @@ def create_app(settings: Settings, sessions: sessionmaker[Session],
         if missing:
             raise InvalidSpec(f"depends_on: unknown job id(s) {', '.join(missing)}",
                               field="depends_on")
+        current = views()
+        warnings = preflight_warnings(spec, current,
+                                      store.learned_bytes_per_item(session, spec.name))
         job = store.create_job(session, spec=spec, now=time.time())
         session.commit()
         wake()
-        return job_out(job)
+        return job_out(job, current.get(job.id), warnings)
 
     @app.get(f"{API_PREFIX}/jobs")
     def list_jobs(
@@ -133,12 +145,13 @@ def create_app(settings: Settings, sessions: sessionmaker[Session],
                 raise InvalidSpec(f"label: {item!r} is not of the form key=value",
                                   field="label")
             wanted[key] = value
-        jobs = [job_out(j) for j in store.list_jobs(session, state=state)]
+        current = views()
+        jobs = [job_out(j, current.get(j.id)) for j in store.list_jobs(session, state=state)]
         return [j for j in jobs if all(j.spec.labels.get(k) == v for k, v in wanted.items())]
 
     @app.get(f"{API_PREFIX}/jobs/{{job_id}}")
     def get_job(job_id: str, session: DB) -> JobOut:
-        return job_out(store.get_job(session, job_id))
+        return job_out(store.get_job(session, job_id), views().get(job_id))
 
     @app.get(f"{API_PREFIX}/jobs/{{job_id}}/events")
     def job_events(job_id: str, session: DB) -> list[EventOut]:
@@ -158,7 +171,18 @@ def create_app(settings: Settings, sessions: sessionmaker[Session],
         session.commit()
         wake()
         session.refresh(job)
-        return job_out(job)
+        return job_out(job, views().get(job_id))
+
+    @app.get(f"{API_PREFIX}/jobs/{{job_id}}/samples")
+    def job_samples(
+        job_id: str, session: DB, since: datetime | None = None,
+        limit: Annotated[int, Query(ge=1, le=100_000)] = 1000,
+    ) -> list[SampleOut]:
+        """Stored readings, oldest first: from `since` on, else the latest `limit`."""
+        store.get_job(session, job_id)
+        rows = store.samples(session, job_id, limit=limit,
+                             since=since.timestamp() if since else None)
+        return [sample_out(row) for row in rows]
 
     @app.get(f"{API_PREFIX}/jobs/{{job_id}}/logs", response_class=PlainTextResponse)
     def job_logs(

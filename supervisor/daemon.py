@@ -90,7 +90,7 @@ def build_app(settings: Settings) -> FastAPI:
             engine.stop()
             db_engine.dispose()
 
-    app = create_app(settings, sessions, wake=engine.wake)
+    app = create_app(settings, sessions, wake=engine.wake, views=lambda: engine.observer.views)
     app.router.lifespan_context = lifespan
     app.state.engine = engine
     return app

@@ -16,7 +16,8 @@ from supervisor import store
 from supervisor.config import Settings
 from supervisor.launcher import Attempt, Backend, ExitStatus, LocalBackend
 from supervisor.models import Job
-from supervisor.spec import ExitReason, JobSpec, JobState, RestartPolicy
+from supervisor.observe import ObservedJob, Observer
+from supervisor.spec import ExitReason, JobSpec, JobState, Progress, RestartPolicy
 
 log = logging.getLogger(__name__)
 
@@ -26,6 +27,9 @@ started (the daemon died between the two); it is launched again."""
 
 STOP_BACKSTOP_S = 5.0
 """Seconds past a job's stop grace after which the daemon SIGKILLs the job itself."""
+
+COMPACT_EVERY_S = 300.0
+"""Seconds between two downsampling passes over old samples."""
 
 
 def signal_name(sig: int) -> str:
@@ -47,6 +51,8 @@ class Engine:
         self._thread: threading.Thread | None = None
         self._stop_sent: set[tuple[str, int]] = set()
         self._killed: set[tuple[str, int]] = set()
+        self.observer = Observer(settings.jobs_dir)
+        self._next_compact_at = 0.0
 
     # -- lifecycle ------------------------------------------------------------------
     def start(self) -> None:
@@ -71,9 +77,14 @@ class Engine:
         """After a daemon (re)start: watch every running attempt and settle what ended
         while the daemon was down (the tick reads the exit files the shims wrote)."""
         with self.sessions() as session:
+            for job in store.list_jobs(session):
+                if job.progress_json:
+                    self.observer.seed(job.id, Progress.model_validate_json(job.progress_json))
             for job in store.jobs_in_states(session, JobState.RUNNING):
                 attempt = self._attempt(job)
                 self.backend.watch(attempt, self.backend.read_worker(attempt))
+                rows = store.samples(session, job.id, since=job.started_at or 0, limit=100_000)
+                self.observer.load_history(self._observed(job, attempt), rows)
         self.tick()
 
     def _run(self) -> None:
@@ -96,15 +107,44 @@ class Engine:
 
     # -- one tick ---------------------------------------------------------------------
     def tick(self) -> None:
+        """exits -> sample -> store -> forecast (in the observer) -> starts."""
         now = self.clock()
         self.backend.reap()
         with self.sessions() as session:
-            for job in store.jobs_in_states(session, JobState.RUNNING):
+            running = store.jobs_in_states(session, JobState.RUNNING)
+            for job in running:
                 self._check_running(session, job, now)
                 session.commit()
+            # jobs that ended this tick get one last reading: their final output counts
+            observed = [self._observed(job, self._attempt(job)) for job in running]
+            samples = self.observer.observe(observed, now)
+            store.add_samples(session, samples)
+            for job in running:
+                view = self.observer.views.get(job.id)
+                if view is not None:
+                    job.progress_json = view.progress.model_dump_json()
+                if JobState(job.state) is not JobState.RUNNING:
+                    self.observer.forget(job.id)
+            session.commit()
             for job in store.jobs_in_states(session, JobState.PENDING):
                 self._check_pending(session, job, now)
                 session.commit()
+            if now >= self._next_compact_at:
+                self._next_compact_at = now + COMPACT_EVERY_S
+                deleted = store.compact_samples(session, now=now)
+                session.commit()
+                if deleted:
+                    log.info("downsampled old samples: %d rows removed", deleted)
+
+    def _observed(self, job: Job, attempt: Attempt) -> ObservedJob:
+        """The sampler's view of a job: its tree is rooted at the shim (which is the
+        subreaper of everything the job spawns), or at the worker if the shim is gone."""
+        if attempt.shim_pid is not None and self.backend.shim_alive(attempt):
+            root, root_time = attempt.shim_pid, attempt.shim_create_time
+        else:
+            root, root_time = job.pid or -1, job.pid_create_time
+        return ObservedJob(job.id, JobSpec.model_validate_json(job.spec_json), job.attempt,
+                           root, root_time, job.pid)
 
     def _attempt(self, job: Job) -> Attempt:
         return self.backend.attempt(job.id, job.attempt, job.shim_pid, job.shim_create_time)

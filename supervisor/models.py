@@ -6,7 +6,7 @@ them into ISO 8601 strings.
 
 from __future__ import annotations
 
-from sqlalchemy import Float, ForeignKey, Integer, String, Text
+from sqlalchemy import BigInteger, Float, ForeignKey, Index, Integer, String, Text
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 
 
@@ -42,6 +42,8 @@ class Job(Base):
     stop_requested_at: Mapped[float | None] = mapped_column(Float)
     next_start_at: Mapped[float | None] = mapped_column(Float)
     """Earliest start of a pending job (restart backoff); None = as soon as ready."""
+    progress_json: Mapped[str | None] = mapped_column(Text)
+    """The latest progress view (JSON of spec.Progress), kept for ended jobs."""
 
 
 class JobEvent(Base):
@@ -55,3 +57,27 @@ class JobEvent(Base):
     from_state: Mapped[str | None] = mapped_column(String(16))
     to_state: Mapped[str] = mapped_column(String(16))
     reason: Mapped[str | None] = mapped_column(Text)
+
+
+class Sample(Base):
+    """One reading of one job at one tick (downsampled with age, see store.compact_samples)."""
+
+    __tablename__ = "samples"
+    __table_args__ = (Index("ix_samples_job_t", "job_id", "t"),)
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
+    job_id: Mapped[str] = mapped_column(ForeignKey("jobs.id", ondelete="CASCADE"))
+    t: Mapped[float] = mapped_column(Float)
+    items_done: Mapped[int | None] = mapped_column(Integer)
+    items_total: Mapped[int | None] = mapped_column(Integer)
+    files: Mapped[int] = mapped_column(Integer, default=0)
+    bytes_written: Mapped[int] = mapped_column(BigInteger, default=0)
+    cpu_percent: Mapped[float] = mapped_column(Float, default=0.0)
+    cpu_time_s: Mapped[float] = mapped_column(Float, default=0.0)
+    rss_bytes: Mapped[int] = mapped_column(BigInteger, default=0)
+    read_bytes: Mapped[int] = mapped_column(BigInteger, default=0)
+    write_bytes: Mapped[int] = mapped_column(BigInteger, default=0)
+    num_procs: Mapped[int] = mapped_column(Integer, default=0)
+    num_threads: Mapped[int] = mapped_column(Integer, default=0)
+    gpu_memory_bytes: Mapped[int | None] = mapped_column(BigInteger)
+    disk_free_bytes: Mapped[int | None] = mapped_column(BigInteger)

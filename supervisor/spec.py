@@ -52,6 +52,9 @@ class JobSpec(BaseModel):
     output_dir: str | None = None
     pattern: str = "**/*"
     expected_items: int | None = Field(default=None, gt=0)
+    bytes_per_item: float | None = Field(
+        default=None, gt=0, description="declared bytes per item, for the disk preflight"
+    )
     stall_timeout_s: PositiveSeconds = 600.0
     startup_timeout_s: PositiveSeconds | None = None
     stop_grace_s: PositiveSeconds | None = Field(
@@ -144,6 +147,24 @@ class JobOut(BaseModel):
     resources: Resources
     alerts: list[AlertOut]
     warnings: list[str] = Field(default_factory=list)
+
+
+class SampleOut(BaseModel):
+    """One stored reading (`GET /jobs/{id}/samples`)."""
+
+    t: str
+    items_done: int | None
+    files: int
+    bytes_written: int
+    cpu_percent: float
+    rss_bytes: int
+    gpu_memory_bytes: int | None
+    disk_free_bytes: int | None
+    items_total: int | None
+    read_bytes: int
+    write_bytes: int
+    num_procs: int
+    cpu_time_s: float
 
 
 class EventOut(BaseModel):

@@ -6,11 +6,11 @@ import logging
 import secrets
 from collections.abc import Sequence
 
-from sqlalchemy import select, update
+from sqlalchemy import Integer, cast, delete, func, select, update
 from sqlalchemy.orm import Session
 
 from supervisor.errors import JobNotFound
-from supervisor.models import Job, JobEvent
+from supervisor.models import Job, JobEvent, Sample
 from supervisor.spec import JobSpec, JobState
 
 log = logging.getLogger(__name__)
@@ -86,3 +86,66 @@ def transition(session: Session, job: Job, to: JobState, *, now: float,
     session.add(JobEvent(job_id=job.id, t=now, from_state=from_state, to_state=to.value,
                          reason=reason))
     log.info("job %s: %s -> %s (%s)", job.id, from_state, to.value, reason or "")
+
+
+# -- samples ------------------------------------------------------------------------
+
+SAMPLE_TIERS: tuple[tuple[float, float], ...] = ((6 * 3600.0, 60.0), (72 * 3600.0, 900.0))
+"""(age in seconds, bucket in seconds): samples older than the age keep one row per
+bucket. Full resolution for 6 h, one per minute to 3 days, one per 15 min after, so a
+7-day job at 2 s keeps ~15k rows instead of ~300k."""
+
+
+def add_samples(session: Session, samples: Sequence[Sample]) -> None:
+    session.add_all(samples)
+
+
+def samples(session: Session, job_id: str, *, since: float | None = None,
+            limit: int = 1000) -> Sequence[Sample]:
+    """Oldest first: from `since` on, or the latest `limit` when no `since` is given."""
+    query = select(Sample).where(Sample.job_id == job_id)
+    if since is not None:
+        query = query.where(Sample.t >= since).order_by(Sample.t, Sample.id).limit(limit)
+        return session.scalars(query).all()
+    latest = session.scalars(query.order_by(Sample.t.desc(), Sample.id.desc()).limit(limit))
+    return list(reversed(latest.all()))
+
+
+def latest_sample(session: Session, job_id: str) -> Sample | None:
+    return session.scalars(
+        select(Sample).where(Sample.job_id == job_id)
+        .order_by(Sample.t.desc(), Sample.id.desc()).limit(1)
+    ).first()
+
+
+def compact_samples(session: Session, *, now: float) -> int:
+    """Downsample old samples per SAMPLE_TIERS (keep the newest row of each bucket);
+    returns how many rows were deleted."""
+    deleted = 0
+    for age_s, bucket_s in SAMPLE_TIERS:
+        cutoff = now - age_s
+        keep = (
+            select(func.max(Sample.id))
+            .where(Sample.t < cutoff)
+            .group_by(Sample.job_id, cast(Sample.t / bucket_s, Integer))
+        )
+        result = session.execute(
+            delete(Sample).where(Sample.t < cutoff, Sample.id.not_in(keep))
+        )
+        deleted += result.rowcount or 0  # type: ignore[attr-defined]
+    return deleted
+
+
+def learned_bytes_per_item(session: Session, name: str) -> float | None:
+    """Bytes per item of the latest succeeded job of this name (its final sample), for
+    the preflight of a new run of the same step."""
+    job = session.scalars(
+        select(Job).where(Job.name == name, Job.state == JobState.SUCCEEDED.value)
+        .order_by(Job.ended_at.desc()).limit(1)
+    ).first()
+    if job is None:
+        return None
+    last = latest_sample(session, job.id)
+    if last is None or not last.items_done or not last.bytes_written:
+        return None
+    return last.bytes_written / last.items_done

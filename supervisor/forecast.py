@@ -1,0 +1,438 @@
+"""Forecasts for one job and for one filesystem: rate, ETA, bytes per item, disk runway.
+
+Pure functions: observations in, frozen dataclasses out. No I/O and no clock reads; "now"
+is always an argument, so any forecast can be recomputed from stored samples.
+
+The rate is read from *progress points*: the times at which each item count was first
+seen. Flat stretches between points carry no information about the rate (files land 32
+at a time, the sampler ticks every 2 s), and the warm-up before the first item (a model
+load can take 24 minutes) is not part of the rate at all.
+"""
+
+from __future__ import annotations
+
+import bisect
+import math
+import statistics
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
+
+MIN_WINDOW_ITEMS = 64
+"""Smallest rate window, in items: two bursts of 32 files. Fewer items is mostly noise."""
+
+RECENT_STEPS = 4096
+"""Noise and sampling-interval medians read at most this many recent steps: plenty for a
+stable median, and a 3-day trace then costs about what a 3-hour one does."""
+
+CONSISTENCY_Z = 3.0
+"""A longer window is trusted while its rate stays within this many standard errors of
+every shorter window's rate (see `rate_from_points`). 3 keeps false alarms on a steady
+job rare, so a steady job gets the long, quiet window."""
+
+
+@dataclass(frozen=True)
+class Observation:
+    """One reading of a job."""
+
+    t: float  # seconds since the epoch
+    items_done: int | None  # None when no progress source reports items yet
+    bytes_written: int  # bytes of the job's output files, in bytes
+
+
+@dataclass(frozen=True)
+class ProgressPoint:
+    t: float  # when `items_done` was first seen, seconds since the epoch
+    items_done: int
+    bytes_written: int  # in bytes, at that reading
+
+
+@dataclass(frozen=True)
+class ProgressHistory:
+    """The progress of a job's current run: the baseline and the points after it.
+
+    `baseline` is the last reading before the first new item of this run: the count (0,
+    or where a resumed job restarts from) and bytes already there when the warm-up ended.
+    `points` holds one entry per count first seen after it, oldest first; `points[0]` is
+    the first item. A count that goes down (the job restarted) starts a new run.
+    """
+
+    baseline: ProgressPoint
+    points: tuple[ProgressPoint, ...]
+    latest: Observation  # the newest reading with a count
+    sample_interval_s: float | None  # median time between readings of this run
+
+    @property
+    def items_done(self) -> int:
+        return self.points[-1].items_done if self.points else self.baseline.items_done
+
+
+@dataclass(frozen=True)
+class RateEstimate:
+    rate_items_per_s: float
+    window_items: int  # items in the window the rate was read from
+    step_s: float  # typical time between progress points in that window, in seconds
+
+
+@dataclass(frozen=True)
+class Forecast:
+    """Field names follow the `forecast` object of API.md."""
+
+    rate_items_per_s: float | None
+    eta_s: float | None
+    eta_at: float | None  # seconds since the epoch; the API formats it as ISO 8601
+    bytes_per_item: float | None  # in bytes
+    projected_total_bytes: int | None  # bytes the job's output will have at the end
+    disk_free_bytes: int | None
+    disk_full_in_s: float | None
+    will_fit: bool | None
+
+
+@dataclass(frozen=True)
+class JobDiskDemand:
+    """What one running job still wants from its filesystem."""
+
+    job_id: str
+    bytes_per_s: float | None  # current write rate; None when unknown
+    remaining_bytes: int | None  # bytes still to be written; None when unknown
+
+
+@dataclass(frozen=True)
+class JobRunway:
+    job_id: str
+    will_fit: bool | None  # True when this job finishes writing before the disk fills
+
+
+@dataclass(frozen=True)
+class DiskRunway:
+    """One filesystem shared by several jobs."""
+
+    free_bytes: int
+    bytes_per_s: float  # summed write rate of the jobs still writing
+    remaining_bytes: int | None  # summed; None when a job's is unknown and the rest fits
+    disk_full_in_s: float | None  # free / summed rate; None when nothing grows
+    fills_in_s: float | None  # when it fills as jobs finish one by one; None: never
+    will_fit: bool | None  # every job's remaining bytes fit together
+    jobs: tuple[JobRunway, ...]
+
+
+def progress_history(observations: Sequence[Observation]) -> ProgressHistory | None:
+    """Split readings into baseline and progress points; None when no reading has a count."""
+    baseline: Observation | None = None
+    latest: Observation | None = None
+    gaps: list[float] = []  # between readings, in seconds
+    points: list[ProgressPoint] = []
+    for obs in observations:
+        if obs.items_done is None:
+            continue
+        if latest is None or obs.items_done < (latest.items_done or 0):
+            baseline, points, gaps = obs, [], []  # first reading, or the job restarted
+        else:
+            if obs.t > latest.t:
+                gaps.append(obs.t - latest.t)
+            if obs.items_done > (latest.items_done or 0):
+                points.append(ProgressPoint(obs.t, obs.items_done, obs.bytes_written))
+            elif not points:
+                baseline = obs  # still warming up: the baseline moves with it
+        latest = obs
+    if baseline is None or latest is None:
+        return None
+    start = ProgressPoint(baseline.t, baseline.items_done or 0, baseline.bytes_written)
+    interval_s = statistics.median(gaps[-RECENT_STEPS:]) if gaps else None
+    return ProgressHistory(start, tuple(points), latest, interval_s)
+
+
+def estimate_rate(observations: Sequence[Observation]) -> float | None:
+    """Items per second from the progress since the first item; None before 2 points."""
+    history = progress_history(observations)
+    estimate = _rate(history) if history else None
+    return estimate.rate_items_per_s if estimate else None
+
+
+def rate_from_points(
+    points: Sequence[ProgressPoint], *, sample_interval_s: float | None = None
+) -> RateEstimate | None:
+    """The rate over the longest recent window, in items, that looks like one steady rate.
+
+    Why not one fixed window: a steady job is best served by all of its items (the error
+    of a rate read from N items shrinks like 1/sqrt(N), and item times vary a lot with
+    sequence length), while a job whose rate changed needs only the items since the
+    change. So windows of the last 64, 128, 256, ... items up to all of them are each
+    read, with a standard error, and the longest one whose rate agrees with every shorter
+    one (within `CONSISTENCY_Z` standard errors) wins: Lepski's method.
+
+    Windows are counted in items, not seconds, so a burst of 32 files weighs the same as
+    32 single files, and they end at progress points, so flat stretches between bursts
+    never enter a rate. Within a window, see `_median_long_slope`. `sample_interval_s`
+    (from `progress_history`) is how precisely a point's time is known.
+    """
+    if len(points) < 2:
+        return None
+    counts = [p.items_done for p in points]
+    items_total = counts[-1] - counts[0]
+    noise_rel = _noise_per_item(points[-RECENT_STEPS:])  # relative sd of one item's time
+    starts: list[int] = []  # first point of each window, shortest window first
+    size = MIN_WINDOW_ITEMS
+    while True:
+        start = bisect.bisect_left(counts, counts[-1] - min(size, items_total))
+        start = min(start, len(points) - 2)
+        if not starts or start < starts[-1]:
+            starts.append(start)
+        if size >= items_total:
+            break
+        size *= 2
+    rates: list[float] = []
+    std_errors: list[float] = []
+    for start in starts:
+        window = points[start:]
+        rate = _median_long_slope(window)
+        if any(abs(rate - r) > CONSISTENCY_Z * e for r, e in zip(rates, std_errors, strict=True)):
+            break  # this window reaches back into a different rate
+        # Standard error: item times add up over the window (noise / sqrt(items)), and its
+        # ends are known to one sampling interval, or one burst gap if that is shorter.
+        span_s = window[-1].t - window[0].t
+        items = counts[-1] - counts[start]
+        resolution_s = min(_median_gap_s(window), sample_interval_s or math.inf)
+        resolution = resolution_s / span_s if span_s > 0 else 1.0
+        rates.append(rate)
+        std_errors.append(rate * math.hypot(noise_rel / math.sqrt(items), resolution))
+    start = starts[len(rates) - 1]
+    return RateEstimate(rates[-1], counts[-1] - counts[start], _median_gap_s(points[start:]))
+
+
+def estimate_bytes_per_item(observations: Sequence[Observation]) -> float | None:
+    """Bytes per item from the growth of bytes vs items since the warm-up ended.
+
+    A ratio of totals, not a median of per-burst ratios: item sizes are skewed (sequence
+    lengths), and the disk fills with the sum, not the typical item. Bytes already there
+    before the first item (a resumed job's earlier output, a config dump) are left out.
+    None when no item has arrived, or bytes went down (the job deleted output).
+    """
+    history = progress_history(observations)
+    return _bytes_per_item(history) if history else None
+
+
+def forecast_job(
+    observations: Sequence[Observation],
+    *,
+    items_total: int | None,
+    now: float,
+    disk_free_bytes: int | None,
+    declared_bytes_per_item: float | None = None,
+) -> Forecast:
+    """Rate, ETA and disk outlook of one job, as if it had its filesystem to itself.
+
+    ETA: remaining items / rate, counted from the last progress point, less the time
+    already spent waiting for the next one, but never less than one typical gap between
+    points. So between bursts the ETA counts down one second per second as expected, and
+    when progress stops it holds still (and `eta_at` slips) instead of falling to 0: a
+    stall is the `stalled` alert's business, the ETA keeps saying "at the rate we saw".
+
+    `declared_bytes_per_item` (e.g. from the job's spec) is used until the job's own
+    output gives a measured value.
+    """
+    history = progress_history(observations)
+    estimate = _rate(history) if history else None
+    rate = estimate.rate_items_per_s if estimate else None
+    items_done = history.items_done if history else None
+    remaining_items = None
+    if items_total is not None and items_done is not None:
+        remaining_items = max(items_total - items_done, 0)
+
+    eta_s: float | None = None
+    if remaining_items == 0:
+        eta_s = 0.0
+    elif remaining_items is not None and history and estimate and estimate.rate_items_per_s > 0:
+        waited_s = min(max(now - history.points[-1].t, 0.0), estimate.step_s)
+        eta_s = max(remaining_items / estimate.rate_items_per_s - waited_s, 0.0)
+
+    measured = _bytes_per_item(history) if history else None
+    bytes_per_item = measured if measured is not None else declared_bytes_per_item
+    projected_total_bytes = remaining_bytes = None
+    if remaining_items is not None and bytes_per_item is not None and observations:
+        remaining_bytes = round(remaining_items * bytes_per_item)
+        projected_total_bytes = observations[-1].bytes_written + remaining_bytes
+
+    disk_full_in_s = will_fit = None
+    if disk_free_bytes is not None:
+        bytes_per_s = bytes_per_item * rate if bytes_per_item is not None and rate else 0.0
+        disk_full_in_s = disk_free_bytes / bytes_per_s if bytes_per_s > 0 else None
+        if remaining_bytes is not None:
+            will_fit = remaining_bytes <= disk_free_bytes
+    return Forecast(
+        rate_items_per_s=rate,
+        eta_s=eta_s,
+        eta_at=now + eta_s if eta_s is not None else None,
+        bytes_per_item=bytes_per_item,
+        projected_total_bytes=projected_total_bytes,
+        disk_free_bytes=disk_free_bytes,
+        disk_full_in_s=disk_full_in_s,
+        will_fit=will_fit,
+    )
+
+
+def disk_demand(job_id: str, forecast: Forecast, *, bytes_written: int) -> JobDiskDemand:
+    """A job's forecast, as the demand `disk_runway` sums over its filesystem."""
+    bytes_per_s = None
+    if forecast.rate_items_per_s is not None and forecast.bytes_per_item is not None:
+        bytes_per_s = forecast.rate_items_per_s * forecast.bytes_per_item
+    remaining_bytes = None
+    if forecast.projected_total_bytes is not None:
+        remaining_bytes = max(forecast.projected_total_bytes - bytes_written, 0)
+    return JobDiskDemand(job_id, bytes_per_s, remaining_bytes)
+
+
+def disk_runway(demands: Sequence[JobDiskDemand], *, free_bytes: int) -> DiskRunway:
+    """Disk outlook of one filesystem, summed over all the jobs writing to it.
+
+    `disk_full_in_s` is free bytes over the summed write rate of the jobs still writing
+    (the runway "at this rate"). `will_fit` asks whether all remaining bytes fit together.
+    Per job, `will_fit` is finer: jobs stop writing when they finish, so the disk fills
+    later than the summed rate says, and a job that finishes before that moment fits even
+    when the filesystem as a whole does not. With one job both answers are the same.
+    """
+    writing = [d for d in demands if d.remaining_bytes != 0]
+    bytes_per_s = sum(d.bytes_per_s for d in writing if d.bytes_per_s and d.bytes_per_s > 0)
+    disk_full_in_s = free_bytes / bytes_per_s if bytes_per_s > 0 else None
+    known = [d.remaining_bytes for d in demands if d.remaining_bytes is not None]
+    known_total = sum(known)
+    all_known = len(known) == len(demands)
+    will_fit = known_total <= free_bytes if all_known or known_total > free_bytes else None
+    fills_in_s = _fill_time_s(writing, free_bytes)
+    jobs = tuple(JobRunway(d.job_id, _job_fits(d, fills_in_s, will_fit)) for d in demands)
+    return DiskRunway(
+        free_bytes=free_bytes,
+        bytes_per_s=bytes_per_s,
+        remaining_bytes=known_total if all_known else None,
+        disk_full_in_s=disk_full_in_s,
+        fills_in_s=fills_in_s,
+        will_fit=will_fit,
+        jobs=jobs,
+    )
+
+
+def with_runway(forecast: Forecast, runway: DiskRunway, job_id: str) -> Forecast:
+    """The job's forecast with its filesystem's shared disk outlook put in."""
+    for job in runway.jobs:
+        if job.job_id == job_id:
+            return replace(
+                forecast,
+                disk_free_bytes=runway.free_bytes,
+                disk_full_in_s=runway.disk_full_in_s,
+                will_fit=job.will_fit,
+            )
+    return forecast
+
+
+def preflight(
+    *,
+    expected_items: int | None,
+    bytes_per_item: float | None,
+    free_bytes: int | None,
+    other_remaining_bytes: int = 0,
+) -> str | None:
+    """A warning at submit when the projected output does not fit; None if it fits or unknown."""
+    if expected_items is None or bytes_per_item is None or free_bytes is None:
+        return None
+    projected = expected_items * bytes_per_item
+    needed = projected + other_remaining_bytes
+    if needed <= free_bytes:
+        return None
+    others = ""
+    if other_remaining_bytes:
+        others = f" plus {format_bytes(other_remaining_bytes)} still to come from other jobs"
+    return (
+        f"projected output {format_bytes(projected)} ({expected_items:,} items x "
+        f"{format_bytes(bytes_per_item)}){others} exceeds the {format_bytes(free_bytes)} free "
+        f"on its filesystem by {format_bytes(needed - free_bytes)}"
+    )
+
+
+def format_bytes(n: float) -> str:
+    """Decimal units (1 GB = 10**9 bytes), as `df -H` and disk vendors count."""
+    for unit, size in (("TB", 1e12), ("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
+        if abs(n) >= size:
+            return f"{n / size:,.1f} {unit}"
+    return f"{n:,.0f} B"
+
+
+def _rate(history: ProgressHistory) -> RateEstimate | None:
+    return rate_from_points(history.points, sample_interval_s=history.sample_interval_s)
+
+
+def _bytes_per_item(history: ProgressHistory) -> float | None:
+    if not history.points:
+        return None
+    items = history.items_done - history.baseline.items_done
+    grown = history.latest.bytes_written - history.baseline.bytes_written
+    return grown / items if grown >= 0 else None
+
+
+def _median_long_slope(points: Sequence[ProgressPoint]) -> float:
+    """Median of the slopes between each point and the one three quarters of a window later.
+
+    Item times add up, so the plain items/time of the whole window is the most precise
+    rate (a least-squares fit through all points is noisier); long pairs keep most of that
+    precision, and the median keeps any one odd point from moving the result.
+    """
+    span = max(len(points) * 3 // 4, 1)
+    slopes = [
+        (b.items_done - a.items_done) / (b.t - a.t)
+        for a, b in zip(points, points[span:], strict=False)
+        if b.t > a.t
+    ]
+    return statistics.median(slopes) if slopes else 0.0  # 0.0: the clock went backwards
+
+
+def _median_gap_s(points: Sequence[ProgressPoint]) -> float:
+    recent = points[-RECENT_STEPS:]
+    return statistics.median(b.t - a.t for a, b in zip(recent, recent[1:], strict=False))
+
+
+def _noise_per_item(points: Sequence[ProgressPoint]) -> float:
+    """Relative sd of one item's time, from successive steps between progress points.
+
+    Differences of neighbouring steps' seconds per item (scaled to unit variance) cancel
+    a slow change of rate, so a job that sped up does not look noisy; the median of their
+    absolute values ignores odd steps. 0 with fewer than 3 points.
+    """
+    steps = [
+        ((b.t - a.t) / n, n)
+        for a, b in zip(points, points[1:], strict=False)
+        if (n := b.items_done - a.items_done) > 0
+    ]
+    if len(steps) < 2:
+        return 0.0
+    diffs = [
+        abs(s2 - s1) / math.sqrt(1 / n1 + 1 / n2)
+        for (s1, n1), (s2, n2) in zip(steps, steps[1:], strict=False)
+    ]
+    mean_s = statistics.median(s for s, _ in steps)
+    return 1.4826 * statistics.median(diffs) / mean_s if mean_s > 0 else 0.0
+
+
+def _fill_time_s(demands: Sequence[JobDiskDemand], free_bytes: int) -> float | None:
+    """When the disk fills if every job keeps its rate until its remaining bytes are out."""
+    ends = sorted(
+        (
+            (d.remaining_bytes / d.bytes_per_s if d.remaining_bytes is not None else math.inf),
+            d.bytes_per_s,
+        )
+        for d in demands
+        if d.bytes_per_s and d.bytes_per_s > 0
+    )
+    used, t, rate = 0.0, 0.0, sum(bytes_per_s for _, bytes_per_s in ends)
+    for end_s, bytes_per_s in ends:
+        if used + rate * (end_s - t) >= free_bytes:
+            return t + (free_bytes - used) / rate
+        used, t, rate = used + rate * (end_s - t), end_s, rate - bytes_per_s
+    return None
+
+
+def _job_fits(demand: JobDiskDemand, fills_in_s: float | None, fs_fits: bool | None) -> bool | None:
+    if demand.remaining_bytes is None:
+        return None
+    if demand.remaining_bytes == 0 or (fills_in_s is None and fs_fits is not False):
+        return True
+    if not demand.bytes_per_s or demand.bytes_per_s <= 0 or fills_in_s is None:
+        return fs_fits
+    return demand.remaining_bytes / demand.bytes_per_s <= fills_in_s

@@ -1,0 +1,199 @@
+"""One reading per job per tick: process tree, GPU memory, output files, progress.
+
+The process part is one pass over /proc for all jobs (a ppid map built once per tick),
+not one `children(recursive=True)` walk per job, which re-reads every /proc/*/stat for
+each job. Readings are frozen snapshots; a process that vanishes mid-read is skipped,
+and a missing GPU gives None, never an exception.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+
+from supervisor.gpu import GpuReader
+from supervisor.procfs import start_ticks_to_time
+
+PAGE_SIZE = os.sysconf("SC_PAGE_SIZE")
+CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
+STATUS_NAMES = {"R": "running", "S": "sleeping", "D": "disk-sleep", "Z": "zombie",
+                "T": "stopped", "t": "tracing-stop", "X": "dead", "I": "idle",
+                "P": "parked", "W": "waking", "K": "wakekill"}
+
+
+@dataclass(frozen=True)
+class ProcStat:
+    """The fields of /proc/<pid>/stat the sampler uses."""
+
+    pid: int
+    state: str
+    ppid: int
+    start_ticks: int
+    cpu_ticks: int
+    """utime + stime + cutime + cstime: own CPU time plus that of reaped children."""
+    num_threads: int
+    rss_pages: int
+
+
+def parse_proc_stat(pid: int, raw: bytes) -> ProcStat | None:
+    end = raw.rfind(b")")
+    if end < 0:
+        return None
+    f = raw[end + 2 :].split()
+    try:
+        return ProcStat(
+            pid=pid, state=f[0].decode(), ppid=int(f[1]), start_ticks=int(f[19]),
+            cpu_ticks=int(f[11]) + int(f[12]) + int(f[13]) + int(f[14]),
+            num_threads=int(f[17]), rss_pages=int(f[21]),
+        )
+    except (IndexError, ValueError):
+        return None
+
+
+@dataclass
+class ProcessTable:
+    """Every process of the machine at one moment, with a children map."""
+
+    procs: dict[int, ProcStat] = field(default_factory=dict)
+    children: dict[int, list[int]] = field(default_factory=dict)
+
+    @classmethod
+    def read(cls, proc_root: str = "/proc") -> ProcessTable:
+        table = cls()
+        for name in os.listdir(proc_root):
+            if not name.isdigit():
+                continue
+            try:
+                with open(f"{proc_root}/{name}/stat", "rb") as f:
+                    stat = parse_proc_stat(int(name), f.read())
+            except OSError:  # gone between listdir and open
+                continue
+            if stat is not None:
+                table.procs[stat.pid] = stat
+                table.children.setdefault(stat.ppid, []).append(stat.pid)
+        return table
+
+    def tree(self, root: int) -> list[ProcStat]:
+        """`root` and all its descendants present in the table."""
+        if root not in self.procs:
+            return []
+        out, stack = [], [root]
+        while stack:
+            pid = stack.pop()
+            stat = self.procs.get(pid)
+            if stat is None:
+                continue
+            out.append(stat)
+            stack.extend(self.children.get(pid, ()))
+        return out
+
+
+def read_io_bytes(pid: int, proc_root: str = "/proc") -> tuple[int, int] | None:
+    """(read_bytes, write_bytes) that hit the storage layer, from /proc/<pid>/io."""
+    try:
+        with open(f"{proc_root}/{pid}/io", "rb") as f:
+            data = f.read()
+    except OSError:  # gone, or not ours to read
+        return None
+    read_bytes = write_bytes = 0
+    for line in data.splitlines():
+        if line.startswith(b"read_bytes:"):
+            read_bytes = int(line.split()[1])
+        elif line.startswith(b"write_bytes:"):
+            write_bytes = int(line.split()[1])
+    return read_bytes, write_bytes
+
+
+@dataclass(frozen=True)
+class TreeTarget:
+    """What to sample for one job: the root of its tree (the shim, or the worker when
+    the shim is gone) and the worker whose state is the job's process state."""
+
+    job_id: str
+    root_pid: int
+    root_create_time: float | None
+    worker_pid: int | None
+
+
+@dataclass(frozen=True)
+class TreeReading:
+    t: float
+    status: str | None
+    """State of the worker process (running, sleeping, disk-sleep, zombie, ...)."""
+    num_procs: int
+    num_threads: int
+    cpu_time_s: float
+    """Cumulative CPU seconds of the tree, including its reaped children."""
+    cpu_percent: float
+    """Over the last interval; 100 = one core busy."""
+    rss_bytes: int
+    read_bytes: int
+    write_bytes: int
+    gpu_memory_bytes: int | None
+
+
+@dataclass
+class _CpuMark:
+    t: float
+    cpu_time_s: float
+
+
+class Sampler:
+    """Samples many jobs' process trees with one pass over /proc; keeps each job's
+    previous CPU time to turn cumulative ticks into a CPU %."""
+
+    def __init__(self, gpu: GpuReader | None = None, proc_root: str = "/proc"):
+        self.gpu = gpu if gpu is not None else GpuReader()
+        self.proc_root = proc_root
+        self._cpu_marks: dict[str, _CpuMark] = {}
+
+    def sample(self, targets: Sequence[TreeTarget], now: float) -> dict[str, TreeReading]:
+        if not targets:
+            return {}
+        table = ProcessTable.read(self.proc_root)
+        gpu_by_pid = self.gpu.memory_by_pid(now)
+        readings = {}
+        for target in targets:
+            readings[target.job_id] = self._reading(target, table, gpu_by_pid, now)
+        return readings
+
+    def forget(self, job_ids: Iterable[str]) -> None:
+        for job_id in job_ids:
+            self._cpu_marks.pop(job_id, None)
+
+    def _reading(self, target: TreeTarget, table: ProcessTable,
+                 gpu_by_pid: dict[int, int] | None, now: float) -> TreeReading:
+        root = table.procs.get(target.root_pid)
+        same_root = root is not None and (
+            target.root_create_time is None
+            or abs(start_ticks_to_time(root.start_ticks) - target.root_create_time) < 0.015)
+        procs = table.tree(target.root_pid) if same_root else []
+        live = [p for p in procs if p.state not in ("Z", "X")]
+        cpu_time_s = sum(p.cpu_ticks for p in procs) / CLOCK_TICKS
+        read_bytes = write_bytes = 0
+        for proc in live:
+            io = read_io_bytes(proc.pid, self.proc_root)
+            if io is not None:
+                read_bytes += io[0]
+                write_bytes += io[1]
+        worker = table.procs.get(target.worker_pid) if target.worker_pid else None
+        if worker is None or worker not in procs:
+            worker = root if same_root else None
+        gpu = None
+        if gpu_by_pid is not None:
+            gpu = sum(gpu_by_pid.get(p.pid, 0) for p in live)
+        return TreeReading(
+            t=now, status=STATUS_NAMES.get(worker.state, worker.state) if worker else None,
+            num_procs=len(live), num_threads=sum(p.num_threads for p in live),
+            cpu_time_s=cpu_time_s, cpu_percent=self._cpu_percent(target.job_id, now, cpu_time_s),
+            rss_bytes=sum(p.rss_pages for p in live) * PAGE_SIZE,
+            read_bytes=read_bytes, write_bytes=write_bytes, gpu_memory_bytes=gpu,
+        )
+
+    def _cpu_percent(self, job_id: str, now: float, cpu_time_s: float) -> float:
+        mark = self._cpu_marks.get(job_id)
+        self._cpu_marks[job_id] = _CpuMark(now, cpu_time_s)
+        if mark is None or now <= mark.t:
+            return 0.0
+        return max(0.0, (cpu_time_s - mark.cpu_time_s) / (now - mark.t) * 100.0)
