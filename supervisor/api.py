@@ -6,7 +6,7 @@ import logging
 import os
 import time
 from collections.abc import Awaitable, Callable, Iterator, Mapping
-from datetime import datetime
+from datetime import UTC, datetime
 from typing import Annotated, Any
 
 from fastapi import Depends, FastAPI, Query, Request, Response
@@ -180,8 +180,12 @@ def create_app(settings: Settings, sessions: sessionmaker[Session], *,
     ) -> list[SampleOut]:
         """Stored readings, oldest first: from `since` on, else the latest `limit`."""
         store.get_job(session, job_id)
+        # ISO times carry microseconds, rounded: half a microsecond of slack keeps a
+        # sample's own `t` inside `since=<that t>`
+        if since is not None and since.tzinfo is None:
+            since = since.replace(tzinfo=UTC)  # the contract's times are UTC
         rows = store.samples(session, job_id, limit=limit,
-                             since=since.timestamp() if since else None)
+                             since=since.timestamp() - 5e-7 if since else None)
         return [sample_out(row) for row in rows]
 
     @app.get(f"{API_PREFIX}/jobs/{{job_id}}/logs", response_class=PlainTextResponse)

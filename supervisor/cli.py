@@ -11,10 +11,12 @@ from typing import Annotated, Any
 import typer
 from rich.console import Console
 from rich.table import Table
+from rich.text import Text
 
 from supervisor.client import Client
 from supervisor.config import Settings
 from supervisor.errors import JobsupError
+from supervisor.tui import job_detail, jobs_table, state_text
 
 app = typer.Typer(add_completion=False, no_args_is_help=True,
                   help="jobsup: launch, watch and forecast long-running ML jobs.")
@@ -25,8 +27,6 @@ Url = Annotated[str, typer.Option("--url", envvar="JOBSUP_URL",
                                   help="Where the daemon listens.")]
 DEFAULT_URL = "http://127.0.0.1:8765"
 
-STATE_STYLE = {"pending": "yellow", "running": "cyan", "succeeded": "green",
-               "failed": "bold red", "stopped": "magenta", "lost": "red"}
 
 
 def client(url: str) -> Client:
@@ -40,24 +40,8 @@ def fail(exc: JobsupError) -> None:
     raise typer.Exit(1)
 
 
-def human_bytes(n: int | None) -> str:
-    if n is None:
-        return "-"
-    size = float(n)
-    for unit in ("B", "KB", "MB", "GB", "TB"):
-        if abs(size) < 1000 or unit == "TB":
-            return f"{size:.0f} {unit}" if unit == "B" else f"{size:.1f} {unit}"
-        size /= 1000
-    return f"{size:.1f} PB"
-
-
 def short_time(iso: str | None) -> str:
     return iso.replace("T", " ")[:19] if iso else "-"
-
-
-def state_text(job: dict[str, Any]) -> str:
-    state = job["state"]
-    return f"[{STATE_STYLE.get(state, '')}]{state}[/]"
 
 
 def pairs(items: list[str], what: str) -> dict[str, str]:
@@ -160,7 +144,7 @@ def list_jobs(
     for job in jobs:
         exit_text = (f"sig {job['signal']}" if job["signal"] is not None
                      else "-" if job["exit_code"] is None else str(job["exit_code"]))
-        table.add_row(job["id"], job["name"], state_text(job), str(job["pid"] or "-"),
+        table.add_row(job["id"], job["name"], state_text(job['state']), str(job["pid"] or "-"),
                       exit_text, str(job["restarts"]), short_time(job["started_at"]),
                       job.get("reason") or "")
     if not jobs:
@@ -176,6 +160,7 @@ def show(job_id: Annotated[str, typer.Argument(help="Job id.")], url: Url = DEFA
         c = client(url)
         job = c.get(f"/api/v1/jobs/{job_id}")
         events = c.get(f"/api/v1/jobs/{job_id}/events")
+        samples = c.get(f"/api/v1/jobs/{job_id}/samples", params={"limit": 2000})
     except JobsupError as exc:
         fail(exc)
     spec = job["spec"]
@@ -183,7 +168,7 @@ def show(job_id: Annotated[str, typer.Argument(help="Job id.")], url: Url = DEFA
     table.add_column(style="bold")
     table.add_column(overflow="fold")
     rows = [
-        ("id", job["id"]), ("name", job["name"]), ("state", state_text(job)),
+        ("id", job["id"]), ("name", job["name"]), ("state", state_text(job['state'])),
         ("reason", job.get("reason") or "-"), ("command", " ".join(spec["command"])),
         ("cwd", spec.get("cwd") or "-"), ("pid", str(job["pid"] or "-")),
         ("exit", f"code {job['exit_code']}" if job["exit_code"] is not None
@@ -198,6 +183,7 @@ def show(job_id: Annotated[str, typer.Argument(help="Job id.")], url: Url = DEFA
     for key, value in rows:
         table.add_row(key, value)
     console.print(table)
+    console.print(job_detail(job, samples))
     console.print("[bold]events[/]")
     for event in events:
         console.print(f"  {short_time(event['t'])}  {event['from_state'] or '-':>9} -> "
@@ -265,7 +251,41 @@ def stop(
             job = c.get(f"/api/v1/jobs/{job_id}")
     except JobsupError as exc:
         fail(exc)
-    console.print(f"{job['id']} {state_text(job)} {job.get('reason') or ''}", highlight=False)
+    console.print(Text.assemble(f"{job['id']} ", state_text(job["state"]),
+                                f" {job.get('reason') or ''}"))
+
+
+@app.command()
+def watch(
+    interval: Annotated[float, typer.Option(help="Seconds between refreshes.")] = 2.0,
+    all_jobs: Annotated[bool, typer.Option("--all", help="Also ended jobs.")] = False,
+    once: Annotated[bool, typer.Option(help="Print the table once and exit.")] = False,
+    url: Url = DEFAULT_URL,
+) -> None:
+    """Live table of jobs: progress, rate, ETA, bytes, disk runway, GPU memory, alerts."""
+    from rich.live import Live
+
+    c = client(url)
+
+    def render() -> Table:
+        jobs = c.get("/api/v1/jobs")
+        if not all_jobs:
+            jobs = [j for j in jobs if j["state"] in ("pending", "running")
+                    or j.get("alerts")] or jobs[-10:]
+        return jobs_table(jobs)
+
+    try:
+        if once:
+            console.print(render())
+            return
+        with Live(render(), console=console, auto_refresh=False) as live:
+            while True:
+                time.sleep(interval)
+                live.update(render(), refresh=True)
+    except JobsupError as exc:
+        fail(exc)
+    except KeyboardInterrupt:
+        return
 
 
 @app.command()

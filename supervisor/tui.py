@@ -1,0 +1,132 @@
+"""Terminal rendering of jobs for `jobsup watch` and `jobsup show` (rich)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from datetime import datetime
+from typing import Any
+
+from rich.console import Group, RenderableType
+from rich.progress_bar import ProgressBar
+from rich.table import Table
+from rich.text import Text
+
+STATE_STYLE = {"pending": "yellow", "running": "cyan", "succeeded": "green",
+               "failed": "bold red", "stopped": "magenta", "lost": "red"}
+SPARK_CHARS = "▁▂▃▄▅▆▇█"
+
+
+def human_bytes(n: float | None) -> str:
+    """Decimal units, as `df -H` counts."""
+    if n is None:
+        return "-"
+    for unit, size in (("TB", 1e12), ("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
+        if abs(n) >= size:
+            return f"{n / size:.1f} {unit}"
+    return f"{n:.0f} B"
+
+
+def human_duration(seconds: float | None) -> str:
+    if seconds is None:
+        return "-"
+    seconds = max(0.0, seconds)
+    if seconds < 60:
+        return f"{seconds:.0f}s"
+    minutes, s = divmod(int(seconds), 60)
+    hours, m = divmod(minutes, 60)
+    if hours < 48:
+        return f"{hours}h{m:02d}m" if hours else f"{m}m{s:02d}s"
+    return f"{hours // 24}d{hours % 24:02d}h"
+
+
+def state_text(state: str) -> Text:
+    return Text(state, style=STATE_STYLE.get(state, ""))
+
+
+def rate_text(rate: float | None) -> str:
+    if rate is None:
+        return "-"
+    return f"{rate:.2f}/s" if rate >= 0.1 else f"{rate * 3600:.1f}/h"
+
+
+def progress_cell(job: dict[str, Any]) -> RenderableType:
+    p = job["progress"]
+    done, total = p["items_done"], p["items_total"]
+    if done is None:
+        return Text("-")
+    if not total:
+        return Text(f"{done}")
+    bar = ProgressBar(total=total, completed=min(done, total), width=20)
+    label = Text(f" {done}/{total} ({100 * done / total:.0f}%)")
+    grid = Table.grid()
+    grid.add_row(bar, label)
+    return grid
+
+
+def runway_text(forecast: dict[str, Any]) -> Text:
+    free, full_in = forecast["disk_free_bytes"], forecast["disk_full_in_s"]
+    if free is None:
+        return Text("-")
+    text = Text(f"{human_bytes(free)} free")
+    if full_in is not None:
+        text.append(f", full in {human_duration(full_in)}")
+    if forecast["will_fit"] is False:
+        text.append(" WON'T FIT", style="bold red")
+    return text
+
+
+def jobs_table(jobs: Sequence[dict[str, Any]]) -> Table:
+    table = Table(box=None, header_style="bold", expand=False)
+    for column in ("ID", "NAME", "STATE", "PROGRESS", "RATE", "ETA", "WRITTEN", "DISK",
+                   "CPU", "RSS", "GPU", "ALERTS"):
+        table.add_column(column, no_wrap=column != "ALERTS")
+    for job in jobs:
+        f, p, r = job["forecast"], job["progress"], job["resources"]
+        alerts = ", ".join(a["rule"] for a in job.get("alerts", []))
+        written = human_bytes(p["bytes_written"]) if p["files"] else "-"
+        if f["projected_total_bytes"]:
+            written += f" / {human_bytes(f['projected_total_bytes'])}"
+        running = job["state"] == "running"
+        table.add_row(
+            job["id"], job["name"], state_text(job["state"]), progress_cell(job),
+            rate_text(f["rate_items_per_s"]), human_duration(f["eta_s"]), written,
+            runway_text(f), f"{r['cpu_percent']:.0f}%" if running else "-",
+            human_bytes(r["rss_bytes"]) if running else "-",
+            human_bytes(r["gpu_memory_bytes"]) if r["gpu_memory_bytes"] is not None else "-",
+            Text(alerts, style="bold red") if alerts else "",
+        )
+    return table
+
+
+def sparkline(values: Sequence[float]) -> str:
+    if not values:
+        return ""
+    top = max(values)
+    if top <= 0:
+        return SPARK_CHARS[0] * len(values)
+    return "".join(SPARK_CHARS[min(7, int(v / top * 7.999))] for v in values)
+
+
+def rates_from_samples(samples: Sequence[dict[str, Any]], buckets: int = 40) -> list[float]:
+    """Items per second between consecutive samples, averaged into `buckets` bins."""
+    points = [(datetime.fromisoformat(s["t"].replace("Z", "+00:00")).timestamp(),
+               s["items_done"]) for s in samples if s["items_done"] is not None]
+    rates = []
+    for (t0, n0), (t1, n1) in zip(points, points[1:], strict=False):
+        if t1 > t0:
+            rates.append(max(0.0, (n1 - n0) / (t1 - t0)))
+    if len(rates) <= buckets:
+        return rates
+    size = len(rates) / buckets
+    return [sum(rates[int(i * size):int((i + 1) * size)]) / max(1, int((i + 1) * size)
+            - int(i * size)) for i in range(buckets)]
+
+
+def job_detail(job: dict[str, Any], samples: Sequence[dict[str, Any]]) -> Group:
+    """The watch row of one job plus a sparkline of its rate."""
+    rates = rates_from_samples(samples)
+    line = Text("rate ", style="bold")
+    line.append(sparkline(rates) or "(no progress yet)")
+    if rates:
+        line.append(f"  max {rate_text(max(rates))}")
+    return Group(jobs_table([job]), line)

@@ -1,0 +1,144 @@
+"""Progress, resources, samples and forecasts of real jobs under a real daemon."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+from sqlalchemy import insert, select
+
+from supervisor import store
+from supervisor.db import make_engine, make_sessionmaker, upgrade
+from supervisor.models import Job, Sample
+from tests.conftest import Daemon, python_job, wait_for
+
+WRITER = """
+import json, os, sys, time
+out, n, delay = sys.argv[1], int(sys.argv[2]), float(sys.argv[3])
+os.makedirs(out, exist_ok=True)
+progress = os.environ["JOBSUP_PROGRESS_FILE"] if sys.argv[4] == "report" else None
+for i in range(n):
+    time.sleep(delay)
+    tmp = os.path.join(out, f".item{i}.tmp")
+    with open(tmp, "wb") as f:
+        f.write(b"x" * 1000)
+    os.replace(tmp, os.path.join(out, f"item{i:04d}.bin"))
+    if progress:
+        with open(progress + ".tmp", "w") as f:
+            json.dump({"done": i + 1, "total": n, "unit": "item",
+                       "metrics": {"loss": 1.0 / (i + 1)}}, f)
+        os.replace(progress + ".tmp", progress)
+    if sys.argv[4] == "tqdm":
+        print(f"\\r{i + 1}/{n} |###| {i + 1}/{n} [00:01<00:02, 5.00it/s]", end="")
+time.sleep(float(sys.argv[5]) if len(sys.argv) > 5 else 0)
+"""
+
+
+def writer(out: Path, n: int, delay: float, mode: str, linger: float = 0) -> list[str]:
+    return python_job(WRITER) + [str(out), str(n), str(delay), mode, str(linger)]
+
+
+def test_progress_file_resources_and_forecast(daemon: Daemon, tmp_path: Path) -> None:
+    out = tmp_path / "out"
+    job = daemon.submit(writer(out, 40, 0.1, "report", linger=30), output_dir=str(out),
+                        pattern="*.bin", expected_items=40)
+
+    def done_writing() -> dict | None:
+        current = daemon.job(job["id"])
+        return current if current["progress"]["items_done"] == 40 else None
+
+    mid = wait_for(lambda: (j := daemon.job(job["id"]))["progress"]["items_done"] and
+                   j["progress"]["items_done"] >= 15 and j, 20, what="progress")
+    assert mid["progress"]["source"] == "progress_file"
+    assert mid["progress"]["items_total"] == 40
+    assert mid["progress"]["metrics"]["loss"] == 1 / mid["progress"]["items_done"]
+    assert mid["forecast"]["rate_items_per_s"] is not None
+    assert 4 < mid["forecast"]["rate_items_per_s"] < 12  # 0.1 s per item plus overhead
+    assert mid["forecast"]["eta_s"] is not None and mid["forecast"]["eta_s"] < 10
+    assert mid["forecast"]["bytes_per_item"] == 1000
+    assert mid["forecast"]["will_fit"] is True and mid["forecast"]["disk_free_bytes"] > 0
+    assert mid["resources"]["num_procs"] >= 1 and mid["resources"]["rss_bytes"] > 1_000_000
+    assert mid["resources"]["status"] in ("sleeping", "running")
+
+    final = wait_for(done_writing, 20, what="all items")
+    assert final["progress"]["files"] == 40 and final["progress"]["bytes_written"] == 40_000
+    assert final["forecast"]["eta_s"] == 0
+    assert final["progress"]["last_progress_at"] is not None
+
+    samples = daemon.http.get(f"/api/v1/jobs/{job['id']}/samples").json()
+    assert len(samples) >= 5
+    assert [s["t"] for s in samples] == sorted(s["t"] for s in samples)
+    assert samples[-1]["files"] == 40
+    since = daemon.http.get(f"/api/v1/jobs/{job['id']}/samples",
+                            params={"since": samples[-2]["t"], "limit": 1}).json()
+    assert [s["t"] for s in since] == [samples[-2]["t"]]
+    daemon.http.post(f"/api/v1/jobs/{job['id']}/stop")
+
+
+def test_progress_from_tqdm_log_and_from_files(daemon: Daemon, tmp_path: Path) -> None:
+    logged = daemon.submit(writer(tmp_path / "a", 10, 0.05, "tqdm", linger=30))
+    counted = daemon.submit(writer(tmp_path / "b", 10, 0.05, "none", linger=30),
+                            output_dir=str(tmp_path / "b"), pattern="*.bin", expected_items=20)
+
+    def progress_of(job_id: str, done: int) -> dict | None:
+        p = daemon.job(job_id)["progress"]
+        return p if p["items_done"] == done else None
+
+    by_log = wait_for(lambda: progress_of(logged["id"], 10), 15, what="log progress")
+    assert by_log["source"] == "log" and by_log["items_total"] == 10
+    by_files = wait_for(lambda: progress_of(counted["id"], 10), 15, what="file progress")
+    assert by_files["source"] == "files" and by_files["items_total"] == 20
+    assert by_files["files"] == 10  # the .tmp files never counted
+    for job in (logged, counted):
+        daemon.http.post(f"/api/v1/jobs/{job['id']}/stop")
+
+
+def test_submit_warns_when_the_output_cannot_fit(daemon: Daemon, tmp_path: Path) -> None:
+    response = daemon.http.post("/api/v1/jobs", json={
+        "name": "huge", "command": ["true"], "output_dir": str(tmp_path / "o"),
+        "expected_items": 10_000, "bytes_per_item": 1e15})
+    assert response.status_code == 201
+    (warning,) = response.json()["warnings"]
+    assert "exceeds" in warning and "free on its filesystem" in warning
+    small = daemon.submit(["true"], output_dir=str(tmp_path / "o"), expected_items=10,
+                          bytes_per_item=1000)
+    assert small["warnings"] == []
+
+
+def test_final_progress_survives_a_daemon_restart(daemon: Daemon, tmp_path: Path) -> None:
+    out = tmp_path / "out"
+    job = daemon.submit(writer(out, 5, 0.01, "report"), output_dir=str(out), pattern="*.bin")
+    daemon.wait_state(job["id"], "succeeded")
+    wait_for(lambda: daemon.job(job["id"])["progress"]["items_done"] == 5, 5, what="progress")
+    daemon.stop()
+    daemon.start()
+    after = daemon.job(job["id"])
+    assert after["progress"]["items_done"] == 5 and after["progress"]["files"] == 5
+    assert after["forecast"]["rate_items_per_s"] is None  # ended: no forecast
+
+
+def test_samples_are_downsampled_with_age(tmp_path: Path) -> None:
+    """A 7-day job sampled every 2 s keeps ~15k rows, full resolution for 6 hours."""
+    engine = make_engine(f"sqlite:///{tmp_path / 'db.sqlite'}")
+    upgrade(engine)
+    sessions = make_sessionmaker(engine)
+    now = time.time()
+    start = now - 7 * 86400
+    with sessions() as session:
+        session.add(Job(id="j1", name="long", spec_json="{}", state="running",
+                        created_at=start, attempt=1, restarts=0))
+        session.commit()
+        rows = [{"job_id": "j1", "t": start + i * 2.0, "items_done": i, "files": i,
+                 "bytes_written": i * 10} for i in range(7 * 86400 // 2)]
+        session.execute(insert(Sample), rows)
+        session.commit()
+        deleted = store.compact_samples(session, now=now)
+        session.commit()
+        kept = session.scalars(select(Sample.t).order_by(Sample.t)).all()
+    assert deleted == len(rows) - len(kept)
+    assert 14_000 < len(kept) < 16_000, len(kept)
+    recent = [t for t in kept if t >= now - 6 * 3600]
+    assert len(recent) >= 6 * 3600 // 2 - 1
+    day_old = [t for t in kept if now - 30 * 3600 <= t < now - 29 * 3600]
+    assert 55 <= len(day_old) <= 61  # one per minute
+    engine.dispose()
