@@ -12,25 +12,26 @@ from typing import Annotated, Any
 from fastapi import Depends, FastAPI, Query, Request, Response
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 from sqlalchemy.orm import Session, sessionmaker
 
 from supervisor import __version__, store
-from supervisor.api_time import iso
 from supervisor.config import Settings
 from supervisor.errors import Conflict, InvalidSpec, JobsupError
 from supervisor.fileio import read_from, tail_lines
 from supervisor.launcher import check_runnable, log_path
-from supervisor.models import Job, Sample
 from supervisor.observe import JobView, preflight_warnings
+from supervisor.present import alert_out, job_out, sample_out
 from supervisor.spec import (
+    AlertOut,
+    AlertState,
     EventOut,
-    ExitReason,
     JobOut,
     JobSpec,
     JobState,
-    Progress,
     SampleOut,
 )
+from supervisor.timefmt import iso
 
 log = logging.getLogger(__name__)
 
@@ -38,32 +39,6 @@ API_PREFIX = "/api/v1"
 PUBLIC_PATHS = frozenset({"/healthz"})
 LOG_CHUNK_BYTES = 1 << 20
 """Most bytes one `logs?offset=` answer carries."""
-
-
-def job_out(job: Job, view: JobView | None, warnings: list[str] | None = None) -> JobOut:
-    if view is None:
-        progress = (Progress.model_validate_json(job.progress_json) if job.progress_json
-                    else Progress(items_total=JobSpec.model_validate_json(
-                        job.spec_json).expected_items))
-        view = JobView(progress=progress)
-    return JobOut(
-        id=job.id, name=job.name, spec=JobSpec.model_validate_json(job.spec_json),
-        state=JobState(job.state), pid=job.pid, exit_code=job.exit_code, signal=job.signal,
-        exit_reason=ExitReason(job.exit_reason) if job.exit_reason else None,
-        reason=job.reason, restarts=job.restarts, attempt=job.attempt,
-        created_at=iso(job.created_at) or "", started_at=iso(job.started_at),
-        ended_at=iso(job.ended_at), progress=view.progress, forecast=view.forecast,
-        resources=view.resources, alerts=[], warnings=warnings or [],
-    )
-
-
-def sample_out(row: Sample) -> SampleOut:
-    return SampleOut(
-        t=iso(row.t) or "", items_done=row.items_done, files=row.files,
-        bytes_written=row.bytes_written, cpu_percent=row.cpu_percent, rss_bytes=row.rss_bytes,
-        gpu_memory_bytes=row.gpu_memory_bytes, disk_free_bytes=row.disk_free_bytes,
-        items_total=row.items_total, read_bytes=row.read_bytes, write_bytes=row.write_bytes,
-        num_procs=row.num_procs, cpu_time_s=row.cpu_time_s)
 
 
 def _validation_message(errors: list[Any]) -> str:
@@ -76,11 +51,13 @@ def _validation_message(errors: list[Any]) -> str:
 
 
 def create_app(settings: Settings, sessions: sessionmaker[Session], *,
-               wake: Callable[[], None], views: Callable[[], Mapping[str, JobView]]) -> FastAPI:
+               wake: Callable[[], None], views: Callable[[], Mapping[str, JobView]],
+               registry: CollectorRegistry | None = None) -> FastAPI:
     """The API over a store. `wake` asks the engine for a tick (after a submit or stop);
     `views` returns the engine's latest per-job progress, forecast and resources."""
     app = FastAPI(title="jobsup", version=__version__)
     default_cwd = os.getcwd()
+    public_paths = PUBLIC_PATHS | ({"/metrics"} if settings.metrics_public else set())
 
     def db() -> Iterator[Session]:
         with sessions() as session:
@@ -92,7 +69,7 @@ def create_app(settings: Settings, sessions: sessionmaker[Session], *,
     async def require_token(
         request: Request, call_next: Callable[[Request], Awaitable[Response]]
     ) -> Response:
-        if settings.token and request.url.path not in PUBLIC_PATHS:
+        if settings.token and request.url.path not in public_paths:
             header = request.headers.get("authorization", "")
             given = header[7:] if header.lower().startswith("bearer ") else ""
             if not hmac.compare_digest(given.encode(), settings.token.encode()):
@@ -118,6 +95,11 @@ def create_app(settings: Settings, sessions: sessionmaker[Session], *,
     def healthz() -> dict[str, str]:
         return {"status": "ok"}
 
+    @app.get("/metrics", response_class=PlainTextResponse)
+    def metrics() -> Response:
+        data = generate_latest(registry) if registry is not None else b""
+        return Response(data, media_type=CONTENT_TYPE_LATEST)
+
     @app.post(f"{API_PREFIX}/jobs", status_code=201)
     def submit(spec: JobSpec, session: DB) -> JobOut:
         spec = check_runnable(spec, default_cwd=default_cwd)
@@ -131,7 +113,7 @@ def create_app(settings: Settings, sessions: sessionmaker[Session], *,
         job = store.create_job(session, spec=spec, now=time.time())
         session.commit()
         wake()
-        return job_out(job, current.get(job.id), warnings)
+        return job_out(job, current.get(job.id), warnings=warnings)
 
     @app.get(f"{API_PREFIX}/jobs")
     def list_jobs(
@@ -146,12 +128,16 @@ def create_app(settings: Settings, sessions: sessionmaker[Session], *,
                                   field="label")
             wanted[key] = value
         current = views()
-        jobs = [job_out(j, current.get(j.id)) for j in store.list_jobs(session, state=state)]
+        firing = store.firing_alerts_by_job(session)
+        jobs = [job_out(j, current.get(j.id), alerts=firing.get(j.id, ()))
+                for j in store.list_jobs(session, state=state)]
         return [j for j in jobs if all(j.spec.labels.get(k) == v for k, v in wanted.items())]
 
     @app.get(f"{API_PREFIX}/jobs/{{job_id}}")
     def get_job(job_id: str, session: DB) -> JobOut:
-        return job_out(store.get_job(session, job_id), views().get(job_id))
+        job = store.get_job(session, job_id)
+        firing = store.firing_alerts_by_job(session, job_id=job_id)
+        return job_out(job, views().get(job_id), alerts=firing.get(job_id, ()))
 
     @app.get(f"{API_PREFIX}/jobs/{{job_id}}/events")
     def job_events(job_id: str, session: DB) -> list[EventOut]:
@@ -172,6 +158,10 @@ def create_app(settings: Settings, sessions: sessionmaker[Session], *,
         wake()
         session.refresh(job)
         return job_out(job, views().get(job_id))
+
+    @app.get(f"{API_PREFIX}/alerts")
+    def list_alerts(session: DB, state: AlertState | None = None) -> list[AlertOut]:
+        return [alert_out(a) for a in store.alerts(session, state=state)]
 
     @app.get(f"{API_PREFIX}/jobs/{{job_id}}/samples")
     def job_samples(

@@ -46,6 +46,30 @@ class Settings(BaseSettings):
     url: str = "http://127.0.0.1:8765"
     """Where client commands find the daemon."""
 
+    slack_webhook_url: str | None = None
+    """Slack incoming webhook that receives alert messages."""
+
+    webhook_url: str | None = None
+    """Generic webhook: receives every message as JSON (text, job, alert, log tail)."""
+
+    notify_on_success: bool = True
+    """Also send a message when a job succeeds."""
+
+    disk_low_bytes: int = Field(default=5_000_000_000, ge=0)
+    """`disk_low` fires below this many free bytes on a running job's output disk."""
+
+    gpu_memory_high_fraction: float = Field(default=0.95, gt=0, le=1)
+    """`gpu_memory_high` fires when a GPU the job uses is fuller than this."""
+
+    ended_alert_ttl_s: float = Field(default=86_400.0, gt=0)
+    """How long `crashed` / `incomplete` stay firing after the job ended."""
+
+    metrics_public: bool = False
+    """Serve /metrics without the token (for a Prometheus that cannot send one)."""
+
+    metrics_ended_retention_s: float = Field(default=3600.0, ge=0)
+    """Ended jobs keep their /metrics series this long, then the series disappear."""
+
     @property
     def resolved_database_url(self) -> str:
         if self.database_url:

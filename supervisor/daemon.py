@@ -21,6 +21,7 @@ from supervisor.config import Settings
 from supervisor.db import make_engine, make_sessionmaker, upgrade
 from supervisor.engine import Engine
 from supervisor.errors import DaemonAlreadyRunning, UnsafeBind
+from supervisor.metrics import JobsCollector, build_registry
 
 log = logging.getLogger(__name__)
 
@@ -90,7 +91,12 @@ def build_app(settings: Settings) -> FastAPI:
             engine.stop()
             db_engine.dispose()
 
-    app = create_app(settings, sessions, wake=engine.wake, views=lambda: engine.observer.views)
+    collector = JobsCollector(sessions, lambda: engine.observer.views, engine.notifier,
+                              settings.metrics_ended_retention_s)
+    registry, tick_histogram = build_registry(collector)
+    engine.on_tick = tick_histogram.observe
+    app = create_app(settings, sessions, wake=engine.wake, views=lambda: engine.observer.views,
+                     registry=registry)
     app.router.lifespan_context = lifespan
     app.state.engine = engine
     return app

@@ -8,16 +8,19 @@ import logging
 import signal as signals
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 from sqlalchemy.orm import Session, sessionmaker
 
-from supervisor import store
+from supervisor import alerts, store
 from supervisor.config import Settings
-from supervisor.launcher import Attempt, Backend, ExitStatus, LocalBackend
-from supervisor.models import Job
+from supervisor.fileio import tail_lines
+from supervisor.launcher import Attempt, Backend, ExitStatus, LocalBackend, log_path
+from supervisor.models import Alert, Job
+from supervisor.notify import Destination, Notifier, compose
 from supervisor.observe import ObservedJob, Observer
-from supervisor.spec import ExitReason, JobSpec, JobState, Progress, RestartPolicy
+from supervisor.present import alert_out, job_out
+from supervisor.spec import AlertState, ExitReason, JobSpec, JobState, Progress, RestartPolicy
 
 log = logging.getLogger(__name__)
 
@@ -30,6 +33,9 @@ STOP_BACKSTOP_S = 5.0
 
 COMPACT_EVERY_S = 300.0
 """Seconds between two downsampling passes over old samples."""
+
+LOG_TAIL_LINES = 20
+"""Log lines quoted in a message and searched for known crash causes."""
 
 
 def signal_name(sig: int) -> str:
@@ -53,11 +59,21 @@ class Engine:
         self._killed: set[tuple[str, int]] = set()
         self.observer = Observer(settings.jobs_dir)
         self._next_compact_at = 0.0
+        self.alert_settings = alerts.AlertSettings(
+            disk_low_bytes=settings.disk_low_bytes,
+            gpu_memory_high_fraction=settings.gpu_memory_high_fraction,
+            ended_alert_ttl_s=settings.ended_alert_ttl_s)
+        destinations = [Destination(name, url) for name, url in (
+            ("slack", settings.slack_webhook_url), ("webhook", settings.webhook_url)) if url]
+        self.notifier = Notifier(destinations, sessions)
+        self.on_tick: Callable[[float], None] = lambda _seconds: None
+        """Called with each tick's duration in seconds (the metrics histogram)."""
 
     # -- lifecycle ------------------------------------------------------------------
     def start(self) -> None:
         """Re-adopt what runs, then tick in a thread until `stop()`."""
         self.recover()
+        self.notifier.start()
         self._thread = threading.Thread(target=self._run, name="jobsup-engine", daemon=True)
         self._thread.start()
 
@@ -67,6 +83,7 @@ class Engine:
         self._wake.set()
         if self._thread is not None:
             self._thread.join(timeout=10)
+        self.notifier.stop()
         self.backend.close()
 
     def wake(self) -> None:
@@ -95,10 +112,12 @@ class Engine:
             if self._should_exit.is_set():
                 return
             self._wake.clear()
+            started = time.monotonic()
             try:
                 self.tick()
             except Exception:  # one bad tick must not end supervision
                 log.exception("tick failed")
+            self.on_tick(time.monotonic() - started)
             now = time.monotonic()
             if now >= next_tick:  # scheduled tick done: next one, without drift
                 next_tick += interval
@@ -107,7 +126,8 @@ class Engine:
 
     # -- one tick ---------------------------------------------------------------------
     def tick(self) -> None:
-        """exits -> sample -> store -> forecast (in the observer) -> starts."""
+        """exits -> sample -> store -> forecast (in the observer) -> alert -> notify ->
+        starts."""
         now = self.clock()
         self.backend.reap()
         with self.sessions() as session:
@@ -123,9 +143,12 @@ class Engine:
                 view = self.observer.views.get(job.id)
                 if view is not None:
                     job.progress_json = view.progress.model_dump_json()
+            self._alert(session, running, now)
+            for job in running:
                 if JobState(job.state) is not JobState.RUNNING:
                     self.observer.forget(job.id)
             session.commit()
+            self.notifier.wake()
             for job in store.jobs_in_states(session, JobState.PENDING):
                 self._check_pending(session, job, now)
                 session.commit()
@@ -136,6 +159,75 @@ class Engine:
                 if deleted:
                     log.info("downsampled old samples: %d rows removed", deleted)
 
+    def _alert(self, session: Session, running: Sequence[Job], now: float) -> None:
+        """Evaluate the rules for the jobs that ran this tick and the jobs with firing
+        alerts; record what opened, resolved or changed, with its outbox messages."""
+        open_rows = store.alerts(session, state=AlertState.FIRING)
+        jobs = {job.id: job for job in running}
+        for row in open_rows:
+            if row.job_id not in jobs:
+                jobs[row.job_id] = store.get_job(session, row.job_id)
+        firing = [f for job in jobs.values()
+                  for f in alerts.evaluate(self._facts(job, now), now=now,
+                                           settings=self.alert_settings)]
+        changes = alerts.reconcile(
+            firing, [alerts.OpenAlert(a.id, a.job_id, a.rule) for a in open_rows],
+            {a.id: a.message for a in open_rows}, settled_job_ids=jobs)
+        rows = {a.id: a for a in open_rows}
+        for f in changes.opened:
+            alert = Alert(job_id=f.job_id, rule=f.rule, severity=f.severity,
+                          state=AlertState.FIRING.value, started_at=now, message=f.message)
+            session.add(alert)
+            session.flush()
+            log.warning("job %s: alert %s firing: %s", f.job_id, f.rule, f.message)
+            self._enqueue(session, "firing", jobs[f.job_id], alert, now)
+        for opened in changes.resolved:
+            alert = rows[opened.id]
+            alert.state, alert.resolved_at = AlertState.RESOLVED.value, now
+            log.info("job %s: alert %s resolved", alert.job_id, alert.rule)
+            if alert.rule not in alerts.EVENT_RULES:  # those only age out
+                self._enqueue(session, "resolved", jobs[alert.job_id], alert, now)
+        for opened, message in changes.updated:
+            rows[opened.id].message = message
+        if self.settings.notify_on_success:
+            for job in running:
+                if job.state == JobState.SUCCEEDED.value:
+                    self._enqueue(session, "succeeded", job, None, now)
+
+    def _facts(self, job: Job, now: float) -> alerts.JobFacts:
+        spec = JobSpec.model_validate_json(job.spec_json)
+        view = self.observer.views.get(job.id)
+        progress = view.progress if view else None
+        forecast = view.forecast if view else None
+        return alerts.JobFacts(
+            job_id=job.id, name=job.name, state=job.state, reason=job.reason,
+            exit_code=job.exit_code, signal=job.signal, exit_reason=job.exit_reason,
+            attempt=job.attempt, started_at=job.started_at, ended_at=job.ended_at,
+            stall_timeout_s=spec.stall_timeout_s, startup_timeout_s=spec.startup_timeout_s,
+            items_done=progress.items_done if progress else None,
+            items_expected=spec.expected_items,
+            first_item_at=view.first_item_at if view else None,
+            last_progress_at=self.observer.last_progress_at(job.id),
+            activity_at=view.activity_at if view else None,
+            eta_s=forecast.eta_s if forecast else None,
+            disk_free_bytes=forecast.disk_free_bytes if forecast else None,
+            disk_full_in_s=forecast.disk_full_in_s if forecast else None,
+            will_fit=forecast.will_fit if forecast else None,
+            gpu_memory_fraction=view.gpu_memory_fraction if view else None,
+        )
+
+    def _enqueue(self, session: Session, kind: str, job: Job, alert: Alert | None,
+                 now: float) -> None:
+        if not self.notifier.destinations:
+            return
+        snapshot = job_out(job, self.observer.views.get(job.id)).model_dump(mode="json")
+        lines, _ = (tail_lines(log_path(self.settings.jobs_dir, job.id, job.attempt),
+                               LOG_TAIL_LINES) if job.attempt else ([], 0))
+        message = compose(kind, snapshot, log_tail=lines,
+                          alert=alert_out(alert).model_dump(mode="json") if alert else None)
+        self.notifier.enqueue(session, kind, message, job_id=job.id,
+                              alert_id=alert.id if alert else None, now=now)
+
     def _observed(self, job: Job, attempt: Attempt) -> ObservedJob:
         """The sampler's view of a job: its tree is rooted at the shim (which is the
         subreaper of everything the job spawns), or at the worker if the shim is gone."""
@@ -144,7 +236,7 @@ class Engine:
         else:
             root, root_time = job.pid or -1, job.pid_create_time
         return ObservedJob(job.id, JobSpec.model_validate_json(job.spec_json), job.attempt,
-                           root, root_time, job.pid)
+                           root, root_time, job.pid, job.started_at)
 
     def _attempt(self, job: Job) -> Attempt:
         return self.backend.attempt(job.id, job.attempt, job.shim_pid, job.shim_create_time)
@@ -219,14 +311,22 @@ class Engine:
         elif status.signal is not None:
             job.exit_reason = ExitReason.SIGNAL.value
             reason = f"killed by signal {status.signal} ({signal_name(status.signal)})"
-        elif status.exit_code == 0:
+        if status.exit_code == 0 and not status.spawn_error:
             job.exit_reason = ExitReason.EXIT.value
             store.transition(session, job, JobState.SUCCEEDED, now=ended_at,
                              reason="exited with code 0")
             return
-        else:
+        if status.signal is None and not status.spawn_error:
             job.exit_reason = ExitReason.EXIT.value
             reason = f"exited with code {status.exit_code}"
+        lines, _ = tail_lines(log_path(self.settings.jobs_dir, job.id, job.attempt),
+                              LOG_TAIL_LINES)
+        notes, oom = alerts.classify_exit(exit_code=status.exit_code, signal=status.signal,
+                                          oom_kills=status.oom_kills or 0, log_tail=lines)
+        if oom:
+            job.exit_reason = ExitReason.OOM.value
+        if notes:
+            reason = f"{reason} — {notes}"
 
         spec = JobSpec.model_validate_json(job.spec_json)
         if spec.restart_policy is RestartPolicy.ON_FAILURE and job.restarts < spec.max_restarts:

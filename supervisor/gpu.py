@@ -19,6 +19,8 @@ class GpuReader:
         self._nvml: Any = None
         self._ready = False
         self._next_init_at = 0.0
+        self.fraction_by_pid: dict[int, float] = {}
+        """After `memory_by_pid`: per pid, how full (0..1) the fullest GPU it uses is."""
 
     def _init(self, now: float) -> bool:
         if self._ready:
@@ -42,10 +44,13 @@ class GpuReader:
             return None
         nvml = self._nvml
         used: dict[int, int] = {}
+        fraction: dict[int, float] = {}
         try:
             count = nvml.nvmlDeviceGetCount()
             for index in range(count):
                 handle = nvml.nvmlDeviceGetHandleByIndex(index)
+                info = nvml.nvmlDeviceGetMemoryInfo(handle)
+                device_fraction = info.used / info.total if info.total else 0.0
                 getters: list[Callable[[Any], Any]] = [
                     nvml.nvmlDeviceGetComputeRunningProcesses,
                     nvml.nvmlDeviceGetGraphicsRunningProcesses,
@@ -59,9 +64,11 @@ class GpuReader:
                         memory = proc.usedGpuMemory
                         if isinstance(memory, int) and memory >= 0:
                             used[proc.pid] = used.get(proc.pid, 0) + memory
+                        fraction[proc.pid] = max(fraction.get(proc.pid, 0.0), device_fraction)
         except Exception as exc:  # a GPU fallen off the bus must not break the tick
             log.warning("NVML query failed: %s", exc)
             return None
+        self.fraction_by_pid = fraction
         return used
 
     def close(self) -> None:

@@ -60,6 +60,8 @@ class ExitStatus:
     killed_after_grace: bool
     max_rss_bytes: int
     spawn_error: str | None
+    oom_kills: int | None = None
+    """OOM kills in the shim's cgroup during the run (None: no readable cgroup v2)."""
 
 
 def job_dir(jobs_dir: Path, job_id: str) -> Path:
@@ -168,7 +170,7 @@ class LocalBackend:
             ended_at=float(data["ended_at"]), stop_requested=bool(data.get("stop_requested")),
             killed_after_grace=bool(data.get("killed_after_grace")),
             max_rss_bytes=int(data.get("max_rss_bytes") or 0),
-            spawn_error=data.get("spawn_error"),
+            spawn_error=data.get("spawn_error"), oom_kills=data.get("oom_kills"),
         )
 
     def shim_alive(self, attempt: Attempt) -> bool:

@@ -81,3 +81,44 @@ class Sample(Base):
     num_threads: Mapped[int] = mapped_column(Integer, default=0)
     gpu_memory_bytes: Mapped[int | None] = mapped_column(BigInteger)
     disk_free_bytes: Mapped[int | None] = mapped_column(BigInteger)
+
+
+class Alert(Base):
+    """A firing or resolved alert. At most one firing alert per (job, rule): a partial
+    unique index enforces it (migration 0003)."""
+
+    __tablename__ = "alerts"
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
+    job_id: Mapped[str] = mapped_column(ForeignKey("jobs.id", ondelete="CASCADE"), index=True)
+    rule: Mapped[str] = mapped_column(String(32))
+    severity: Mapped[str] = mapped_column(String(16))
+    state: Mapped[str] = mapped_column(String(16), index=True)
+    started_at: Mapped[float] = mapped_column(Float)
+    resolved_at: Mapped[float | None] = mapped_column(Float)
+    message: Mapped[str] = mapped_column(Text)
+
+
+class Notification(Base):
+    """The outbox: one message to one destination. Written in the same transaction as
+    the alert it announces, so a daemon killed before delivery delivers after restart
+    (at least once)."""
+
+    __tablename__ = "notifications"
+    __table_args__ = (Index("ix_notifications_pending", "destination", "sent_at", "failed_at"),)
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
+    destination: Mapped[str] = mapped_column(String(16))
+    """`slack` or `webhook`."""
+    kind: Mapped[str] = mapped_column(String(16))
+    """`firing`, `resolved` or `succeeded`."""
+    job_id: Mapped[str | None] = mapped_column(String(32))
+    alert_id: Mapped[int | None] = mapped_column(Integer)
+    payload_json: Mapped[str] = mapped_column(Text)
+    created_at: Mapped[float] = mapped_column(Float)
+    attempts: Mapped[int] = mapped_column(Integer, default=0)
+    next_attempt_at: Mapped[float] = mapped_column(Float)
+    sent_at: Mapped[float | None] = mapped_column(Float)
+    failed_at: Mapped[float | None] = mapped_column(Float)
+    """Set when delivery was given up (a 4xx other than 429): not retried."""
+    last_error: Mapped[str | None] = mapped_column(Text)

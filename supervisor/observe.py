@@ -7,19 +7,20 @@ from __future__ import annotations
 import logging
 import os
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from supervisor import forecast as fc
 from supervisor import progress as reports
-from supervisor.api_time import iso
 from supervisor.launcher import log_path, progress_path
 from supervisor.models import Sample
 from supervisor.sampler import Sampler, TreeReading, TreeTarget
 from supervisor.scanner import OutputScanner
 from supervisor.spec import Forecast, JobSpec, Progress, Resources
+from supervisor.timefmt import iso
 
 log = logging.getLogger(__name__)
+
 
 HISTORY_KEEP_S = 60.0
 """A reading with no new item or byte is kept in the history at most this often (it
@@ -39,6 +40,7 @@ class ObservedJob:
     root_pid: int
     root_create_time: float | None
     worker_pid: int | None
+    started_at: float | None = None
 
 
 @dataclass(frozen=True)
@@ -51,6 +53,16 @@ class JobView:
     cpu_time_s: float = 0.0
     read_bytes: int = 0
     disk_device: int | None = None
+    first_item_at: float | None = None
+    """When this attempt produced its first new item (None while warming up)."""
+    activity_at: float | None = None
+    """Last time CPU time, read bytes, bytes written or GPU memory moved."""
+    gpu_memory_fraction: float | None = None
+
+
+ACTIVITY_CPU_S = 0.05
+"""CPU seconds a tree must use between two readings to count as active (a sleeping
+Python process still wakes up now and then)."""
 
 
 @dataclass
@@ -59,6 +71,33 @@ class _JobState:
     history: list[fc.Observation] = field(default_factory=list)
     last_items: int | None = None
     last_progress_at: float | None = None
+    baseline_items: int | None = None
+    first_item_at: float | None = None
+    activity_at: float | None = None
+    activity_mark: tuple[float, int, int, int | None] | None = None
+    """(cpu_time_s, read_bytes, bytes_written, gpu_memory_bytes) at the last reading."""
+
+    def note_items(self, items_done: int | None, now: float) -> None:
+        if items_done is None:
+            return
+        if self.baseline_items is None:
+            self.baseline_items = items_done  # what a resumed job starts from
+        elif self.first_item_at is None and items_done > self.baseline_items:
+            self.first_item_at = now
+        if items_done != self.last_items:
+            if self.last_items is not None:
+                self.last_progress_at = now
+            self.last_items = items_done
+
+    def note_activity(self, tree: TreeReading, bytes_written: int, now: float) -> None:
+        mark = (tree.cpu_time_s, tree.read_bytes, bytes_written, tree.gpu_memory_bytes)
+        previous = self.activity_mark
+        self.activity_mark = mark
+        if previous is None:
+            return
+        if (mark[0] - previous[0] >= ACTIVITY_CPU_S or mark[1] != previous[1]
+                or mark[2] != previous[2] or mark[3] != previous[3]):
+            self.activity_at = now
 
 
 def disk_free(path: str | None) -> tuple[int | None, int | None]:
@@ -122,6 +161,10 @@ class Observer:
             views[job_id] = JobView(progress=view.progress, disk_device=view.disk_device)
             self.views = views
 
+    def last_progress_at(self, job_id: str) -> float | None:
+        state = self._state.get(job_id)
+        return state.last_progress_at if state else None
+
     def seed(self, job_id: str, progress: Progress) -> None:
         """A view for a job seen before a daemon restart (its stored progress)."""
         self.views.setdefault(job_id, JobView(progress=progress))
@@ -132,7 +175,7 @@ class Observer:
         state = self._state.get(job.job_id)
         if state is None:
             scanner = OutputScanner(spec.output_dir, spec.pattern) if spec.output_dir else None
-            state = self._state[job.job_id] = _JobState(scanner)
+            state = self._state[job.job_id] = _JobState(scanner, activity_at=job.started_at)
         files = bytes_written = 0
         if state.scanner is not None:
             scan = state.scanner.scan(now)
@@ -153,10 +196,8 @@ class Observer:
         else:
             items_done, items_total, metrics, source = None, spec.expected_items, {}, None
 
-        if items_done is not None and items_done != state.last_items:
-            if state.last_items is not None or items_done > 0:
-                state.last_progress_at = now
-            state.last_items = items_done
+        state.note_items(items_done, now)
+        state.note_activity(tree, bytes_written, now)
         self._remember(state, fc.Observation(now, items_done, bytes_written))
         job_forecast = fc.forecast_job(
             state.history, items_total=items_total, now=now, disk_free_bytes=free_bytes,
@@ -172,7 +213,10 @@ class Observer:
             read_bytes=tree.read_bytes, gpu_memory_bytes=tree.gpu_memory_bytes)
         view = _with_forecast(
             JobView(progress=progress, resources=resources, cpu_time_s=tree.cpu_time_s,
-                    read_bytes=tree.read_bytes, disk_device=device), job_forecast)
+                    read_bytes=tree.read_bytes, disk_device=device,
+                    first_item_at=state.first_item_at, activity_at=state.activity_at,
+                    gpu_memory_fraction=tree.gpu_memory_fraction),
+            job_forecast)
         sample = Sample(
             job_id=job.job_id, t=now, items_done=items_done, items_total=items_total,
             files=files, bytes_written=bytes_written, cpu_percent=tree.cpu_percent,
@@ -200,13 +244,13 @@ class Observer:
         """Continue a running job's forecast after a daemon restart from stored samples."""
         spec = job.spec
         state = self._state.setdefault(job.job_id, _JobState(
-            OutputScanner(spec.output_dir, spec.pattern) if spec.output_dir else None))
+            OutputScanner(spec.output_dir, spec.pattern) if spec.output_dir else None,
+            activity_at=job.started_at))
         for row in rows:
             self._remember(state, fc.Observation(row.t, row.items_done, row.bytes_written))
-            if row.items_done is not None and row.items_done != state.last_items:
-                if state.last_items is not None or row.items_done > 0:
-                    state.last_progress_at = row.t
-                state.last_items = row.items_done
+            state.note_items(row.items_done, row.t)
+        if rows:  # the daemon was down: count its restart as activity, not as a stall
+            state.activity_at = max(state.activity_at or 0.0, rows[-1].t)
 
 
 def _with_forecast(view: JobView, f: fc.Forecast) -> JobView:
@@ -215,9 +259,7 @@ def _with_forecast(view: JobView, f: fc.Forecast) -> JobView:
         bytes_per_item=f.bytes_per_item, projected_total_bytes=f.projected_total_bytes,
         disk_free_bytes=f.disk_free_bytes, disk_full_in_s=f.disk_full_in_s,
         will_fit=f.will_fit)
-    return JobView(progress=view.progress, forecast=shown, resources=view.resources,
-                   cpu_time_s=view.cpu_time_s, read_bytes=view.read_bytes,
-                   disk_device=view.disk_device)
+    return replace(view, forecast=shown)
 
 
 def progress_json(view: JobView) -> str:

@@ -52,16 +52,21 @@ def from_progress_file(path: str | os.PathLike[str]) -> Reported | None:
 
 def from_log(path: str | os.PathLike[str]) -> Reported | None:
     """The last progress bar (or `n/total`) in the log's tail. tqdm redraws with `\\r`,
-    so the tail is split on both `\\r` and `\\n` and searched from the end."""
+    so the tail is split on both `\\r` and `\\n` and searched from the end. A line cut
+    by the window's start is dropped: the end of `4500/5000` is not `500/5000`."""
     try:
         with open(path, "rb") as f:
             f.seek(0, os.SEEK_END)
             size = f.tell()
-            f.seek(max(0, size - LOG_TAIL_BYTES))
+            start = max(0, size - LOG_TAIL_BYTES)
+            f.seek(max(0, start - 1))  # one byte more: is the window's first line whole?
             tail = f.read()
     except OSError:
         return None
-    for line in reversed(re.split(rb"[\r\n]", tail)):
+    lines = re.split(rb"[\r\n]", tail)
+    if start > 0:
+        lines = lines[1:]  # the cut line, or b"" when the byte before was a line break
+    for line in reversed(lines):
         match = TQDM_RE.search(line)
         if match:
             total = None if match.group(2) == b"?" else int(match.group(2))

@@ -131,6 +131,8 @@ class TreeReading:
     read_bytes: int
     write_bytes: int
     gpu_memory_bytes: int | None
+    gpu_memory_fraction: float | None = None
+    """How full (0..1) the fullest GPU the tree uses is; None without NVML."""
 
 
 @dataclass
@@ -180,15 +182,19 @@ class Sampler:
         worker = table.procs.get(target.worker_pid) if target.worker_pid else None
         if worker is None or worker not in procs:
             worker = root if same_root else None
-        gpu = None
+        gpu = gpu_fraction = None
         if gpu_by_pid is not None:
             gpu = sum(gpu_by_pid.get(p.pid, 0) for p in live)
+            fractions = [self.gpu.fraction_by_pid[p.pid] for p in live
+                         if p.pid in self.gpu.fraction_by_pid]
+            gpu_fraction = max(fractions, default=None)
         return TreeReading(
             t=now, status=STATUS_NAMES.get(worker.state, worker.state) if worker else None,
             num_procs=len(live), num_threads=sum(p.num_threads for p in live),
             cpu_time_s=cpu_time_s, cpu_percent=self._cpu_percent(target.job_id, now, cpu_time_s),
             rss_bytes=sum(p.rss_pages for p in live) * PAGE_SIZE,
             read_bytes=read_bytes, write_bytes=write_bytes, gpu_memory_bytes=gpu,
+            gpu_memory_fraction=gpu_fraction,
         )
 
     def _cpu_percent(self, job_id: str, now: float, cpu_time_s: float) -> float:

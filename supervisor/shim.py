@@ -62,6 +62,35 @@ def _children_of(ppid: int) -> list[int]:
     return found
 
 
+def oom_kill_count() -> int | None:
+    """The `oom_kill` counter of our memory cgroup: cgroup v2 `memory.events`, else v1
+    `memory.oom_control` (own path first, then the mount's root, which is what a
+    container with a cgroup namespace sees). None when none of them is readable."""
+    candidates = []
+    try:
+        with open("/proc/self/cgroup") as f:
+            for line in f:
+                _, controllers, path = line.rstrip("\n").split(":", 2)
+                if controllers == "":
+                    candidates += [f"/sys/fs/cgroup{path.rstrip('/')}/memory.events",
+                                   "/sys/fs/cgroup/memory.events"]
+                elif "memory" in controllers.split(","):
+                    candidates += [f"/sys/fs/cgroup/memory{path.rstrip('/')}/memory.oom_control",
+                                   "/sys/fs/cgroup/memory/memory.oom_control"]
+    except (OSError, ValueError):
+        return None
+    for candidate in candidates:
+        try:
+            with open(candidate) as f:
+                for line in f:
+                    key, _, value = line.partition(" ")
+                    if key == "oom_kill":
+                        return int(value)
+        except (OSError, ValueError):
+            continue
+    return None
+
+
 def _reap_all() -> None:
     """Reap every exited child without blocking."""
     while True:
@@ -79,6 +108,7 @@ class Shim:
         self.launch = launch
         self.grace_s = float(launch.get("stop_grace_s", 10.0))
         self.worker: subprocess.Popen[bytes] | None = None
+        self.oom_kills_at_start: int | None = None
         self.stop_requested = False
         self.killed = False
 
@@ -108,6 +138,7 @@ class Shim:
         atomic_write_json(self.attempt_dir / "shim.json",
                           {"pid": me, "create_time": create_time(me)})
 
+        self.oom_kills_at_start = oom_kill_count()
         log_path = self.launch["log_path"]
         with open(log_path, "ab", buffering=0) as log:
             try:
@@ -196,8 +227,13 @@ class Shim:
                 "killed_after_grace": self.killed,
                 "max_rss_bytes": max_rss_kb * 1024,
                 "spawn_error": spawn_error,
+                "oom_kills": _delta(self.oom_kills_at_start, oom_kill_count()),
             },
         )
+
+
+def _delta(before: int | None, after: int | None) -> int | None:
+    return after - before if before is not None and after is not None else None
 
 
 def _kill(pid: int, sig: signal.Signals) -> None:

@@ -32,6 +32,11 @@ class ExitReason(StrEnum):
     LOST = "lost"
 
 
+class AlertState(StrEnum):
+    FIRING = "firing"
+    RESOLVED = "resolved"
+
+
 class RestartPolicy(StrEnum):
     NEVER = "never"
     ON_FAILURE = "on-failure"

@@ -10,8 +10,8 @@ from sqlalchemy import Integer, cast, delete, func, select, update
 from sqlalchemy.orm import Session
 
 from supervisor.errors import JobNotFound
-from supervisor.models import Job, JobEvent, Sample
-from supervisor.spec import JobSpec, JobState
+from supervisor.models import Alert, Job, JobEvent, Sample
+from supervisor.spec import AlertState, JobSpec, JobState
 
 log = logging.getLogger(__name__)
 
@@ -149,3 +149,24 @@ def learned_bytes_per_item(session: Session, name: str) -> float | None:
     if last is None or not last.items_done or not last.bytes_written:
         return None
     return last.bytes_written / last.items_done
+
+
+# -- alerts -------------------------------------------------------------------------
+
+
+def alerts(session: Session, *, state: AlertState | None = None) -> Sequence[Alert]:
+    query = select(Alert).order_by(Alert.started_at, Alert.id)
+    if state is not None:
+        query = query.where(Alert.state == state.value)
+    return session.scalars(query).all()
+
+
+def firing_alerts_by_job(session: Session, *,
+                         job_id: str | None = None) -> dict[str, list[Alert]]:
+    query = select(Alert).where(Alert.state == AlertState.FIRING.value)
+    if job_id is not None:
+        query = query.where(Alert.job_id == job_id)
+    grouped: dict[str, list[Alert]] = {}
+    for alert in session.scalars(query.order_by(Alert.started_at, Alert.id)):
+        grouped.setdefault(alert.job_id, []).append(alert)
+    return grouped

@@ -171,3 +171,55 @@ def kill_jobs_of(data_dir: Path) -> None:
 def python_job(code: str) -> list[str]:
     """argv running `code` in a fresh Python."""
     return [PY, "-c", code]
+
+
+class Receiver:
+    """A local HTTP server standing in for Slack: records every POST, answers from a
+    script of (status, headers) and then 200."""
+
+    def __init__(self) -> None:
+        import threading
+        from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+        self.posts: list[tuple[float, dict[str, Any]]] = []
+        self.attempts: list[tuple[float, int]] = []
+        self.script: list[tuple[int, dict[str, str]]] = []
+        self.lock = threading.Lock()
+        receiver = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def do_POST(self) -> None:  # noqa: N802 - http.server's naming
+                body = self.rfile.read(int(self.headers.get("content-length", 0)))
+                with receiver.lock:
+                    status, headers = receiver.script.pop(0) if receiver.script else (200, {})
+                    receiver.attempts.append((time.time(), status))
+                    if status == 200:
+                        receiver.posts.append((time.time(), json.loads(body)))
+                self.send_response(status)
+                for key, value in headers.items():
+                    self.send_header(key, value)
+                self.end_headers()
+                self.wfile.write(b"ok" if status == 200 else b"nope")
+
+            def log_message(self, *args: Any) -> None:
+                pass
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}/hook"
+        self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
+        self.thread.start()
+
+    def texts(self) -> list[str]:
+        with self.lock:
+            return [body.get("text", "") for _, body in self.posts]
+
+    def close(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+
+
+@pytest.fixture
+def receiver() -> Iterator[Receiver]:
+    r = Receiver()
+    yield r
+    r.close()

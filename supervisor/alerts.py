@@ -1,0 +1,220 @@
+"""Alert rules: pure functions from what is known of a job at `now` to the alerts that
+should be firing, and the reconciliation with the alerts already open. No I/O, no clock.
+
+Rules (API.md): `crashed` (the job failed or was lost), `stalled` (phase-aware, below),
+`disk_will_fill` (the filesystem fills before the job's projected end), `disk_low`,
+`gpu_memory_high`, `incomplete` (exit 0 with fewer items than expected).
+
+`stalled` is phase-aware (DESIGN.md). Before the first item a model may load for
+24 minutes without output, so the job is stalled only when it shows no activity at all
+(CPU time, read bytes and GPU memory all flat) for `stall_timeout_s`, or when it passes
+`startup_timeout_s`. After the first item it is stalled when no new item arrives for
+`stall_timeout_s`.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+
+CRASHED, STALLED, DISK_WILL_FILL = "crashed", "stalled", "disk_will_fill"
+DISK_LOW, GPU_MEMORY_HIGH, INCOMPLETE = "disk_low", "gpu_memory_high", "incomplete"
+RULES = (CRASHED, STALLED, DISK_WILL_FILL, DISK_LOW, GPU_MEMORY_HIGH, INCOMPLETE)
+SEVERITY = {CRASHED: "critical", STALLED: "warning", DISK_WILL_FILL: "critical",
+            DISK_LOW: "warning", GPU_MEMORY_HIGH: "warning", INCOMPLETE: "warning"}
+EVENT_RULES = frozenset({CRASHED, INCOMPLETE})
+"""Rules about how a job ended: they stay firing for `AlertSettings.ended_alert_ttl_s`
+after the end (nothing can resolve them), then resolve quietly."""
+
+LOG_SIGNATURES: tuple[tuple[re.Pattern[str], str], ...] = (
+    (re.compile(r"CUDA out of memory|torch\.(cuda\.)?OutOfMemoryError|CUBLAS_STATUS_ALLOC_FAILED"
+                r"|cudaErrorMemoryAllocation", re.I), "CUDA out of memory (seen in the log)"),
+    (re.compile(r"No space left on device|ENOSPC|Errno 28", re.I),
+     "disk full: ENOSPC (seen in the log)"),
+    (re.compile(r"\bMemoryError\b|Cannot allocate memory|std::bad_alloc"),
+     "host out of memory (seen in the log)"),
+    (re.compile(r"NCCL (error|WARN.*[Tt]imeout)|Watchdog caught collective operation timeout"),
+     "NCCL error or timeout (seen in the log)"),
+)
+
+
+@dataclass(frozen=True)
+class AlertSettings:
+    disk_low_bytes: int = 5_000_000_000
+    """`disk_low` below this many free bytes on a running job's output filesystem."""
+    gpu_memory_high_fraction: float = 0.95
+    """`gpu_memory_high` when a GPU the job uses is fuller than this."""
+    ended_alert_ttl_s: float = 86_400.0
+
+
+@dataclass(frozen=True)
+class JobFacts:
+    """What the rules know of one job at one moment (times in seconds since the epoch)."""
+
+    job_id: str
+    name: str
+    state: str
+    reason: str | None
+    exit_code: int | None
+    signal: int | None
+    exit_reason: str | None
+    attempt: int
+    started_at: float | None
+    ended_at: float | None
+    stall_timeout_s: float
+    startup_timeout_s: float | None
+    items_done: int | None = None
+    items_expected: int | None = None
+    first_item_at: float | None = None
+    """When this attempt produced its first item (None: still warming up)."""
+    last_progress_at: float | None = None
+    activity_at: float | None = None
+    """Last time CPU time, read bytes or GPU memory moved."""
+    eta_s: float | None = None
+    disk_free_bytes: int | None = None
+    disk_full_in_s: float | None = None
+    will_fit: bool | None = None
+    gpu_memory_fraction: float | None = None
+
+
+@dataclass(frozen=True)
+class Firing:
+    job_id: str
+    rule: str
+    severity: str
+    message: str
+
+
+@dataclass(frozen=True)
+class OpenAlert:
+    """An alert recorded as firing."""
+
+    id: int
+    job_id: str
+    rule: str
+
+
+@dataclass(frozen=True)
+class Changes:
+    opened: tuple[Firing, ...]
+    resolved: tuple[OpenAlert, ...]
+    updated: tuple[tuple[OpenAlert, str], ...]
+    """Still firing with a new message (e.g. stalled for longer): (alert, message)."""
+
+
+def evaluate(job: JobFacts, *, now: float, settings: AlertSettings) -> list[Firing]:
+    """The alerts that should be firing for this job now."""
+    out: list[Firing] = []
+
+    def fire(rule: str, message: str) -> None:
+        out.append(Firing(job.job_id, rule, SEVERITY[rule], message))
+
+    if job.state in ("failed", "lost") and job.attempt > 0 and _recent(job, now, settings):
+        fire(CRASHED, f"{job.name} {job.state}: {job.reason or 'no reason recorded'}")
+    if (job.state == "succeeded" and job.items_expected is not None
+            and job.items_done is not None and job.items_done < job.items_expected
+            and _recent(job, now, settings)):
+        fire(INCOMPLETE, f"{job.name} exited 0 with {job.items_done} of "
+                         f"{job.items_expected} expected items")
+    if job.state != "running":
+        return out
+
+    stalled = stall_message(job, now)
+    if stalled:
+        fire(STALLED, stalled)
+    if job.will_fit is False:
+        fire(DISK_WILL_FILL, f"{job.name}: its remaining output does not fit in the "
+                             f"{_gb(job.disk_free_bytes)} free")
+    elif (job.disk_full_in_s is not None and job.eta_s is not None
+          and job.disk_full_in_s < job.eta_s):
+        fire(DISK_WILL_FILL, f"{job.name}: disk full in {_duration(job.disk_full_in_s)}, "
+                             f"before the job ends in {_duration(job.eta_s)}")
+    if job.disk_free_bytes is not None and job.disk_free_bytes < settings.disk_low_bytes:
+        fire(DISK_LOW, f"{job.name}: only {_gb(job.disk_free_bytes)} free on its output disk")
+    if (job.gpu_memory_fraction is not None
+            and job.gpu_memory_fraction >= settings.gpu_memory_high_fraction):
+        fire(GPU_MEMORY_HIGH, f"{job.name}: GPU memory {job.gpu_memory_fraction:.0%} full")
+    return out
+
+
+def stall_message(job: JobFacts, now: float) -> str | None:
+    """Why a running job counts as stalled, or None (see the module docstring)."""
+    if job.started_at is None:
+        return None
+    if job.first_item_at is None:
+        if job.startup_timeout_s is not None and now - job.started_at > job.startup_timeout_s:
+            return (f"{job.name}: no first item {_duration(now - job.started_at)} after start "
+                    f"(startup timeout {_duration(job.startup_timeout_s)})")
+        quiet_since = max(job.activity_at or job.started_at, job.started_at)
+        if now - quiet_since > job.stall_timeout_s:
+            return (f"{job.name}: no activity (CPU, reads, GPU memory flat) for "
+                    f"{_duration(now - quiet_since)} before its first item")
+        return None
+    last = job.last_progress_at or job.first_item_at
+    if now - last > job.stall_timeout_s:
+        done = f" at {job.items_done} items" if job.items_done is not None else ""
+        return f"{job.name}: no new item for {_duration(now - last)}{done}"
+    return None
+
+
+def reconcile(firing: Iterable[Firing], open_alerts: Iterable[OpenAlert],
+              messages: Mapping[int, str], *, settled_job_ids: Iterable[str] = ()) -> Changes:
+    """What to record: alerts to open (one per job and rule, never a duplicate), alerts
+    to resolve (no longer firing), and open alerts whose message changed. Open alerts of
+    jobs not evaluated this time are left alone unless their job is in `settled_job_ids`
+    (jobs evaluated, or known gone)."""
+    wanted = {(f.job_id, f.rule): f for f in firing}
+    settled = set(settled_job_ids) | {f.job_id for f in wanted.values()}
+    opened, resolved, updated = [], [], []
+    open_keys = set()
+    for alert in open_alerts:
+        key = (alert.job_id, alert.rule)
+        open_keys.add(key)
+        if key in wanted:
+            if messages.get(alert.id) != wanted[key].message:
+                updated.append((alert, wanted[key].message))
+        elif alert.job_id in settled:
+            resolved.append(alert)
+    for key, f in wanted.items():
+        if key not in open_keys:
+            opened.append(f)
+    return Changes(tuple(opened), tuple(resolved), tuple(updated))
+
+
+def classify_exit(*, exit_code: int | None, signal: int | None, oom_kills: int,
+                  log_tail: Sequence[str]) -> tuple[str | None, str | None]:
+    """(extra explanation, "oom" when the exit was an out-of-memory kill) of a failed
+    exit. The cgroup's `oom_kill` counter rising during the run with a SIGKILL is an OOM
+    kill; a SIGKILL alone is only a guess, and says so."""
+    notes = []
+    exit_reason = None
+    if signal == 9 and oom_kills > 0:
+        notes.append(f"OOM-killed: the cgroup's oom_kill count rose by {oom_kills}")
+        exit_reason = "oom"
+    elif signal == 9:
+        notes.append("SIGKILL from outside the job: possibly the kernel OOM killer (a guess; "
+                     "no OOM kill recorded in a readable cgroup)")
+    text = "\n".join(log_tail)
+    for pattern, meaning in LOG_SIGNATURES:
+        if pattern.search(text):
+            notes.append(meaning)
+            break
+    return ("; ".join(notes) or None), exit_reason
+
+
+def _recent(job: JobFacts, now: float, settings: AlertSettings) -> bool:
+    return job.ended_at is None or now - job.ended_at < settings.ended_alert_ttl_s
+
+
+def _gb(n: int | None) -> str:
+    return "?" if n is None else f"{n / 1e9:,.1f} GB"
+
+
+def _duration(seconds: float) -> str:
+    seconds = max(0.0, seconds)
+    if seconds < 120:
+        return f"{seconds:.0f} s"
+    if seconds < 7200:
+        return f"{seconds / 60:.0f} min"
+    return f"{seconds / 3600:.1f} h"

@@ -1,0 +1,171 @@
+"""Prometheus metrics, rendered at scrape time from the current state by a custom
+collector: a restarted daemon never exports stale series, and the series of an ended
+job disappear after `metrics_ended_retention_s`."""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Callable, Iterator, Mapping
+from datetime import datetime
+from pathlib import Path
+
+from prometheus_client import CollectorRegistry, Histogram
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.registry import Collector
+from sqlalchemy import or_, select
+from sqlalchemy.orm import Session, sessionmaker
+
+from supervisor import alerts as rules
+from supervisor.models import Alert, Job
+from supervisor.notify import Notifier
+from supervisor.observe import JobView
+from supervisor.spec import AlertState, JobSpec, JobState
+
+JOB_LABELS = ["job_id", "job_name"]
+TICK_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
+
+
+def mountpoint(path: str) -> str | None:
+    """The mount point of the filesystem holding `path` (or its nearest existing parent)."""
+    current = Path(path).resolve()
+    while not current.exists():
+        if current.parent == current:
+            return None
+        current = current.parent
+    try:
+        device = os.stat(current).st_dev
+        while current.parent != current and os.stat(current.parent).st_dev == device:
+            current = current.parent
+    except OSError:
+        return None
+    return str(current)
+
+
+def _gauge(name: str, doc: str, extra: list[str] | None = None) -> GaugeMetricFamily:
+    return GaugeMetricFamily(name, doc, labels=JOB_LABELS + (extra or []))
+
+
+class JobsCollector(Collector):
+    def __init__(self, sessions: sessionmaker[Session], views: Callable[[], Mapping[str, JobView]],
+                 notifier: Notifier | None, ended_retention_s: float,
+                 clock: Callable[[], float] = time.time):
+        self.sessions = sessions
+        self.views = views
+        self.notifier = notifier
+        self.ended_retention_s = ended_retention_s
+        self.clock = clock
+
+    def collect(self) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:
+        now = self.clock()
+        with self.sessions() as session:
+            jobs = session.scalars(select(Job).where(or_(
+                Job.ended_at.is_(None), Job.ended_at >= now - self.ended_retention_s))).all()
+            firing = session.scalars(
+                select(Alert).where(Alert.state == AlertState.FIRING.value)).all()
+        views = self.views()
+        state = _gauge("jobsup_job_state", "1 for the job's current state", ["state"])
+        g = {name: _gauge(f"jobsup_job_{name}", doc) for name, doc in (
+            ("items_done", "Items done (progress)"),
+            ("items_total", "Items expected in all"),
+            ("files", "Output files matching the job's pattern"),
+            ("bytes_written", "Bytes of the job's output files"),
+            ("rate_items_per_second", "Items per second, ignoring warm-up"),
+            ("eta_seconds", "Seconds until the job is projected to finish"),
+            ("last_progress_timestamp_seconds", "When the item count last changed"),
+            ("cpu_percent", "CPU % of the job's process tree (100 = one core)"),
+            ("rss_bytes", "Resident memory of the job's process tree"),
+            ("gpu_memory_bytes", "GPU memory of the job's process tree"),
+            ("disk_full_in_seconds", "Seconds until the output filesystem is full"),
+            ("projected_total_bytes", "Bytes the job's output will have in the end"),
+            ("will_fit", "1 if the job's remaining output fits on its filesystem"),
+            ("stalled", "1 while the job's stalled alert fires"),
+            ("exit_code", "Exit code of the job's last attempt"),
+            ("restarts", "Restarts so far"),
+        )}
+        metric = _gauge("jobsup_job_metric", "Worker-reported metric (loss, acc, ...)", ["name"])
+        stalled_jobs = {a.job_id for a in firing if a.rule == rules.STALLED}
+        outputs: set[str] = set()
+        for job in jobs:
+            labels = [job.id, job.name]
+            for s in JobState:
+                state.add_metric([*labels, s.value], 1.0 if job.state == s.value else 0.0)
+            g["restarts"].add_metric(labels, job.restarts)
+            g["stalled"].add_metric(labels, 1.0 if job.id in stalled_jobs else 0.0)
+            if job.exit_code is not None:
+                g["exit_code"].add_metric(labels, job.exit_code)
+            spec = JobSpec.model_validate_json(job.spec_json)
+            if job.state == JobState.RUNNING.value and spec.output_dir:
+                outputs.add(spec.output_dir)
+            view = views.get(job.id)
+            if view is None:
+                if spec.expected_items is not None:
+                    g["items_total"].add_metric(labels, spec.expected_items)
+                continue
+            p, f, r = view.progress, view.forecast, view.resources
+            values = {
+                "items_done": p.items_done, "items_total": p.items_total, "files": p.files,
+                "bytes_written": p.bytes_written, "rate_items_per_second": f.rate_items_per_s,
+                "eta_seconds": f.eta_s, "disk_full_in_seconds": f.disk_full_in_s,
+                "projected_total_bytes": f.projected_total_bytes,
+                "will_fit": None if f.will_fit is None else float(f.will_fit),
+                "gpu_memory_bytes": r.gpu_memory_bytes,
+                "last_progress_timestamp_seconds": _timestamp(p.last_progress_at),
+            }
+            if job.state == JobState.RUNNING.value:
+                values.update(cpu_percent=r.cpu_percent, rss_bytes=r.rss_bytes)
+            for name, value in values.items():
+                if value is not None:
+                    g[name].add_metric(labels, float(value))
+            for name, value in p.metrics.items():
+                metric.add_metric([*labels, name], value)
+        yield state
+        yield from g.values()
+        yield metric
+
+        free = GaugeMetricFamily("jobsup_filesystem_free_bytes",
+                                 "Free bytes of a filesystem running jobs write to",
+                                 labels=["mountpoint"])
+        for mount in sorted({m for m in map(mountpoint, outputs) if m}):
+            try:
+                st = os.statvfs(mount)
+            except OSError:
+                continue
+            free.add_metric([mount], st.f_bavail * st.f_frsize)
+        yield free
+
+        counts = {rule: 0 for rule in rules.RULES}
+        for alert in firing:
+            counts[alert.rule] = counts.get(alert.rule, 0) + 1
+        alerts_firing = GaugeMetricFamily("jobsup_alerts_firing", "Firing alerts per rule",
+                                          labels=["rule"])
+        for rule, count in counts.items():
+            alerts_firing.add_metric([rule], count)
+        yield alerts_firing
+
+        if self.notifier is not None:
+            for kind, counter, doc in (
+                ("sent", self.notifier.sent, "Notifications delivered"),
+                ("failed", self.notifier.failed, "Notifications given up (4xx but 429)"),
+                ("retries", self.notifier.retried, "Delivery attempts to be retried"),
+            ):
+                family = CounterMetricFamily(f"jobsup_notifications_{kind}", doc,
+                                             labels=["destination"])
+                for destination in self.notifier.destinations:
+                    family.add_metric([destination], counter[destination])
+                yield family
+
+
+def _timestamp(iso: str | None) -> float | None:
+    if iso is None:
+        return None
+    return datetime.fromisoformat(iso.replace("Z", "+00:00")).timestamp()
+
+
+def build_registry(collector: JobsCollector) -> tuple[CollectorRegistry, Histogram]:
+    """The daemon's own registry (never the global one) and its tick histogram."""
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(collector)
+    tick = Histogram("jobsup_tick_duration_seconds", "Duration of one engine tick",
+                     buckets=TICK_BUCKETS, registry=registry)
+    return registry, tick

@@ -1,0 +1,171 @@
+"""Alerts end to end: real jobs, a real daemon, a local receiver standing in for Slack."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+from tests.conftest import Daemon, Receiver, python_job, wait_for
+
+
+def slack_daemon(make_daemon, receiver: Receiver, **env: str) -> Daemon:
+    return make_daemon(env={"JOBSUP_SLACK_WEBHOOK_URL": receiver.url,
+                            "JOBSUP_NOTIFY_ON_SUCCESS": "false", **env})
+
+
+def test_crash_gives_exactly_one_message_within_5_s(make_daemon, receiver: Receiver) -> None:
+    daemon = slack_daemon(make_daemon, receiver)
+    job = daemon.submit(python_job(
+        "import sys; print('loading'); print('RuntimeError: CUDA out of memory. Tried to "
+        "allocate 2.00 GiB'); sys.exit(1)"), name="extract")
+    done = daemon.wait_state(job["id"], "failed")
+    t_end = time.time()
+    wait_for(lambda: receiver.posts, 5, what="a Slack message")
+    time.sleep(2.5)  # a few more ticks: still exactly one
+    (text,) = receiver.texts()
+    assert time.time() - t_end < 8
+    assert "CRITICAL: crashed" in text and "extract" in text and job["id"] in text
+    assert "exited with code 1" in text and "CUDA out of memory" in text
+    assert "last log lines" in text and "loading" in text
+    assert done["reason"] == "exited with code 1 — CUDA out of memory (seen in the log)"
+    (alert,) = daemon.http.get("/api/v1/alerts", params={"state": "firing"}).json()
+    assert alert["rule"] == "crashed" and alert["job_id"] == job["id"]
+    assert [a["rule"] for a in daemon.job(job["id"])["alerts"]] == ["crashed"]
+
+
+def test_429_retry_after_is_honoured(make_daemon, receiver: Receiver) -> None:
+    receiver.script = [(429, {"Retry-After": "2"})]
+    daemon = slack_daemon(make_daemon, receiver)
+    job = daemon.submit(python_job("import sys; sys.exit(2)"))
+    daemon.wait_state(job["id"], "failed")
+    wait_for(lambda: receiver.posts, 10, what="the retried message")
+    (first_try, status), (second_try, ok) = receiver.attempts
+    assert (status, ok) == (429, 200)
+    assert second_try - first_try >= 2.0
+    assert len(receiver.posts) == 1
+
+
+def test_server_errors_back_off_and_4xx_is_not_retried(make_daemon, receiver: Receiver) -> None:
+    receiver.script = [(500, {}), (503, {}), (400, {})]
+    daemon = slack_daemon(make_daemon, receiver)
+    a = daemon.submit(python_job("import sys; sys.exit(3)"), name="first")
+    daemon.wait_state(a["id"], "failed")
+    wait_for(lambda: len(receiver.attempts) >= 3, 15, what="three attempts")
+    b = daemon.submit(python_job("import sys; sys.exit(4)"), name="second")
+    daemon.wait_state(b["id"], "failed")
+    wait_for(lambda: receiver.posts, 15, what="the second message")
+    statuses = [s for _, s in receiver.attempts]
+    assert statuses == [500, 503, 400, 200]  # the 400 was given up, the next one sent
+    assert "second" in receiver.texts()[0]
+    metrics = daemon.http.get("/metrics").text
+    assert 'jobsup_notifications_failed_total{destination="slack"} 1.0' in metrics
+    assert 'jobsup_notifications_sent_total{destination="slack"} 1.0' in metrics
+
+
+def test_message_survives_a_daemon_kill(make_daemon, receiver: Receiver) -> None:
+    receiver.script = [(503, {})] * 3
+    daemon = slack_daemon(make_daemon, receiver)
+    job = daemon.submit(python_job("import sys; sys.exit(9)"), name="doomed")
+    daemon.wait_state(job["id"], "failed")
+    wait_for(lambda: receiver.attempts, 10, what="a first (failed) delivery")
+    daemon.kill()
+    assert receiver.posts == []
+    receiver.script = []
+    daemon.start()
+    wait_for(lambda: receiver.posts, 10, what="delivery after the restart")
+    assert "doomed" in receiver.texts()[0]
+
+
+def test_stalled_fires_only_after_the_last_item(make_daemon, receiver: Receiver,
+                                                 tmp_path: Path) -> None:
+    """A 10 s silent load phase (busy CPU, no output) with stall_timeout_s 4 must not
+    fire; the hang after the last item must."""
+    out = tmp_path / "out"
+    code = f"""
+import os, time
+t0 = time.time()
+while time.time() - t0 < 10:   # loading: CPU busy, nothing written, nothing printed
+    sum(i * i for i in range(10000))
+os.makedirs({str(out)!r}, exist_ok=True)
+for i in range(5):
+    open(os.path.join({str(out)!r}, f"item{{i}}.bin"), "wb").write(b"x")
+    time.sleep(0.3)
+time.sleep(600)                # hang
+"""
+    daemon = slack_daemon(make_daemon, receiver)
+    job = daemon.submit(python_job(code), name="hangs", output_dir=str(out), pattern="*.bin",
+                        expected_items=100, stall_timeout_s=4)
+    wait_for(lambda: daemon.job(job["id"])["progress"]["files"] == 5, 25, what="5 items")
+    last_item = time.time()
+    assert receiver.posts == [] and daemon.job(job["id"])["alerts"] == []
+    wait_for(lambda: receiver.posts, 12, what="the stalled message")
+    fired = receiver.posts[0][0]
+    assert fired - last_item >= 3.0  # 4 s after the last item, less tick granularity
+    assert "stalled" in receiver.texts()[0] and "no new item" in receiver.texts()[0]
+    (alert,) = daemon.job(job["id"])["alerts"]
+    assert alert["rule"] == "stalled"
+    metrics = daemon.http.get("/metrics").text
+    assert f'jobsup_job_stalled{{job_id="{job["id"]}",job_name="hangs"}} 1.0' in metrics
+    daemon.http.post(f"/api/v1/jobs/{job['id']}/stop")
+
+
+def test_stall_before_the_first_item_and_recovery(make_daemon, receiver: Receiver,
+                                                  tmp_path: Path) -> None:
+    out = tmp_path / "out"
+    flag = tmp_path / "go"
+    code = f"""
+import os, time
+while not os.path.exists({str(flag)!r}):
+    time.sleep(0.2)            # no CPU, no reads: no activity at all
+os.makedirs({str(out)!r}, exist_ok=True)
+for i in range(200):
+    open(os.path.join({str(out)!r}, f"item{{i}}.bin"), "wb").write(b"x")
+    time.sleep(0.2)
+"""
+    daemon = slack_daemon(make_daemon, receiver)
+    job = daemon.submit(python_job(code), name="sleepy", output_dir=str(out), pattern="*.bin",
+                        stall_timeout_s=3)
+    wait_for(lambda: receiver.posts, 15, what="stalled before the first item")
+    assert "no activity" in receiver.texts()[0]
+    flag.touch()
+    wait_for(lambda: len(receiver.posts) >= 2, 15, what="the resolve follow-up")
+    assert "RESOLVED: stalled" in receiver.texts()[1]
+    assert daemon.job(job["id"])["alerts"] == []
+    resolved = daemon.http.get("/api/v1/alerts", params={"state": "resolved"}).json()
+    assert [a["rule"] for a in resolved] == ["stalled"] and resolved[0]["resolved_at"]
+    daemon.http.post(f"/api/v1/jobs/{job['id']}/stop")
+
+
+def test_success_message_and_incomplete(make_daemon, receiver: Receiver, tmp_path: Path) -> None:
+    daemon = slack_daemon(make_daemon, receiver, JOBSUP_NOTIFY_ON_SUCCESS="true")
+    out = tmp_path / "out"
+    code = (f"import os; os.makedirs({str(out)!r}); "
+            f"[open(os.path.join({str(out)!r}, f'{{i}}.bin'), 'w').close() for i in range(3)]")
+    job = daemon.submit(python_job(code), name="short", output_dir=str(out), pattern="*.bin",
+                        expected_items=10)
+    daemon.wait_state(job["id"], "succeeded")
+    wait_for(lambda: len(receiver.posts) >= 2, 10, what="incomplete + succeeded messages")
+    texts = "\n".join(receiver.texts())
+    assert "incomplete" in texts and "3 of 10 expected items" in texts
+    assert "short" in texts and "succeeded" in texts
+
+
+def test_metrics_names_and_retention(make_daemon) -> None:
+    daemon = make_daemon(env={"JOBSUP_METRICS_ENDED_RETENTION_S": "3"})
+    job = daemon.submit(python_job("import time; time.sleep(600)"), name="m", expected_items=7)
+    daemon.wait_state(job["id"], "running")
+    time.sleep(1.5)
+    text = daemon.http.get("/metrics").text
+    labels = f'job_id="{job["id"]}",job_name="m"'
+    for name in ("jobsup_job_items_total", "jobsup_job_cpu_percent", "jobsup_job_rss_bytes",
+                 "jobsup_job_restarts"):
+        assert f"{name}{{{labels}}}" in text, name
+    assert f'jobsup_job_state{{{labels},state="running"}} 1.0' in text
+    assert f'jobsup_job_state{{{labels},state="failed"}} 0.0' in text
+    assert 'jobsup_alerts_firing{rule="crashed"} 0.0' in text
+    assert "jobsup_tick_duration_seconds_bucket" in text
+    daemon.http.post(f"/api/v1/jobs/{job['id']}/stop")
+    daemon.wait_state(job["id"], "stopped")
+    assert f'jobsup_job_state{{{labels},state="stopped"}} 1.0' in daemon.http.get("/metrics").text
+    wait_for(lambda: job["id"] not in daemon.http.get("/metrics").text, 10,
+             what="the ended job's series to disappear")
