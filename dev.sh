@@ -35,6 +35,17 @@ setup_venv() {
     echo "$want" >"$stamp"
 }
 
+system_packages() {
+    # promtool and amtool for the dashboard and alert-rule tests (Debian packages)
+    command -v promtool >/dev/null 2>&1 && command -v amtool >/dev/null 2>&1 && return
+    local sudo=""
+    [ "$(id -u)" -eq 0 ] || sudo="sudo"
+    echo "installing Debian packages prometheus, prometheus-alertmanager ..." >&2
+    $sudo apt-get update -qq
+    DEBIAN_FRONTEND=noninteractive $sudo apt-get install -y -qq --no-install-recommends \
+        prometheus prometheus-alertmanager >/dev/null
+}
+
 cmd=${1:-}
 [ $# -gt 0 ] && shift
 case "$cmd" in
@@ -44,6 +55,7 @@ demo)
     ;;
 test)
     setup_venv
+    system_packages
     .venv/bin/ruff check .
     .venv/bin/mypy
     set +e

@@ -92,7 +92,8 @@ def build_app(settings: Settings) -> FastAPI:
             db_engine.dispose()
 
     collector = JobsCollector(sessions, lambda: engine.observer.views, engine.notifier,
-                              settings.metrics_ended_retention_s)
+                              settings.metrics_ended_retention_s,
+                              gpu_available=lambda: engine.observer.sampler.gpu.available)
     registry, tick_histogram = build_registry(collector)
     engine.on_tick = tick_histogram.observe
     app = create_app(settings, sessions, wake=engine.wake, views=lambda: engine.observer.views,

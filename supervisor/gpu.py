@@ -38,6 +38,11 @@ class GpuReader:
         self._nvml, self._ready = pynvml, True
         return True
 
+    @property
+    def available(self) -> bool:
+        """NVML answered (a driver and at least the library are there)."""
+        return self._ready
+
     def memory_by_pid(self, now: float) -> dict[int, int] | None:
         """{pid: GPU memory in bytes} over all devices, or None when NVML is unavailable."""
         if not self._init(now):

@@ -49,11 +49,13 @@ def _gauge(name: str, doc: str, extra: list[str] | None = None) -> GaugeMetricFa
 class JobsCollector(Collector):
     def __init__(self, sessions: sessionmaker[Session], views: Callable[[], Mapping[str, JobView]],
                  notifier: Notifier | None, ended_retention_s: float,
+                 gpu_available: Callable[[], bool] = lambda: False,
                  clock: Callable[[], float] = time.time):
         self.sessions = sessions
         self.views = views
         self.notifier = notifier
         self.ended_retention_s = ended_retention_s
+        self.gpu_available = gpu_available
         self.clock = clock
 
     def collect(self) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:
@@ -142,6 +144,11 @@ class JobsCollector(Collector):
         for rule, count in counts.items():
             alerts_firing.add_metric([rule], count)
         yield alerts_firing
+
+        gpu = GaugeMetricFamily("jobsup_gpu_available",
+                                "1 when NVML answers; 0 means GPU memory series are absent")
+        gpu.add_metric([], 1.0 if self.gpu_available() else 0.0)
+        yield gpu
 
         if self.notifier is not None:
             for kind, counter, doc in (

@@ -1,0 +1,292 @@
+"""The monitoring artefacts in dashboards/ (and docker/prometheus.yml), checked by the tools
+that load them: promtool for the alert rules, their unit tests, the Prometheus configs and
+every PromQL query of the Grafana dashboard; amtool for the Alertmanager example.
+
+promtool and amtool come from Debian's `prometheus` and `prometheus-alertmanager`
+packages, which the project's test setup installs. A missing tool fails these tests with
+that hint: nothing here is skipped.
+
+`dashboard_queries()` lists the dashboard's queries with Grafana's variables filled in, for
+a test that runs them against a real Prometheus scraping a live daemon.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+import subprocess
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+DASHBOARDS = REPO / "dashboards"
+DASHBOARD_JSON = DASHBOARDS / "grafana" / "jobsup.json"
+PROMETHEUS_DIR = DASHBOARDS / "prometheus"
+RULES = PROMETHEUS_DIR / "rules.yml"
+RULES_TEST = PROMETHEUS_DIR / "rules_test.yml"
+ALERTMANAGER_YML = DASHBOARDS / "alertmanager" / "alertmanager.yml"
+DOCKER = REPO / "docker"
+
+DATASOURCE = {"type": "prometheus", "uid": "${datasource}"}
+"""Every panel and target queries through the dashboard's data-source variable."""
+
+JOB_SELECTOR = 'job_name=~"$job_name"'
+
+CONTRACT_METRICS = frozenset({
+    # API.md "Prometheus metric names"
+    "jobsup_job_state", "jobsup_job_items_done", "jobsup_job_items_total", "jobsup_job_files",
+    "jobsup_job_bytes_written", "jobsup_job_rate_items_per_second", "jobsup_job_eta_seconds",
+    "jobsup_job_last_progress_timestamp_seconds", "jobsup_job_cpu_percent",
+    "jobsup_job_rss_bytes", "jobsup_job_gpu_memory_bytes", "jobsup_job_disk_full_in_seconds",
+    "jobsup_job_metric", "jobsup_filesystem_free_bytes", "jobsup_alerts_firing",
+    "jobsup_tick_duration_seconds_bucket", "jobsup_tick_duration_seconds_count",
+    "jobsup_tick_duration_seconds_sum",
+    # also exported by supervisor/metrics.py
+    "jobsup_job_projected_total_bytes", "jobsup_job_will_fit", "jobsup_job_stalled",
+    "jobsup_job_exit_code", "jobsup_job_restarts", "jobsup_notifications_sent_total",
+    "jobsup_notifications_failed_total", "jobsup_notifications_retries_total",
+})
+"""Series names users script against: a typo here would be a panel or alert that is
+silently empty forever."""
+
+REQUIRED_ALERTS = ("JobsupJobStalled", "JobsupJobCrashed", "JobsupDiskFillsBeforeJobEnds",
+                   "JobsupDaemonDown")
+"""Alert names people route on in Alertmanager."""
+
+DEFAULT_SUBSTITUTIONS = {
+    "job_name": ".*",
+    "metric": ".*",
+    "__rate_interval": "1m",
+    "__interval": "1m",
+    "__range": "1h",
+}
+"""What Grafana puts in for each variable the dashboard's queries use ("All" is `.*`)."""
+
+_VARIABLE = re.compile(r"\$(?:\{(\w+)\}|(\w+))")
+
+
+def _dashboard() -> dict[str, Any]:
+    return json.loads(DASHBOARD_JSON.read_text())
+
+
+def _panels(dashboard: dict[str, Any]) -> Iterator[dict[str, Any]]:
+    """Every panel that queries, including those nested in collapsed rows."""
+    for panel in dashboard["panels"]:
+        if panel["type"] == "row":
+            yield from panel.get("panels", [])
+        else:
+            yield panel
+
+
+def dashboard_queries(substitutions: dict[str, str]) -> list[tuple[str, str]]:
+    """(panel title, expr) for every target of every panel of the Grafana dashboard, with
+    Grafana's variables (`$name` or `${name}`) replaced by `substitutions[name]` (keys with
+    or without the `$`; DEFAULT_SUBSTITUTIONS covers them all). A variable without a
+    substitution raises KeyError, so no query ever reaches Prometheus with a `$` in it."""
+    values = {name.lstrip("$"): text for name, text in substitutions.items()}
+
+    def substitute(match: re.Match[str]) -> str:
+        name = match.group(1) or match.group(2)
+        if name not in values:
+            raise KeyError(f"no substitution for Grafana variable ${name}")
+        return values[name]
+
+    queries = []
+    for panel in _panels(_dashboard()):
+        for target in panel.get("targets", []):
+            expr = _VARIABLE.sub(substitute, target["expr"])
+            if "$" in expr:
+                raise ValueError(f"unsupported variable syntax in {panel['title']!r}: {expr}")
+            queries.append((panel["title"], expr))
+    return queries
+
+
+def _tool(name: str, package: str) -> str:
+    path = shutil.which(name)
+    if path is None:
+        pytest.fail(f"{name} not found on PATH: run the project's test setup, which installs "
+                    f"Debian's {package} package (apt-get install {package})", pytrace=False)
+    return path
+
+
+def _run(*args: str | Path, cwd: Path | None = None) -> str:
+    result = subprocess.run([str(a) for a in args], cwd=cwd, capture_output=True, text=True,
+                            timeout=60, check=False)
+    output = result.stdout + result.stderr
+    assert result.returncode == 0, (
+        f"{' '.join(map(str, args))} exited {result.returncode}:\n{output}")
+    return output
+
+
+# --- alert rules -------------------------------------------------------------------------
+
+def test_rules_pass_promtool_check() -> None:
+    promtool = _tool("promtool", "prometheus")
+    output = _run(promtool, "check", "rules", "--lint=all", "--lint-fatal", RULES)
+    assert "SUCCESS" in output, output
+
+
+def test_rules_unit_tests_pass() -> None:
+    promtool = _tool("promtool", "prometheus")
+    output = _run(promtool, "test", "rules", RULES_TEST.name, cwd=PROMETHEUS_DIR)
+    assert "SUCCESS" in output, output
+
+
+def test_every_alert_is_unit_tested_firing_and_quiet() -> None:
+    alerts = set(re.findall(r"^\s*- alert: (\w+)\s*$", RULES.read_text(), re.MULTILINE))
+    assert set(REQUIRED_ALERTS) <= alerts
+    checks = re.findall(r"alertname: (\w+)\s*\n\s*exp_alerts:(.*)\n\s*(- exp_labels)?",
+                        RULES_TEST.read_text())
+    quiet = {name for name, inline, _ in checks if inline.strip() == "[]"}
+    firing = {name for name, inline, labels in checks if not inline.strip() and labels}
+    assert alerts - quiet == set(), "alerts without a test that they stay quiet"
+    assert alerts - firing == set(), "alerts without a test that they fire"
+
+
+# --- Prometheus and Alertmanager configs -------------------------------------------------
+
+def test_example_prometheus_config_passes_promtool() -> None:
+    promtool = _tool("promtool", "prometheus")
+    # rule_files are relative to the config: this also loads rules.yml
+    output = _run(promtool, "check", "config", PROMETHEUS_DIR / "prometheus.yml")
+    assert "SUCCESS: 1 rule files found" in output, output
+
+
+def test_compose_prometheus_config_passes_promtool(tmp_path: Path) -> None:
+    """docker/prometheus.yml as the container sees it: rules.yml beside it, the token in
+    /run/secrets (promtool insists that the credentials file exists)."""
+    promtool = _tool("promtool", "prometheus")
+    token = tmp_path / "jobsup_token"
+    token.write_text("test-token\n")
+    config = (DOCKER / "prometheus.yml").read_text()
+    assert "/run/secrets/jobsup_token" in config
+    (tmp_path / "prometheus.yml").write_text(
+        config.replace("/run/secrets/jobsup_token", str(token)))
+    shutil.copy(RULES, tmp_path / "rules.yml")
+    output = _run(promtool, "check", "config", tmp_path / "prometheus.yml")
+    assert "SUCCESS: 1 rule files found" in output, output
+
+
+def test_alertmanager_config_passes_amtool() -> None:
+    amtool = _tool("amtool", "prometheus-alertmanager")
+    _run(amtool, "check-config", ALERTMANAGER_YML)
+    # a crash is an event: its receiver does not send "resolved"
+    for receiver, labels in (("slack-events", ["alertname=JobsupJobCrashed", "severity=critical"]),
+                             ("slack", ["alertname=JobsupJobStalled", "severity=warning"]),
+                             ("slack", ["alertname=JobsupDaemonDown", "severity=critical"])):
+        _run(amtool, "config", "routes", "test", f"--config.file={ALERTMANAGER_YML}",
+             f"--verify.receivers={receiver}", *labels)
+
+
+def test_compose_file_mounts_exist() -> None:
+    compose = (DOCKER / "compose.yaml").read_text()
+    paths = re.findall(r"^\s*- (\.\.?/[^:\s]+):", compose, re.MULTILINE)
+    assert len(paths) >= 5, paths
+    missing = [p for p in paths if not (DOCKER / p).exists()]
+    assert missing == [], f"compose.yaml mounts paths that do not exist: {missing}"
+    assert "dockerfile: docker/Dockerfile" in compose
+    assert (DOCKER / "Dockerfile").is_file()
+
+
+# --- Grafana dashboard -------------------------------------------------------------------
+
+def test_dashboard_is_importable() -> None:
+    dashboard = _dashboard()
+    assert dashboard["uid"] and dashboard["title"]
+    assert 36 <= dashboard["schemaVersion"] <= 41
+    ids = [p["id"] for p in dashboard["panels"]] + [
+        p["id"] for row in dashboard["panels"] for p in row.get("panels", [])]
+    assert len(ids) == len(set(ids)), "panel ids must be unique"
+    for panel in dashboard["panels"]:
+        grid = panel["gridPos"]
+        assert panel["title"] and grid["x"] + grid["w"] <= 24 and grid["h"] > 0, panel["title"]
+
+    variables = {v["name"]: v for v in dashboard["templating"]["list"]}
+    datasource = variables["datasource"]
+    assert (datasource["type"], datasource["query"]) == ("datasource", "prometheus")
+    job_name = variables["job_name"]
+    query = job_name["query"]
+    query = query["query"] if isinstance(query, dict) else query
+    assert job_name["type"] == "query" and job_name["datasource"] == DATASOURCE
+    assert query == "label_values(jobsup_job_state, job_name)"
+    assert job_name["multi"] and job_name["includeAll"]
+    for variable in variables.values():
+        if variable["type"] == "query":
+            assert variable["datasource"] == DATASOURCE, variable["name"]
+
+
+def test_every_panel_queries_through_the_datasource_variable() -> None:
+    panels = list(_panels(_dashboard()))
+    assert len(panels) >= 8
+    for panel in panels:
+        title = panel["title"]
+        assert panel["datasource"] == DATASOURCE, title
+        assert panel["targets"], f"{title}: no targets"
+        ref_ids = [t["refId"] for t in panel["targets"]]
+        assert len(ref_ids) == len(set(ref_ids)), title
+        for target in panel["targets"]:
+            assert target["expr"].strip(), f"{title}: empty expr"
+            assert target["datasource"] == DATASOURCE, title
+
+
+def test_job_queries_follow_the_job_selector() -> None:
+    """Every selector of a job series is filtered by the $job_name variable."""
+    for panel in _panels(_dashboard()):
+        for target in panel["targets"]:
+            for name, matchers in re.findall(r"\b(jobsup_job_\w+)\s*(\{[^}]*\})?",
+                                             target["expr"]):
+                assert JOB_SELECTOR in matchers, (
+                    f"{panel['title']}: {name} without {JOB_SELECTOR}: {target['expr']}")
+
+
+def test_jobs_table_merges_instant_queries_by_job() -> None:
+    (table,) = [p for p in _panels(_dashboard()) if p["type"] == "table"]
+    assert table["transformations"][0]["id"] == "merge"
+    for target in table["targets"]:
+        assert target["instant"] and target["format"] == "table", target["refId"]
+        # the merge joins rows on the labels every query has: job_id and job_name
+        assert "by (job_id, job_name" in target["expr"], target["expr"]
+
+
+def test_only_contract_metric_names() -> None:
+    texts = [*dashboard_queries(DEFAULT_SUBSTITUTIONS), ("rules.yml", RULES.read_text()),
+             ("rules_test.yml", RULES_TEST.read_text())]
+    for where, text in texts:
+        unknown = set(re.findall(r"\bjobsup_[a-z0-9_]+", text)) - CONTRACT_METRICS
+        assert unknown == set(), f"{where}: not metric names jobsup exports: {unknown}"
+
+
+def test_dashboard_queries_parse_as_promql(tmp_path: Path) -> None:
+    """promtool (2.42) has no PromQL linter, but `check rules` parses every expr: each
+    query becomes a recording rule (the file is JSON, which is YAML)."""
+    promtool = _tool("promtool", "prometheus")
+    queries = dashboard_queries(DEFAULT_SUBSTITUTIONS)
+    # the selector inside each variable's label_values(...) must parse too
+    for variable in _dashboard()["templating"]["list"]:
+        query = variable.get("definition", "")
+        match = re.fullmatch(r"label_values\((.+),\s*\w+\)", query)
+        if match:
+            selector = _VARIABLE.sub(lambda m: DEFAULT_SUBSTITUTIONS[m[1] or m[2]], match[1])
+            queries.append((f"variable {variable['name']}", selector))
+    rules = [{"record": f"jobsup_dashboard:query_{i}", "expr": expr}
+             for i, (_, expr) in enumerate(queries)]
+    rules_file = tmp_path / "dashboard_queries.yml"
+    rules_file.write_text(json.dumps({"groups": [{"name": "dashboard", "rules": rules}]}))
+    index = "\n".join(f"  query_{i}: {title}: {expr}" for i, (title, expr) in enumerate(queries))
+    result = subprocess.run([promtool, "check", "rules", "--lint=none", str(rules_file)],
+                            capture_output=True, text=True, timeout=60, check=False)
+    assert result.returncode == 0, f"{result.stdout}{result.stderr}\nqueries:\n{index}"
+    assert f"SUCCESS: {len(queries)} rules found" in result.stdout
+
+
+def test_dashboard_queries_substitute_every_variable() -> None:
+    queries = dashboard_queries(DEFAULT_SUBSTITUTIONS)
+    assert queries and all("$" not in expr for _, expr in queries)
+    assert any('job_name=~".*"' in expr for _, expr in queries)
+    assert dashboard_queries({f"${k}": v for k, v in DEFAULT_SUBSTITUTIONS.items()}) == queries
+    with pytest.raises(KeyError, match="job_name"):
+        dashboard_queries({"__rate_interval": "1m"})

@@ -1,0 +1,427 @@
+"""Sampler on real process trees, cross-checked against psutil. Nothing of /proc is faked:
+every tree is started here, in its own session, and killed as a group afterwards."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import psutil
+import pytest
+
+from supervisor import procfs
+from supervisor.gpu import GpuReader
+from supervisor.sampler import Sampler, TreeReading, TreeTarget
+from tests.conftest import PY, wait_for
+
+pytestmark = pytest.mark.timeout(30)
+
+MiB = 2**20
+ALLOC_BYTES = 50 * MiB
+WRITE_BYTES = 4 * MiB
+
+TREE_SCRIPT = r"""
+import json, os, sys, threading, time
+
+ctl, with_zombie = sys.argv[1], sys.argv[2] == "zombie"
+alloc_bytes, write_bytes = int(sys.argv[3]), int(sys.argv[4])
+path = lambda name: os.path.join(ctl, name)
+touch = lambda name: open(path(name), "w").close()
+
+def wait_file(name, limit_s=30):
+    deadline = time.monotonic() + limit_s
+    while not os.path.exists(path(name)) and time.monotonic() < deadline:
+        time.sleep(0.01)
+
+def alloc():  # the job's worker: ~50 MB resident, 3 idle threads
+    block = bytearray(alloc_bytes)
+    for i in range(0, len(block), 4096):
+        block[i] = 1
+    for _ in range(3):
+        threading.Thread(target=time.sleep, args=(60,), daemon=True).start()
+    touch("ready-alloc")
+    time.sleep(60)
+
+def burn():  # busy-loops from go-cpu until stop-cpu (5 s at most), then idles
+    touch("ready-burn")
+    wait_file("go-cpu")
+    deadline, n = time.monotonic() + 5, 0
+    while time.monotonic() < deadline:
+        n += 1
+        if n % 20000 == 0 and os.path.exists(path("stop-cpu")):
+            break
+    time.sleep(60)
+
+def write():  # writes and fsyncs a few MB on go-write, then stays alive (its io counts)
+    touch("ready-write")
+    wait_file("go-write")
+    with open(path("data.bin"), "wb") as f:
+        for _ in range(write_bytes // 2**20):
+            f.write(b"x" * 2**20)
+        f.flush()
+        os.fsync(f.fileno())
+    touch("written")
+    time.sleep(60)
+
+def shell():  # two grandchildren
+    os.execvp("sh", ["sh", "-c", 'sleep 60 & sleep 60 & touch "$0/ready-sh"; wait', ctl])
+
+roles = {"alloc": alloc, "burn": burn, "write": write, "sh": shell}
+if with_zombie:
+    roles["zombie"] = lambda: None  # exits at once and is never reaped
+pids = {"root": os.getpid()}
+for name, role in roles.items():
+    pid = os.fork()
+    if pid == 0:
+        try:
+            role()
+        finally:
+            os._exit(0)
+    pids[name] = pid
+with open(path("pids.tmp"), "w") as f:
+    json.dump(pids, f)
+os.replace(path("pids.tmp"), path("pids.json"))
+time.sleep(60)
+"""
+
+
+@dataclass
+class JobTree:
+    """root (python) -> alloc (worker), burn, write, sh -> 2 x sleep [, zombie]."""
+
+    ctl: Path
+    popen: subprocess.Popen[bytes]
+    pids: dict[str, int] = field(default_factory=dict)
+
+    @property
+    def root(self) -> int:
+        return self.popen.pid
+
+    def touch(self, name: str) -> None:
+        (self.ctl / name).touch()
+
+    def target(self, job_id: str = "job", worker: str | None = "alloc") -> TreeTarget:
+        return TreeTarget(job_id, self.root, procfs.create_time(self.root),
+                          self.pids[worker] if worker else None)
+
+    def psutil_tree(self) -> list[psutil.Process]:
+        root = psutil.Process(self.root)
+        return [root, *root.children(recursive=True)]
+
+
+def start_tree(ctl: Path, argv0: str = PY, with_zombie: bool = False) -> JobTree:
+    ctl.mkdir(parents=True, exist_ok=True)
+    popen = subprocess.Popen(
+        [argv0, "-c", TREE_SCRIPT, str(ctl), "zombie" if with_zombie else "-",
+         str(ALLOC_BYTES), str(WRITE_BYTES)],
+        start_new_session=True, stdin=subprocess.DEVNULL,
+    )
+    return JobTree(ctl, popen)
+
+
+def wait_ready(tree: JobTree) -> JobTree:
+    ready = ["pids.json", "ready-alloc", "ready-burn", "ready-write", "ready-sh"]
+    wait_for(lambda: all((tree.ctl / name).exists() for name in ready)
+             or tree.popen.poll() is not None, 10, what="tree ready")
+    assert tree.popen.poll() is None, f"tree root exited {tree.popen.returncode}"
+    tree.pids = json.loads((tree.ctl / "pids.json").read_text())
+    return tree
+
+
+def kill_tree(tree: JobTree) -> None:
+    """SIGKILL the session's group, reap the root, and check that nothing lives on
+    (orphans wait for init to reap them, so a zombie counts as gone)."""
+    members = [(p.pid, procfs.create_time(p.pid)) for p in psutil.Process(
+        tree.root).children(recursive=True)] if tree.popen.poll() is None else []
+    procfs.signal_group(tree.root, signal.SIGKILL)
+    tree.popen.wait(10)
+    wait_for(lambda: not any(procfs.is_same_process(pid, ct) for pid, ct in members), 5,
+             what="tree gone")
+
+
+@pytest.fixture
+def make_tree(tmp_path: Path) -> Iterator[Callable[..., JobTree]]:
+    trees: list[JobTree] = []
+
+    def make(name: str = "tree", **kwargs: Any) -> JobTree:
+        tree = start_tree(tmp_path / name, **kwargs)
+        trees.append(tree)
+        return wait_ready(tree)
+
+    try:
+        yield make
+    finally:
+        for tree in trees:
+            kill_tree(tree)
+
+
+def psutil_rss(procs: list[psutil.Process]) -> int:
+    return sum(p.memory_info().rss for p in procs if p.status() != psutil.STATUS_ZOMBIE)
+
+
+def psutil_cpu_s(procs: list[psutil.Process]) -> float:
+    """CPU seconds of the processes and of their reaped children."""
+    return sum(sum(p.cpu_times()[:4]) for p in procs)
+
+
+def psutil_threads(procs: list[psutil.Process]) -> int:
+    return sum(p.num_threads() for p in procs if p.status() != psutil.STATUS_ZOMBIE)
+
+
+def gone_process() -> tuple[int, float]:
+    """The pid and create time of a process that has exited and been reaped."""
+    popen = subprocess.Popen(["sleep", "0.2"])
+    create_time = procfs.create_time(popen.pid)
+    assert create_time is not None
+    popen.wait(5)
+    return popen.pid, create_time
+
+
+def assert_empty(reading: TreeReading) -> None:
+    assert reading.status is None
+    assert (reading.num_procs, reading.num_threads, reading.rss_bytes) == (0, 0, 0)
+    assert (reading.cpu_time_s, reading.cpu_percent) == (0.0, 0.0)
+    assert (reading.read_bytes, reading.write_bytes) == (0, 0)
+
+
+# -- a live tree ----------------------------------------------------------------------------
+
+def test_tree_reading_matches_psutil(make_tree: Callable[..., JobTree]) -> None:
+    tree = make_tree()
+    procs = tree.psutil_tree()
+    assert len(procs) == 7  # root + 4 children + 2 grandchildren
+    sampler = Sampler()
+    target = tree.target()
+
+    tree.touch("go-cpu")
+    time.sleep(0.1)
+    first = sampler.sample([target], now=time.time())["job"]
+    psutil_cpu_before = psutil_cpu_s(procs)
+    psutil_write_before = sum(p.io_counters().write_bytes for p in procs)
+    tree.touch("go-write")
+    wait_for(lambda: (tree.ctl / "written").exists(), 5, what="writer done")
+    time.sleep(max(0.0, first.t + 0.5 - time.time()))
+    second = sampler.sample([target], now=time.time())["job"]
+    psutil_cpu_after = psutil_cpu_s(procs)
+    tree.touch("stop-cpu")
+
+    for reading in (first, second):
+        assert reading.num_procs == len(procs) == len(tree.psutil_tree())
+        assert reading.status in ("sleeping", "running")
+        assert reading.gpu_memory_bytes is None  # no NVML on this machine
+    assert first.cpu_percent == 0.0  # no previous mark yet
+    # rss: the same kernel counters, read a few ms apart
+    rss = psutil_rss(procs)
+    assert rss > ALLOC_BYTES
+    assert abs(second.rss_bytes - rss) <= 0.10 * rss
+    # threads: root 1 + alloc 1+3 + burn 1 + write 1 + sh 1 + 2 sleeps = 10
+    assert second.num_threads == psutil_threads(procs) == 10
+    # one child busy-looped through the whole interval (on a machine with a core to spare)
+    assert second.cpu_percent > 50
+    assert second.cpu_time_s >= first.cpu_time_s
+    # the same clock ticks as psutil's cpu_times, read a few ms later
+    assert second.cpu_time_s - first.cpu_time_s == pytest.approx(
+        psutil_cpu_after - psutil_cpu_before, abs=0.05)
+    expected_percent = (second.cpu_time_s - first.cpu_time_s) / (second.t - first.t) * 100
+    assert second.cpu_percent == pytest.approx(expected_percent)
+    # the writer's fsynced MBs show in write_bytes, as they do in psutil's io_counters
+    assert second.write_bytes - first.write_bytes >= WRITE_BYTES
+    psutil_written = sum(p.io_counters().write_bytes for p in procs) - psutil_write_before
+    assert second.write_bytes - first.write_bytes == pytest.approx(psutil_written, rel=0.1)
+    assert second.read_bytes >= 0
+
+
+def test_gpu_reader_without_nvml_is_none() -> None:
+    reader = GpuReader()
+    assert reader.memory_by_pid(time.time()) is None
+    assert reader.memory_by_pid(time.time()) is None  # the retry is throttled, still None
+    reader.close()
+
+
+def test_subtrees_and_worker_status(make_tree: Callable[..., JobTree]) -> None:
+    tree = make_tree()
+    pids = tree.pids
+    targets = [
+        TreeTarget("sh", pids["sh"], procfs.create_time(pids["sh"]), None),
+        TreeTarget("alloc", pids["alloc"], procfs.create_time(pids["alloc"]), pids["alloc"]),
+        # a worker outside the tree is ignored: the status is the root's
+        TreeTarget("outside", tree.root, None, os.getpid()),
+    ]
+    readings = Sampler().sample(targets, now=time.time())
+    assert readings["sh"].num_procs == 3 and readings["sh"].status == "sleeping"
+    assert readings["alloc"].num_procs == 1 and readings["alloc"].num_threads == 4
+    assert readings["alloc"].rss_bytes >= ALLOC_BYTES
+    assert readings["outside"].num_procs == 7
+    assert readings["outside"].status == "sleeping"  # the root; the test process is running
+
+
+def test_command_name_with_parenthesis_and_spaces(make_tree: Callable[..., JobTree],
+                                                  tmp_path: Path) -> None:
+    """/proc/<pid>/stat puts the command name in parentheses; this one mimics fields."""
+    odd = tmp_path / "py) R 1 (x"
+    odd.symlink_to(PY)
+    tree = make_tree(argv0=str(odd))
+    assert psutil.Process(tree.root).name() == "py) R 1 (x"
+    reading = Sampler().sample([tree.target()], now=time.time())["job"]
+    assert reading.num_procs == 7 and reading.status == "sleeping"
+    assert reading.rss_bytes > ALLOC_BYTES
+
+
+def test_reaped_children_cpu_time_stays_in_the_tree(tmp_path: Path) -> None:
+    """A child that burnt CPU and was reaped moves into its parent's cutime: the tree's
+    cumulative CPU time does not fall back when it exits."""
+    busy = "import time\nwhile time.process_time() < 0.4: pass"  # 0.4 s of CPU, not of wall
+    script = ('touch "$0/ready"; while [ ! -e "$0/go" ]; do sleep 0.01; done; '
+              '"$1" -c "$2"; touch "$0/done"; exec sleep 60')
+    popen = subprocess.Popen(["sh", "-c", script, str(tmp_path), PY, busy],
+                             start_new_session=True)
+    try:
+        wait_for(lambda: (tmp_path / "ready").exists(), 5, what="shell ready")
+        sampler = Sampler()
+        target = TreeTarget("job", popen.pid, procfs.create_time(popen.pid), None)
+        (tmp_path / "go").touch()
+        wait_for(lambda: len(psutil.Process(popen.pid).children()) == 1, 5, what="child")
+        time.sleep(0.2)
+        during = sampler.sample([target], now=time.time())["job"]
+        assert during.num_procs == 2
+        wait_for(lambda: (tmp_path / "done").exists(), 5, what="child done")
+        after = sampler.sample([target], now=time.time())["job"]
+        assert after.num_procs == 1
+        assert after.cpu_time_s >= during.cpu_time_s
+        assert after.cpu_time_s >= 0.35
+    finally:
+        procfs.signal_group(popen.pid, signal.SIGKILL)
+        popen.wait(5)
+
+
+# -- gone, reused, zombie -------------------------------------------------------------------
+
+def test_vanished_root_is_an_empty_reading() -> None:
+    pid, create_time = gone_process()
+    sampler = Sampler()
+    for _ in range(2):  # the second one has a CPU mark to compare with
+        reading = sampler.sample([TreeTarget("gone", pid, create_time, pid)], time.time())
+        assert_empty(reading["gone"])
+    # without a create time to check, a missing pid is still just gone
+    assert_empty(sampler.sample([TreeTarget("gone", pid, None, None)], time.time())["gone"])
+
+
+def test_reused_pid_is_treated_as_gone(make_tree: Callable[..., JobTree]) -> None:
+    """The root pid is alive but started at another time: another process now."""
+    tree = make_tree()
+    real = procfs.create_time(tree.root)
+    assert real is not None
+    sampler = Sampler()
+    for shift_s in (-5.0, 0.05, 3600.0):
+        target = TreeTarget("job", tree.root, real + shift_s, tree.pids["alloc"])
+        assert_empty(sampler.sample([target], time.time())["job"])
+    # within a tick of the recorded time it is the same process
+    near = TreeTarget("job", tree.root, real + 0.01, tree.pids["alloc"])
+    assert sampler.sample([near], time.time())["job"].num_procs == 7
+
+
+def test_zombies_are_not_live_processes(make_tree: Callable[..., JobTree]) -> None:
+    tree = make_tree(with_zombie=True)
+    zombie = tree.pids["zombie"]
+    wait_for(lambda: procfs.process_state(zombie) == "Z", 5, what="zombie")
+    procs = tree.psutil_tree()
+    assert len(procs) == 8  # psutil lists the zombie among the children
+    readings = Sampler().sample(
+        [tree.target("job"), tree.target("zombie-worker", worker="zombie")], time.time())
+    assert readings["job"].num_procs == 7
+    assert readings["job"].num_threads == psutil_threads(procs) == 10
+    assert readings["job"].status == "sleeping"
+    assert readings["zombie-worker"].status == "zombie"  # the worker's own state
+
+
+# -- many jobs, one pass --------------------------------------------------------------------
+
+_audited: list[tuple[str, str]] | None = None
+_hook_installed = False
+
+
+def _audit(event: str, args: tuple[Any, ...]) -> None:
+    if _audited is not None and event in ("os.listdir", "open") and isinstance(args[0], str):
+        _audited.append((event, args[0]))
+
+
+def record_file_access() -> list[tuple[str, str]]:
+    """Start recording os.listdir and open through an audit hook (hooks cannot be removed,
+    so one is installed once and records only while `_audited` is a list)."""
+    global _audited, _hook_installed
+    if not _hook_installed:
+        sys.addaudithook(_audit)
+        _hook_installed = True
+    _audited = []
+    return _audited
+
+
+def stop_recording() -> None:
+    global _audited
+    _audited = None
+
+
+def test_ten_targets_share_one_proc_pass(make_tree: Callable[..., JobTree]) -> None:
+    trees = [make_tree(f"tree{i}") for i in range(2)]
+    gone_pid, gone_time = gone_process()
+    targets = [tree.target(f"tree{i}") for i, tree in enumerate(trees)]
+    for i, roles in enumerate([("alloc", "burn", "write", "sh"), ("alloc", "burn", "sh")]):
+        for role in roles:  # each child as a job of its own, nested in a tree above
+            pid = trees[i].pids[role]
+            targets.append(TreeTarget(f"{role}{i}", pid, procfs.create_time(pid), pid))
+    targets.append(TreeTarget("gone", gone_pid, gone_time, None))
+    assert len(targets) == 10
+    sampler = Sampler()
+    sampler.sample(targets, time.time())
+    accesses = record_file_access()
+    try:
+        readings = sampler.sample(targets, time.time())
+    finally:
+        stop_recording()
+
+    assert [name for name, _ in readings.items()] == [t.job_id for t in targets]
+    assert [readings[f"tree{i}"].num_procs for i in range(2)] == [7, 7]
+    assert [readings[f"{role}0"].num_procs for role in ("alloc", "burn", "write", "sh")] \
+        == [1, 1, 1, 3]
+    assert_empty(readings["gone"])
+    listed = [path for event, path in accesses if event == "os.listdir"]
+    assert listed == ["/proc"]  # one directory pass for all ten jobs
+    root_stat = f"/proc/{trees[0].root}/stat"
+    assert [path for _, path in accesses].count(root_stat) == 1  # each stat read once
+
+
+def test_no_targets_reads_nothing() -> None:
+    accesses = record_file_access()
+    try:
+        assert Sampler().sample([], time.time()) == {}
+    finally:
+        stop_recording()
+    assert [path for _, path in accesses if path.startswith("/proc")] == []
+
+
+def test_proc_root_is_used_for_every_read(make_tree: Callable[..., JobTree],
+                                          tmp_path: Path) -> None:
+    """`proc_root` may be another procfs mount (a host's /proc seen from a container): the
+    io counters must come from it too, not from this process's /proc. Here it is a view
+    of two real processes under pid names that do not exist in /proc (above pid_max)."""
+    tree = make_tree()
+    tree.touch("go-write")
+    wait_for(lambda: (tree.ctl / "written").exists(), 5, what="writer done")
+    pid_max = int(Path("/proc/sys/kernel/pid_max").read_text())
+    view = tmp_path / "proc-view"
+    view.mkdir()
+    alias = pid_max + 7
+    (view / str(alias)).symlink_to(f"/proc/{tree.pids['write']}")
+    (view / "self").symlink_to("/proc/self")  # not a pid: skipped
+    reading = Sampler(proc_root=str(view)).sample([TreeTarget("w", alias, None, alias)],
+                                                  time.time())["w"]
+    assert reading.num_procs == 1 and reading.status == "sleeping"
+    assert reading.write_bytes >= WRITE_BYTES

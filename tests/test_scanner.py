@@ -1,0 +1,243 @@
+"""OutputScanner on real files: counts, bytes, temp files, and that cost follows change."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+import time
+from pathlib import Path
+
+import pytest
+
+from supervisor.scanner import GlobMatcher, OutputScanner, ScanResult
+
+LATER = time.time() + 3600.0  # far enough ahead that every file has settled
+
+
+def write(path: Path, size: int) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_bytes(b"x" * size)
+
+
+def make_shards(root: Path, dirs: int, per_dir: int, suffix: str = ".safetensors") -> int:
+    """rows_0-N/item_K<suffix>, item K of size K % 7; returns the total bytes."""
+    total = 0
+    for shard in range(dirs):
+        shard_dir = root / f"rows_{shard * per_dir}-{(shard + 1) * per_dir}"
+        shard_dir.mkdir(parents=True)
+        for index in range(per_dir):
+            size = index % 7
+            (shard_dir / f"item_{index}{suffix}").write_bytes(b"x" * size)
+            total += size
+    return total
+
+
+def wait_for_new_timestamp() -> None:
+    """Let the clock leave the timestamp tick of the last change (coarse ctime)."""
+    time.sleep(0.05)
+
+
+def test_counts_and_bytes_of_nested_sharded_dirs(tmp_path: Path) -> None:
+    total = make_shards(tmp_path / "out", dirs=4, per_dir=50)
+    write(tmp_path / "out" / "rows_0-50" / "nested" / "deep" / "extra.safetensors", 100)
+    result = OutputScanner(str(tmp_path / "out")).scan(LATER)
+    assert isinstance(result, ScanResult)
+    assert (result.files, result.bytes) == (201, total + 100)
+    assert result.newest_mtime is not None and result.newest_mtime <= time.time() + 1
+
+
+@pytest.mark.parametrize(
+    ("pattern", "files"),
+    [
+        ("**/*.safetensors", 5),  # any depth, including the root
+        ("rows_*/*.safetensors", 2),  # exactly one shard level
+        ("*.bin", 1),  # the root only
+        ("**/*", 8),  # the default: everything that is not temp
+        ("rows_[0-4]*/item_?.safetensors", 2),
+        ("rows_[!0]*/*", 1),
+        ("**", 8),
+        ("rows_0-2/**", 3),
+        ("rows_0-2/**/*.safetensors", 2),
+    ],
+)
+def test_patterns(tmp_path: Path, pattern: str, files: int) -> None:
+    write(tmp_path / "top.safetensors", 1)
+    write(tmp_path / "top.bin", 2)
+    write(tmp_path / "rows_0-2" / "item_0.safetensors", 3)
+    write(tmp_path / "rows_0-2" / "item_10.bin", 4)
+    write(tmp_path / "rows_0-2" / "sub" / "item_1.safetensors", 5)
+    write(tmp_path / "rows_2-4" / "item_2.safetensors", 6)
+    write(tmp_path / "a" / "b" / "c" / "deep.safetensors", 7)
+    write(tmp_path / "a" / "b" / "c" / "deep.bin", 8)
+    assert OutputScanner(str(tmp_path), pattern).scan(LATER).files == files
+
+
+def test_glob_matcher_directory_semantics() -> None:
+    matcher = GlobMatcher("**/*.bin")
+    assert matcher.matches("a.bin") and matcher.matches("x/y/a.bin")
+    assert not matcher.matches("a.binx")
+    star = GlobMatcher("*.bin")
+    assert star.matches("a.bin") and not star.matches("x/a.bin")
+    assert not star.may_descend("x")  # a fixed-depth pattern prunes the walk
+    shards = GlobMatcher("rows_*/*.bin")
+    assert shards.may_descend("rows_1") and not shards.may_descend("logs")
+    assert not shards.may_descend("rows_1/sub")
+    assert GlobMatcher("[!a]").matches("b") and not GlobMatcher("[!a]").matches("/")
+    assert GlobMatcher("x[").matches("x[")  # an unclosed bracket is a literal
+    with pytest.raises(ValueError):
+        GlobMatcher("[z-a]")
+
+
+def test_temp_files_and_dot_dirs_are_never_items(tmp_path: Path) -> None:
+    write(tmp_path / "done.bin", 10)
+    for name in ("x.tmp", ".x.tmp", ".hidden", "y.partial", "z.part", "w.incomplete"):
+        write(tmp_path / name, 1000)
+    write(tmp_path / ".staging" / "item.bin", 1000)
+    write(tmp_path / "rows_0" / ".cache" / "deep" / "item.bin", 1000)
+    result = OutputScanner(str(tmp_path)).scan(LATER)
+    assert (result.files, result.bytes) == (1, 10)
+
+
+def test_atomic_rename_from_temp_is_counted_next_scan(tmp_path: Path) -> None:
+    scanner = OutputScanner(str(tmp_path), "**/*.safetensors")
+    write(tmp_path / "rows_0" / "a.safetensors", 5)
+    assert scanner.scan(LATER).files == 1
+    wait_for_new_timestamp()
+    write(tmp_path / "rows_0" / ".b.safetensors.tmp", 7)
+    assert (scanner.scan(LATER).files, scanner.scan(LATER).bytes) == (1, 5)
+    wait_for_new_timestamp()
+    os.rename(tmp_path / "rows_0" / ".b.safetensors.tmp", tmp_path / "rows_0" / "b.safetensors")
+    result = scanner.scan(LATER)
+    assert (result.files, result.bytes) == (2, 12)
+
+
+def test_atomic_replace_of_settled_file_is_seen(tmp_path: Path) -> None:
+    scanner = OutputScanner(str(tmp_path))
+    write(tmp_path / "a.bin", 5)
+    assert scanner.scan(LATER).bytes == 5
+    wait_for_new_timestamp()
+    write(tmp_path / ".a.bin.tmp", 50)
+    os.replace(tmp_path / ".a.bin.tmp", tmp_path / "a.bin")  # new inode, same name
+    assert (scanner.scan(LATER).files, scanner.scan(LATER).bytes) == (1, 50)
+
+
+def test_growing_file_is_tracked_until_it_settles(tmp_path: Path) -> None:
+    scanner = OutputScanner(str(tmp_path), settle_s=10.0, dir_recheck_s=0.0)
+    path = tmp_path / "big.bin"
+    write(path, 100)
+    now = time.time()
+    assert scanner.scan(now).bytes == 100
+    with path.open("ab") as handle:  # in place: no directory change
+        handle.write(b"y" * 900)
+    grown = scanner.scan(now + 1)
+    assert (grown.bytes, grown.files_statted, grown.dirs_listed) == (1000, 1, 0)
+    with path.open("ab") as handle:
+        handle.write(b"z" * 24)
+    assert scanner.scan(now + 2).bytes == 1024
+    # mtime old and size unchanged since the previous stat: settled, statted no more
+    assert scanner.scan(now + 60).files_statted == 1
+    assert scanner.scan(now + 61).files_statted == 0
+
+
+def test_deleted_files_and_removed_dirs_are_reflected(tmp_path: Path) -> None:
+    make_shards(tmp_path, dirs=3, per_dir=10)
+    scanner = OutputScanner(str(tmp_path), "**/*.safetensors")
+    first = scanner.scan(LATER)
+    assert first.files == 30
+    wait_for_new_timestamp()
+    (tmp_path / "rows_0-10" / "item_3.safetensors").unlink()  # 3 bytes
+    shutil.rmtree(tmp_path / "rows_10-20")
+    result = scanner.scan(LATER)
+    assert result.files == 19
+    assert result.bytes == first.bytes - 3 - sum(index % 7 for index in range(10))
+    shutil.rmtree(tmp_path / "rows_0-10")
+    os.mkdir(tmp_path / "rows_0-10")  # re-created with the same name: a new inode
+    assert scanner.scan(LATER).files == 10
+
+
+def test_second_scan_without_changes_costs_no_listing_and_no_file_stat(tmp_path: Path) -> None:
+    make_shards(tmp_path, dirs=10, per_dir=500)
+    scanner = OutputScanner(str(tmp_path), "**/*.safetensors")
+    first = scanner.scan(LATER)
+    assert (first.files, first.dirs_listed, first.files_statted) == (5000, 11, 5000)
+    second = scanner.scan(LATER)
+    assert (second.files, second.bytes) == (first.files, first.bytes)
+    assert (second.dirs_statted, second.dirs_listed, second.files_statted) == (11, 0, 0)
+
+    wait_for_new_timestamp()
+    write(tmp_path / "rows_1500-2000" / "item_new.safetensors", 9)
+    third = scanner.scan(LATER)
+    assert (third.files, third.bytes) == (5001, first.bytes + 9)
+    assert (third.dirs_listed, third.files_statted) == (1, 1)  # just that directory
+    assert scanner.scan(LATER).dirs_listed == 0
+
+
+def test_recently_changed_directory_is_listed_once_more(tmp_path: Path) -> None:
+    """Coarse timestamps: a change in the same tick as our listing must not be lost."""
+    write(tmp_path / "a.bin", 1)
+    scanner = OutputScanner(str(tmp_path), dir_recheck_s=2.0)
+    now = time.time()
+    assert scanner.scan(now).dirs_listed == 1
+    assert scanner.scan(now + 0.5).dirs_listed == 1  # ctime within 2 s of now: again
+    assert scanner.scan(now + 60).dirs_listed == 1
+    assert scanner.scan(now + 61).dirs_listed == 0
+
+
+def test_rescan_walks_everything_and_sees_in_place_rewrites(tmp_path: Path) -> None:
+    write(tmp_path / "a.bin", 5)
+    scanner = OutputScanner(str(tmp_path))
+    scanner.scan(LATER)
+    with (tmp_path / "a.bin").open("ab") as handle:
+        handle.write(b"more")
+    assert scanner.scan(LATER).bytes == 5  # the documented blind spot
+    full = scanner.rescan(LATER)
+    assert (full.bytes, full.dirs_listed, full.files_statted) == (9, 1, 1)
+
+
+def test_missing_root_and_root_that_is_a_file(tmp_path: Path) -> None:
+    scanner = OutputScanner(str(tmp_path / "not-yet"))
+    assert scanner.scan(LATER) == ScanResult(0, 0, 1, 0, 0, None)
+    write(tmp_path / "not-yet" / "x.bin", 3)
+    assert scanner.scan(LATER).files == 1  # appears later: found
+    shutil.rmtree(tmp_path / "not-yet")
+    assert (scanner.scan(LATER).files, scanner.scan(LATER).bytes) == (0, 0)
+    write(tmp_path / "file", 3)
+    result = OutputScanner(str(tmp_path / "file")).scan(LATER)
+    assert (result.files, result.bytes) == (0, 0)
+
+
+def files_seen_unprivileged(root: Path) -> int:
+    """Scan as an unprivileged user (a forked child drops root): root reads mode 000."""
+    if os.geteuid() != 0:
+        return OutputScanner(str(root)).scan(LATER).files
+    child = os.fork()
+    if child == 0:
+        code = 255
+        try:
+            os.setgid(65534)
+            os.setuid(65534)
+            code = OutputScanner(str(root)).scan(LATER).files
+        finally:
+            os._exit(code)
+    _, status = os.waitpid(child, 0)
+    return os.waitstatus_to_exitcode(status)
+
+
+def test_unreadable_directory_is_skipped() -> None:
+    with tempfile.TemporaryDirectory(dir="/tmp") as tree:
+        root = Path(tree)
+        os.chmod(root, 0o755)
+        write(root / "ok" / "a.bin", 1)
+        write(root / "locked" / "b.bin", 1)
+        os.chmod(root / "locked", 0)
+        try:
+            assert files_seen_unprivileged(root) == 1
+        finally:
+            os.chmod(root / "locked", 0o755)
+
+
+def test_symlinked_directory_is_not_followed(tmp_path: Path) -> None:
+    write(tmp_path / "out" / "a.bin", 1)
+    os.symlink(tmp_path / "out", tmp_path / "out" / "loop")
+    assert OutputScanner(str(tmp_path / "out")).scan(LATER).files == 1
