@@ -34,6 +34,9 @@ MIN_INTERVAL_S = 1.0
 BACKOFF_BASE_S = 1.0
 BACKOFF_MAX_S = 120.0
 REQUEST_TIMEOUT_S = 10.0
+MAX_RETRY_AFTER_S = 3600.0
+"""A `Retry-After` longer than this is taken as this: one bad header must not block a
+destination's queue forever."""
 EMOJI = {"firing": ":rotating_light:", "resolved": ":white_check_mark:",
          "succeeded": ":tada:"}
 
@@ -61,7 +64,7 @@ def compose(kind: str, job: dict[str, Any], *, alert: dict[str, Any] | None,
         head += f"*job `{job['name']}` ({job['id']}) {job['state']}*"
     lines = [head]
     if alert is not None:
-        lines.append(alert["message"])
+        lines.append(f"was: {alert['message']}" if kind == "resolved" else alert["message"])
     if kind != "resolved":
         lines.append(f"state: {job['state']}" + (f" — {job['reason']}" if job.get("reason")
                                                   else ""))
@@ -108,7 +111,9 @@ def retry_after_s(value: str | None, now: float) -> float | None:
     if not value:
         return None
     try:
-        return max(0.0, float(value))
+        seconds = float(value)
+        if seconds == seconds:  # not NaN
+            return min(max(0.0, seconds), MAX_RETRY_AFTER_S)
     except ValueError:
         pass
     try:
@@ -203,7 +208,9 @@ class Notifier:
         body = destination.body(json.loads(row.payload_json))
         try:
             response = self._http.post(destination.url, json=body)
-        except httpx.HTTPError as exc:
+        except (httpx.HTTPError, httpx.InvalidURL) as exc:
+            # InvalidURL (a malformed URL) is not an HTTPError; raised out of deliver_due it
+            # would stop delivery to every destination after this one, on every pass
             self._retry_later(destination, row, now, f"network error: {exc!r}")
             return
         status = response.status_code

@@ -1,0 +1,403 @@
+"""The alert rules as pure functions: facts built by hand, time passed as an argument."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import pytest
+
+from supervisor import alerts
+from supervisor.alerts import AlertSettings, Firing, JobFacts, OpenAlert
+
+T0 = 1_700_000_000.0  # a job's start, seconds since the epoch
+SETTINGS = AlertSettings()
+GB = 1_000_000_000
+
+
+def facts(**changes: Any) -> JobFacts:
+    """A healthy running job started at T0, stall timeout 600 s, no startup timeout."""
+    base = JobFacts(
+        job_id="j1", name="extract", state="running", reason=None, exit_code=None,
+        signal=None, exit_reason=None, attempt=1, started_at=T0, ended_at=None,
+        stall_timeout_s=600.0, startup_timeout_s=None,
+    )
+    return dataclasses.replace(base, **changes)
+
+
+def rules(job: JobFacts, now: float, settings: AlertSettings = SETTINGS) -> dict[str, Firing]:
+    firing = alerts.evaluate(job, now=now, settings=settings)
+    by_rule = {f.rule: f for f in firing}
+    assert len(by_rule) == len(firing), "a rule fired twice for one job"
+    return by_rule
+
+
+# -- stalled, before the first item ---------------------------------------------------------
+
+def test_warming_up_with_recent_activity_is_not_stalled() -> None:
+    # loading a model for 24 minutes: no item, but CPU/reads/GPU memory keep moving
+    job = facts(activity_at=T0 + 1430)
+    assert alerts.stall_message(job, T0 + 1440) is None
+    assert "stalled" not in rules(job, T0 + 1440)
+
+
+def test_no_activity_for_longer_than_stall_timeout_before_first_item_is_stalled() -> None:
+    job = facts(activity_at=T0 + 100)
+    assert alerts.stall_message(job, T0 + 100 + 599) is None
+    firing = rules(job, T0 + 100 + 601)
+    assert "no activity" in firing["stalled"].message
+    assert "before its first item" in firing["stalled"].message
+    assert firing["stalled"].job_id == "j1"
+
+
+def test_no_activity_ever_counts_from_the_start() -> None:
+    job = facts(activity_at=None)
+    assert alerts.stall_message(job, T0 + 599) is None
+    message = alerts.stall_message(job, T0 + 601)
+    assert message is not None and "no activity" in message
+
+
+def test_startup_timeout_stalls_even_with_activity() -> None:
+    job = facts(startup_timeout_s=1800.0, activity_at=T0 + 1899)
+    assert alerts.stall_message(job, T0 + 1799) is None
+    message = alerts.stall_message(job, T0 + 1900)
+    assert message is not None
+    assert "no first item" in message and "startup timeout" in message
+
+
+def test_a_job_not_yet_started_is_not_stalled() -> None:
+    assert alerts.stall_message(facts(started_at=None), T0 + 10_000) is None
+
+
+# -- stalled, after the first item ----------------------------------------------------------
+
+def test_no_new_item_for_longer_than_stall_timeout_is_stalled() -> None:
+    job = facts(first_item_at=T0 + 1500, last_progress_at=T0 + 2000, items_done=40,
+                activity_at=T0 + 2700)  # busy, but no item: still stalled
+    message = rules(job, T0 + 2601)["stalled"].message
+    assert "no new item" in message and "40 items" in message
+
+
+def test_recent_item_is_not_stalled() -> None:
+    job = facts(first_item_at=T0 + 1500, last_progress_at=T0 + 2000, items_done=40)
+    assert "stalled" not in rules(job, T0 + 2599)
+
+
+def test_after_first_item_quiet_process_with_recent_item_is_not_stalled() -> None:
+    # activity flat for ages, but items keep coming (e.g. the work is on another host)
+    job = facts(first_item_at=T0 + 10, last_progress_at=T0 + 5000, activity_at=T0 + 10)
+    assert alerts.stall_message(job, T0 + 5100) is None
+
+
+def test_after_first_item_without_last_progress_counts_from_first_item() -> None:
+    job = facts(first_item_at=T0 + 100)
+    assert alerts.stall_message(job, T0 + 699) is None
+    message = alerts.stall_message(job, T0 + 701)
+    assert message is not None and "no new item" in message
+
+
+def test_startup_timeout_does_not_apply_after_the_first_item() -> None:
+    job = facts(startup_timeout_s=60.0, first_item_at=T0 + 30, last_progress_at=T0 + 5000)
+    assert alerts.stall_message(job, T0 + 5100) is None
+
+
+@pytest.mark.parametrize("state", ["pending", "succeeded", "failed", "stopped", "lost"])
+def test_a_job_that_is_not_running_is_never_stalled(state: str) -> None:
+    job = facts(state=state, first_item_at=T0 + 10, last_progress_at=T0 + 10,
+                ended_at=T0 + 20, activity_at=None, startup_timeout_s=5.0)
+    assert "stalled" not in rules(job, T0 + 100_000 - 1)  # hours quiet, still no "stalled"
+
+
+def test_not_running_gets_no_resource_rules_either() -> None:
+    job = facts(state="succeeded", ended_at=T0 + 10, will_fit=False, disk_free_bytes=1,
+                gpu_memory_fraction=1.0)
+    assert rules(job, T0 + 20) == {}
+
+
+# -- crashed, incomplete ----------------------------------------------------------------------
+
+@pytest.mark.parametrize("state", ["failed", "lost"])
+def test_crashed_fires_for_failed_and_lost(state: str) -> None:
+    job = facts(state=state, reason="exited with code 1", exit_code=1, ended_at=T0 + 50)
+    firing = rules(job, T0 + 51)
+    assert set(firing) == {"crashed"}
+    assert firing["crashed"].severity == "critical"
+    assert firing["crashed"].message == f"extract {state}: exited with code 1"
+
+
+def test_crashed_without_a_reason_says_so() -> None:
+    job = facts(state="lost", ended_at=T0 + 50)
+    assert "no reason recorded" in rules(job, T0 + 51)["crashed"].message
+
+
+def test_a_dependency_failure_is_not_a_crash() -> None:
+    # never started (attempt 0): failed because a job it depends on failed
+    job = facts(state="failed", attempt=0, started_at=None, ended_at=T0,
+                reason="dependency j0 failed")
+    assert rules(job, T0 + 1) == {}
+
+
+def test_crashed_ages_out_after_the_ended_alert_ttl() -> None:
+    settings = AlertSettings(ended_alert_ttl_s=3600.0)
+    job = facts(state="failed", exit_code=1, ended_at=T0 + 100)
+    assert "crashed" in rules(job, T0 + 100 + 3599, settings)
+    assert "crashed" not in rules(job, T0 + 100 + 3601, settings)
+    assert "crashed" not in rules(job, T0 + 100 + 86_401)  # default ttl is one day
+
+
+@pytest.mark.parametrize("state", ["succeeded", "stopped", "running", "pending"])
+def test_crashed_only_for_failed_or_lost(state: str) -> None:
+    job = facts(state=state, ended_at=None if state == "running" else T0 + 5)
+    assert "crashed" not in rules(job, T0 + 6)
+
+
+def test_incomplete_when_exit_0_with_fewer_items_than_expected() -> None:
+    job = facts(state="succeeded", exit_code=0, ended_at=T0 + 60, items_done=7,
+                items_expected=10)
+    firing = rules(job, T0 + 61)
+    assert set(firing) == {"incomplete"}
+    assert firing["incomplete"].severity == "warning"
+    assert "7 of 10" in firing["incomplete"].message
+
+
+@pytest.mark.parametrize(("done", "expected"), [(10, 10), (12, 10), (None, 10), (3, None)])
+def test_not_incomplete(done: int | None, expected: int | None) -> None:
+    job = facts(state="succeeded", exit_code=0, ended_at=T0 + 60, items_done=done,
+                items_expected=expected)
+    assert rules(job, T0 + 61) == {}
+
+
+def test_incomplete_ages_out_too() -> None:
+    settings = AlertSettings(ended_alert_ttl_s=10.0)
+    job = facts(state="succeeded", ended_at=T0, items_done=1, items_expected=2)
+    assert "incomplete" in rules(job, T0 + 9, settings)
+    assert rules(job, T0 + 11, settings) == {}
+
+
+# -- disk and GPU ---------------------------------------------------------------------------
+
+def test_disk_will_fill_when_the_rest_will_not_fit() -> None:
+    job = facts(will_fit=False, disk_free_bytes=80 * GB)
+    firing = rules(job, T0 + 1)
+    assert firing["disk_will_fill"].severity == "critical"
+    assert "does not fit" in firing["disk_will_fill"].message
+    assert "80.0 GB" in firing["disk_will_fill"].message
+
+
+def test_disk_will_fill_when_disk_is_full_before_the_eta() -> None:
+    job = facts(disk_full_in_s=3600.0, eta_s=7200.0, disk_free_bytes=100 * GB)
+    message = rules(job, T0 + 1)["disk_will_fill"].message
+    assert "disk full in 60 min" in message and "2.0 h" in message
+
+
+def test_disk_not_filling_when_the_job_ends_first() -> None:
+    job = facts(disk_full_in_s=7200.0, eta_s=3600.0, will_fit=True, disk_free_bytes=500 * GB)
+    assert rules(job, T0 + 1) == {}
+
+
+def test_disk_will_fill_needs_both_runway_and_eta() -> None:
+    assert "disk_will_fill" not in rules(facts(disk_full_in_s=60.0, eta_s=None), T0 + 1)
+    assert "disk_will_fill" not in rules(facts(disk_full_in_s=None, eta_s=60.0), T0 + 1)
+    assert "disk_will_fill" not in rules(facts(will_fit=None), T0 + 1)
+
+
+def test_disk_low_threshold() -> None:
+    settings = AlertSettings(disk_low_bytes=10 * GB)
+    low = rules(facts(disk_free_bytes=10 * GB - 1), T0 + 1, settings)
+    assert low["disk_low"].severity == "warning"
+    assert "free on its output disk" in low["disk_low"].message
+    assert "disk_low" not in rules(facts(disk_free_bytes=10 * GB), T0 + 1, settings)
+    assert "disk_low" not in rules(facts(disk_free_bytes=None), T0 + 1, settings)
+    # the default threshold is 5 GB
+    assert "disk_low" in rules(facts(disk_free_bytes=4 * GB), T0 + 1)
+    assert "disk_low" not in rules(facts(disk_free_bytes=6 * GB), T0 + 1)
+
+
+def test_gpu_memory_high_threshold() -> None:
+    settings = AlertSettings(gpu_memory_high_fraction=0.9)
+    high = rules(facts(gpu_memory_fraction=0.93), T0 + 1, settings)
+    assert high["gpu_memory_high"].severity == "warning"
+    assert "93%" in high["gpu_memory_high"].message
+    assert "gpu_memory_high" not in rules(facts(gpu_memory_fraction=0.89), T0 + 1, settings)
+    assert "gpu_memory_high" not in rules(facts(gpu_memory_fraction=None), T0 + 1, settings)
+    assert "gpu_memory_high" in rules(facts(gpu_memory_fraction=0.99), T0 + 1)
+    assert "gpu_memory_high" not in rules(facts(gpu_memory_fraction=0.94), T0 + 1)
+
+
+def test_every_rule_at_once_with_its_severity() -> None:
+    job = facts(activity_at=None, will_fit=False, disk_free_bytes=1 * GB,
+                gpu_memory_fraction=0.99)
+    firing = rules(job, T0 + 700)
+    assert {rule: f.severity for rule, f in firing.items()} == {
+        "stalled": "warning", "disk_will_fill": "critical", "disk_low": "warning",
+        "gpu_memory_high": "warning"}
+
+
+def test_severity_table_covers_every_rule() -> None:
+    assert set(alerts.SEVERITY) == set(alerts.RULES)
+    assert alerts.SEVERITY == {
+        "crashed": "critical", "stalled": "warning", "disk_will_fill": "critical",
+        "disk_low": "warning", "gpu_memory_high": "warning", "incomplete": "warning"}
+    assert sorted(alerts.EVENT_RULES) == ["crashed", "incomplete"]
+
+
+# -- reconcile ------------------------------------------------------------------------------
+
+def firing_of(job_id: str, rule: str, message: str = "m") -> Firing:
+    return Firing(job_id, rule, alerts.SEVERITY[rule], message)
+
+
+def test_reconcile_opens_new_alerts() -> None:
+    new = [firing_of("a", "stalled"), firing_of("a", "disk_low"), firing_of("b", "crashed")]
+    changes = alerts.reconcile(new, [], {})
+    assert changes.opened == tuple(new)
+    assert changes.resolved == () and changes.updated == ()
+
+
+def test_reconcile_never_duplicates_an_open_alert() -> None:
+    open_alert = OpenAlert(7, "a", "stalled")
+    changes = alerts.reconcile([firing_of("a", "stalled", "same")], [open_alert], {7: "same"})
+    assert changes == alerts.Changes((), (), ())
+
+
+def test_reconcile_dedupes_one_rule_firing_twice_in_one_batch() -> None:
+    twice = [firing_of("a", "stalled", "one"), firing_of("a", "stalled", "two")]
+    (opened,) = alerts.reconcile(twice, [], {}).opened
+    assert (opened.job_id, opened.rule) == ("a", "stalled")
+
+
+def test_reconcile_same_rule_on_another_job_is_a_new_alert() -> None:
+    changes = alerts.reconcile([firing_of("b", "stalled")], [OpenAlert(1, "a", "stalled")],
+                               {1: "m"})
+    assert [(f.job_id, f.rule) for f in changes.opened] == [("b", "stalled")]
+    assert changes.resolved == ()  # job a was not evaluated: left alone
+
+
+def test_reconcile_reports_a_changed_message() -> None:
+    open_alert = OpenAlert(3, "a", "stalled")
+    changes = alerts.reconcile([firing_of("a", "stalled", "no new item for 15 min")],
+                               [open_alert], {3: "no new item for 11 min"})
+    assert changes.updated == ((open_alert, "no new item for 15 min"),)
+    assert changes.opened == () and changes.resolved == ()
+
+
+def test_reconcile_resolves_what_stopped_firing_for_settled_jobs() -> None:
+    stalled, disk = OpenAlert(1, "a", "stalled"), OpenAlert(2, "a", "disk_low")
+    changes = alerts.reconcile([firing_of("a", "disk_low")], [stalled, disk],
+                               {1: "m", 2: "m"}, settled_job_ids=["a"])
+    assert changes.resolved == (stalled,)
+    assert changes.opened == () and changes.updated == ()
+
+
+def test_reconcile_a_job_with_something_firing_counts_as_evaluated() -> None:
+    # job a is not in settled_job_ids, but it fired this time: it was evaluated
+    stalled = OpenAlert(1, "a", "stalled")
+    changes = alerts.reconcile([firing_of("a", "disk_low")], [stalled], {1: "m"})
+    assert changes.resolved == (stalled,)
+
+
+def test_reconcile_a_settled_job_with_nothing_firing_resolves_everything() -> None:
+    open_alerts = [OpenAlert(1, "a", "stalled"), OpenAlert(2, "a", "gpu_memory_high")]
+    changes = alerts.reconcile([], open_alerts, {1: "m", 2: "m"}, settled_job_ids={"a"})
+    assert changes.resolved == tuple(open_alerts)
+
+
+def test_reconcile_leaves_alerts_of_jobs_not_evaluated_alone() -> None:
+    mine, other = OpenAlert(1, "a", "stalled"), OpenAlert(2, "b", "stalled")
+    changes = alerts.reconcile([], [mine, other], {1: "m", 2: "m"}, settled_job_ids=["a"])
+    assert changes.resolved == (mine,)
+    assert alerts.reconcile([], [mine, other], {1: "m", 2: "m"}) == alerts.Changes((), (), ())
+
+
+def test_reconcile_end_to_end_over_ticks() -> None:
+    """evaluate -> reconcile over a job's life: stall opens once, is updated, resolves."""
+    job = facts(first_item_at=T0 + 10, last_progress_at=T0 + 100, items_done=5)
+    open_alerts: list[OpenAlert] = []
+    messages: dict[int, str] = {}
+    next_id = 1
+    log: list[tuple[str, str]] = []
+    for now in (T0 + 600, T0 + 701, T0 + 800, T0 + 1000):
+        if now == T0 + 1000:
+            job = dataclasses.replace(job, last_progress_at=T0 + 990, items_done=6)
+        changes = alerts.reconcile(alerts.evaluate(job, now=now, settings=SETTINGS),
+                                   open_alerts, messages, settled_job_ids=[job.job_id])
+        for f in changes.opened:
+            open_alerts.append(OpenAlert(next_id, f.job_id, f.rule))
+            messages[next_id] = f.message
+            next_id += 1
+            log.append(("opened", f.rule))
+        for alert, message in changes.updated:
+            messages[alert.id] = message
+            log.append(("updated", alert.rule))
+        for alert in changes.resolved:
+            open_alerts.remove(alert)
+            log.append(("resolved", alert.rule))
+    assert log == [("opened", "stalled"), ("updated", "stalled"), ("resolved", "stalled")]
+    assert open_alerts == []
+
+
+# -- classify_exit --------------------------------------------------------------------------
+
+def test_sigkill_with_oom_kills_is_oom() -> None:
+    notes, reason = alerts.classify_exit(exit_code=None, signal=9, oom_kills=1, log_tail=[])
+    assert reason == "oom"
+    assert notes is not None and "OOM-killed" in notes and "rose by 1" in notes
+
+
+def test_sigkill_without_oom_kills_is_a_labelled_guess() -> None:
+    notes, reason = alerts.classify_exit(exit_code=None, signal=9, oom_kills=0, log_tail=[])
+    assert reason is None
+    assert notes is not None
+    assert "possibly" in notes and "a guess" in notes and "OOM" in notes
+
+
+@pytest.mark.parametrize(("line", "meaning"), [
+    ("torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 2.00 GiB",
+     "CUDA out of memory"),
+    ("RuntimeError: CUDA error: CUBLAS_STATUS_ALLOC_FAILED when calling cublasCreate",
+     "CUDA out of memory"),
+    ("OSError: [Errno 28] No space left on device: '/data/hidden/0001.pt'", "ENOSPC"),
+    ("safetensors_rust.SafetensorError: ENOSPC while writing", "ENOSPC"),
+    ("MemoryError", "host out of memory"),
+    ("terminate called after throwing an instance of 'std::bad_alloc'", "host out of memory"),
+    ("[Rank 0] Watchdog caught collective operation timeout: WorkNCCL(SeqNum=9, "
+     "OpType=ALLREDUCE) ran for 1800000 milliseconds before timing out.", "NCCL"),
+    ("torch.distributed.DistBackendError: NCCL error in: ProcessGroupNCCL.cpp:1970",
+     "NCCL"),
+])
+def test_log_signatures_are_recognised(line: str, meaning: str) -> None:
+    tail = ["loading model", line, "Traceback follows"]
+    notes, reason = alerts.classify_exit(exit_code=1, signal=None, oom_kills=0, log_tail=tail)
+    assert notes is not None and meaning in notes and "seen in the log" in notes
+    assert reason is None  # a log line explains, but only the cgroup counter proves an OOM kill
+
+
+def test_cuda_oom_is_not_mistaken_for_host_memory_error() -> None:
+    notes, _ = alerts.classify_exit(
+        exit_code=1, signal=None, oom_kills=0,
+        log_tail=["torch.cuda.OutOfMemoryError: CUDA out of memory."])
+    assert notes == "CUDA out of memory (seen in the log)"
+
+
+def test_oom_kill_and_a_log_signature_both_reported() -> None:
+    notes, reason = alerts.classify_exit(exit_code=None, signal=9, oom_kills=2,
+                                         log_tail=["MemoryError"])
+    assert reason == "oom"
+    assert notes == ("OOM-killed: the cgroup's oom_kill count rose by 2; "
+                     "host out of memory (seen in the log)")
+
+
+def test_plain_exit_without_a_signature_has_no_explanation() -> None:
+    tail = ["step 10/100", "ValueError: bad shape"]
+    assert alerts.classify_exit(exit_code=3, signal=None, oom_kills=0, log_tail=tail) == (
+        None, None)
+    assert alerts.classify_exit(exit_code=3, signal=None, oom_kills=0, log_tail=[]) == (
+        None, None)
+
+
+def test_other_signals_are_not_guessed_at() -> None:
+    assert alerts.classify_exit(exit_code=None, signal=15, oom_kills=0, log_tail=[]) == (
+        None, None)
+    # an oom_kill count without SIGKILL is not an OOM kill of this job
+    assert alerts.classify_exit(exit_code=1, signal=None, oom_kills=3, log_tail=[]) == (
+        None, None)

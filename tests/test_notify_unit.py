@@ -1,0 +1,448 @@
+"""Delivery logic of the notifier: a real SQLite outbox, a real HTTP receiver on loopback,
+a clock the test moves by hand, and `deliver_due()` called directly (no thread)."""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Callable, Iterator
+from email.utils import formatdate
+from pathlib import Path
+from typing import Any
+
+import pytest
+from sqlalchemy import select
+from sqlalchemy.orm import Session, sessionmaker
+
+from supervisor import notify
+from supervisor.db import make_engine, make_sessionmaker, upgrade
+from supervisor.models import Notification
+from supervisor.notify import Destination, Notifier, compose, retry_after_s
+from tests.conftest import Receiver, free_port
+
+T0 = 1_700_000_000.0  # the fake clock's start, seconds since the epoch
+
+
+class Clock:
+    def __init__(self, t: float = T0) -> None:
+        self.t = t
+
+    def __call__(self) -> float:
+        return self.t
+
+    def advance(self, seconds: float) -> None:
+        self.t += seconds
+
+
+JOB: dict[str, Any] = {
+    "id": "a1b2c3", "name": "extract-hidden", "state": "running",
+    "reason": None,
+    "progress": {"items_done": 400, "items_total": 1000, "files": 400,
+                 "bytes_written": 33_200_000_000, "source": "progress_file",
+                 "last_progress_at": "2023-11-14T22:13:20Z", "metrics": {}},
+    "forecast": {"rate_items_per_s": 0.05, "eta_s": 12_000.0, "eta_at": "2023-11-15T01:33:20Z",
+                 "bytes_per_item": 83_000_000.0, "projected_total_bytes": 83_000_000_000,
+                 "disk_free_bytes": 40_000_000_000, "disk_full_in_s": 9_600.0,
+                 "will_fit": False},
+    "resources": {"status": "running", "num_procs": 3, "num_threads": 40, "cpu_percent": 99.0,
+                  "rss_bytes": 8_000_000_000, "read_bytes": 0,
+                  "gpu_memory_bytes": 76_000_000_000},
+}
+ALERT: dict[str, Any] = {
+    "id": 5, "job_id": "a1b2c3", "rule": "disk_will_fill", "severity": "critical",
+    "state": "firing", "started_at": "2023-11-14T22:13:20Z", "resolved_at": None,
+    "message": "extract-hidden: its remaining output does not fit in the 40.0 GB free",
+}
+LOG_TAIL = ["step 399/1000", "step 400/1000 loss=1.23"]
+
+
+def message(n: int) -> dict[str, Any]:
+    """A distinct firing message; its number is in the text and in the job name."""
+    job = copy.deepcopy(JOB)
+    job["name"] = f"job-{n}"
+    return compose("firing", job, alert={**ALERT, "message": f"message #{n}"},
+                   log_tail=[f"line of {n}"])
+
+
+@pytest.fixture
+def sessions(tmp_path: Path) -> Iterator[sessionmaker[Session]]:
+    engine = make_engine(f"sqlite:///{tmp_path}/db.sqlite")
+    upgrade(engine)
+    yield make_sessionmaker(engine)
+    engine.dispose()
+
+
+@pytest.fixture
+def clock() -> Clock:
+    return Clock()
+
+
+@pytest.fixture
+def make_notifier(sessions: sessionmaker[Session],
+                  clock: Clock) -> Iterator[Callable[..., Notifier]]:
+    made: list[Notifier] = []
+
+    def make(*destinations: Destination) -> Notifier:
+        notifier = Notifier(list(destinations), sessions, clock=clock)
+        made.append(notifier)
+        return notifier
+
+    yield make
+    for notifier in made:
+        notifier.stop()  # no thread was started: this closes its HTTP client
+
+
+def enqueue(notifier: Notifier, sessions: sessionmaker[Session], msg: dict[str, Any],
+            now: float, kind: str = "firing") -> None:
+    with sessions() as session:
+        notifier.enqueue(session, kind, msg, job_id="a1b2c3", alert_id=5, now=now)
+        session.commit()
+
+
+def rows(sessions: sessionmaker[Session], destination: str = "slack") -> list[Notification]:
+    with sessions() as session:
+        return list(session.scalars(select(Notification)
+                                    .where(Notification.destination == destination)
+                                    .order_by(Notification.id)))
+
+
+def sent_numbers(receiver: Receiver) -> list[str]:
+    return [text.split("message #")[1].split()[0] for text in receiver.texts()]
+
+
+# -- order and rate ---------------------------------------------------------------------------
+
+def test_messages_arrive_in_order(make_notifier, sessions, clock, receiver) -> None:
+    notifier = make_notifier(Destination("slack", receiver.url))
+    for n in range(1, 6):
+        enqueue(notifier, sessions, message(n), clock())
+    for _ in range(5):
+        notifier.deliver_due()
+        clock.advance(1.0)
+    assert sent_numbers(receiver) == ["1", "2", "3", "4", "5"]
+    assert notifier.sent["slack"] == 5
+    assert all(row.sent_at is not None and row.attempts == 1 for row in rows(sessions))
+
+
+def test_at_most_one_message_per_second(make_notifier, sessions, clock, receiver) -> None:
+    notifier = make_notifier(Destination("slack", receiver.url))
+    enqueue(notifier, sessions, message(1), clock())
+    enqueue(notifier, sessions, message(2), clock())
+    assert notifier.deliver_due() == pytest.approx(1.0)  # sent #1; next allowed in 1 s
+    assert sent_numbers(receiver) == ["1"]
+    assert notifier.deliver_due() == pytest.approx(1.0)  # #2 is due, but not allowed yet
+    clock.advance(0.6)
+    assert notifier.deliver_due() == pytest.approx(0.4)
+    assert sent_numbers(receiver) == ["1"]
+    assert len(receiver.attempts) == 1
+    clock.advance(0.4)
+    notifier.deliver_due()
+    assert sent_numbers(receiver) == ["1", "2"]
+    (first, second) = rows(sessions)
+    assert second.sent_at is not None and first.sent_at is not None
+    assert second.sent_at - first.sent_at == pytest.approx(1.0)
+
+
+def test_idle_outbox_sleeps_the_default(make_notifier, receiver) -> None:
+    notifier = make_notifier(Destination("slack", receiver.url))
+    assert notifier.deliver_due() == 5.0
+    assert receiver.attempts == []
+
+
+def test_a_failing_head_blocks_the_messages_behind_it(make_notifier, sessions, clock,
+                                                      receiver) -> None:
+    receiver.script = [(500, {}), (503, {})]
+    notifier = make_notifier(Destination("slack", receiver.url))
+    for n in (1, 2, 3):
+        enqueue(notifier, sessions, message(n), clock())
+    for _ in range(40):  # 40 s of fake time, checked every 1/4 s
+        notifier.deliver_due()
+        clock.advance(0.25)
+    assert [status for _, status in receiver.attempts] == [500, 503, 200, 200, 200]
+    assert sent_numbers(receiver) == ["1", "2", "3"]
+    first, *_ = rows(sessions)
+    assert first.attempts == 3 and notifier.retried["slack"] == 2
+
+
+# -- 429 ----------------------------------------------------------------------------------------
+
+def test_429_retry_after_seconds(make_notifier, sessions, clock, receiver) -> None:
+    receiver.script = [(429, {"Retry-After": "30"})]
+    notifier = make_notifier(Destination("slack", receiver.url))
+    enqueue(notifier, sessions, message(1), clock())
+    notifier.deliver_due()
+    (row,) = rows(sessions)
+    assert row.next_attempt_at == T0 + 30 and row.sent_at is None and row.failed_at is None
+    assert row.attempts == 1 and "429" in (row.last_error or "")
+    assert notifier.retried["slack"] == 1 and notifier.failed["slack"] == 0
+    clock.advance(10)
+    assert notifier.deliver_due() == 5.0  # due in 20 s; the loop never sleeps over 5 s
+    clock.advance(17)
+    assert notifier.deliver_due() == pytest.approx(3.0)
+    clock.advance(2.9)
+    notifier.deliver_due()
+    assert len(receiver.attempts) == 1
+    clock.advance(0.1)
+    notifier.deliver_due()
+    assert sent_numbers(receiver) == ["1"]
+
+
+def test_429_retry_after_http_date(make_notifier, sessions, clock, receiver) -> None:
+    receiver.script = [(429, {"Retry-After": formatdate(T0 + 120, usegmt=True)})]
+    notifier = make_notifier(Destination("slack", receiver.url))
+    enqueue(notifier, sessions, message(1), clock())
+    notifier.deliver_due()
+    (row,) = rows(sessions)
+    assert row.next_attempt_at == pytest.approx(T0 + 120)
+    clock.advance(119)
+    notifier.deliver_due()
+    assert receiver.posts == []
+    clock.advance(1)
+    notifier.deliver_due()
+    assert sent_numbers(receiver) == ["1"]
+
+
+def test_429_without_retry_after_backs_off(make_notifier, sessions, clock, receiver) -> None:
+    receiver.script = [(429, {})]
+    notifier = make_notifier(Destination("slack", receiver.url))
+    enqueue(notifier, sessions, message(1), clock())
+    notifier.deliver_due()
+    (row,) = rows(sessions)
+    assert T0 + 0.5 <= row.next_attempt_at <= T0 + 1.0
+
+
+# -- 5xx and network errors -----------------------------------------------------------------------
+
+def test_server_errors_back_off_exponentially_with_jitter(make_notifier, sessions, clock,
+                                                          receiver) -> None:
+    attempts = 10
+    receiver.script = [(500 + n % 4, {}) for n in range(attempts)]  # 500..503
+    notifier = make_notifier(Destination("slack", receiver.url))
+    enqueue(notifier, sessions, message(1), clock())
+    fractions = []
+    for n in range(1, attempts + 1):
+        now = clock()
+        notifier.deliver_due()
+        (row,) = rows(sessions)
+        assert row.attempts == n and row.sent_at is None and row.failed_at is None
+        assert row.last_error is not None and row.last_error.startswith("HTTP 50")
+        delay = row.next_attempt_at - now
+        ceiling = min(120.0, 2.0 ** (n - 1))
+        assert ceiling / 2 <= delay <= ceiling, (n, delay)
+        fractions.append(delay / ceiling)
+        clock.t = row.next_attempt_at - 0.01
+        notifier.deliver_due()  # not yet due: no request
+        assert len(receiver.attempts) == n
+        clock.t = max(row.next_attempt_at, now + notify.MIN_INTERVAL_S)
+    assert len(set(fractions)) > 1, "no jitter"
+    assert notifier.retried["slack"] == attempts
+    notifier.deliver_due()  # the script is used up: the receiver answers 200
+    assert sent_numbers(receiver) == ["1"] and notifier.failed["slack"] == 0
+
+
+def test_network_error_to_an_unused_port_is_retried(make_notifier, sessions, clock,
+                                                    receiver) -> None:
+    notifier = make_notifier(Destination("slack", f"http://127.0.0.1:{free_port()}/hook"))
+    enqueue(notifier, sessions, message(1), clock())
+    notifier.deliver_due()
+    (row,) = rows(sessions)
+    assert row.attempts == 1 and row.sent_at is None and row.failed_at is None
+    assert "network error" in (row.last_error or "")
+    assert T0 + 0.5 <= row.next_attempt_at <= T0 + 1.0
+    assert notifier.retried["slack"] == 1 and notifier.failed["slack"] == 0
+    # the endpoint comes back (here: at a new address): the same row is delivered
+    notifier.destinations["slack"] = Destination("slack", receiver.url)
+    clock.advance(1.0)
+    notifier.deliver_due()
+    assert sent_numbers(receiver) == ["1"]
+    (row,) = rows(sessions)
+    assert row.attempts == 2 and row.sent_at == T0 + 1.0
+
+
+def test_network_error_when_the_receiver_closed(make_notifier, sessions, clock,
+                                                receiver) -> None:
+    gone = Receiver()
+    notifier = make_notifier(Destination("slack", gone.url))
+    enqueue(notifier, sessions, message(1), clock())
+    enqueue(notifier, sessions, message(2), clock())
+    notifier.deliver_due()
+    assert sent_numbers(gone) == ["1"]
+    gone.close()
+    clock.advance(1.0)
+    notifier.deliver_due()
+    first, second = rows(sessions)
+    assert first.sent_at is not None
+    assert second.sent_at is None and second.attempts == 1
+    assert "network error" in (second.last_error or "")
+    notifier.destinations["slack"] = Destination("slack", receiver.url)
+    clock.advance(1.0)
+    notifier.deliver_due()
+    assert sent_numbers(receiver) == ["2"]
+
+
+# -- other 4xx --------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("status", [400, 403, 404, 410])
+def test_4xx_is_given_up_and_counted(make_notifier, sessions, clock, receiver,
+                                     status: int) -> None:
+    receiver.script = [(status, {})]
+    notifier = make_notifier(Destination("slack", receiver.url))
+    enqueue(notifier, sessions, message(1), clock())
+    enqueue(notifier, sessions, message(2), clock())
+    notifier.deliver_due()
+    first, second = rows(sessions)
+    assert first.failed_at == T0 and first.sent_at is None and first.attempts == 1
+    assert first.last_error == f"HTTP {status}: nope"
+    assert notifier.failed["slack"] == 1 and notifier.retried["slack"] == 0
+    for _ in range(3):  # the given-up row is never tried again; the next one goes out
+        clock.advance(1.0)
+        notifier.deliver_due()
+    assert [s for _, s in receiver.attempts] == [status, 200]
+    assert sent_numbers(receiver) == ["2"]
+    assert notifier.failed["slack"] == 1 and notifier.sent["slack"] == 1
+
+
+# -- destinations -----------------------------------------------------------------------------
+
+def test_slack_gets_text_and_webhook_gets_the_whole_message(make_notifier, sessions, clock,
+                                                             receiver) -> None:
+    hook = Receiver()
+    try:
+        notifier = make_notifier(Destination("slack", receiver.url),
+                                 Destination("webhook", hook.url))
+        msg = compose("firing", JOB, alert=ALERT, log_tail=LOG_TAIL)
+        enqueue(notifier, sessions, msg, clock())
+        assert len(rows(sessions, "slack")) == len(rows(sessions, "webhook")) == 1
+        notifier.deliver_due()  # one call serves both destinations
+        ((_, slack_body),) = receiver.posts
+        ((_, webhook_body),) = hook.posts
+        assert slack_body == {"text": msg["text"]}
+        assert webhook_body == msg
+        assert webhook_body["job"]["id"] == "a1b2c3"
+        assert webhook_body["alert"]["rule"] == "disk_will_fill"
+        assert webhook_body["log_tail"] == LOG_TAIL and webhook_body["kind"] == "firing"
+        assert notifier.sent == {"slack": 1, "webhook": 1}
+    finally:
+        hook.close()
+
+
+def test_destinations_are_independent(make_notifier, sessions, clock, receiver) -> None:
+    hook = Receiver()
+    try:
+        receiver.script = [(500, {}), (500, {}), (500, {})]
+        notifier = make_notifier(Destination("slack", receiver.url),
+                                 Destination("webhook", hook.url))
+        for n in (1, 2):
+            enqueue(notifier, sessions, message(n), clock())
+        notifier.deliver_due()
+        clock.advance(1.0)
+        notifier.deliver_due()
+        assert sent_numbers(hook) == ["1", "2"]  # slack's failures do not hold it up
+        assert receiver.posts == []
+    finally:
+        hook.close()
+
+
+def test_a_malformed_url_does_not_stop_the_other_destination(make_notifier, sessions, clock,
+                                                              receiver) -> None:
+    notifier = make_notifier(Destination("slack", "http://[::1/hook"),  # httpx.InvalidURL
+                             Destination("webhook", receiver.url))
+    enqueue(notifier, sessions, message(1), clock())
+    notifier.deliver_due()
+    assert len(receiver.posts) == 1
+    (row,) = rows(sessions, "slack")
+    assert row.sent_at is None and row.failed_at is None and row.attempts == 1
+    assert notifier.retried["slack"] == 1
+
+
+def test_a_new_notifier_delivers_what_an_old_one_left(make_notifier, sessions, clock,
+                                                      receiver) -> None:
+    before = make_notifier(Destination("slack", receiver.url))
+    enqueue(before, sessions, message(1), clock())
+    enqueue(before, sessions, message(2), clock())
+    before.deliver_due()
+    before.stop()  # the daemon restarts with #2 still in the outbox
+    after = make_notifier(Destination("slack", receiver.url))
+    clock.advance(1.0)
+    after.deliver_due()
+    after.deliver_due()
+    assert sent_numbers(receiver) == ["1", "2"]
+
+
+def test_enqueue_writes_one_row_per_destination(make_notifier, sessions, clock) -> None:
+    notifier = make_notifier(Destination("slack", "http://127.0.0.1:9/a"),
+                             Destination("webhook", "http://127.0.0.1:9/b"))
+    enqueue(notifier, sessions, message(1), clock(), kind="resolved")
+    for name in ("slack", "webhook"):
+        (row,) = rows(sessions, name)
+        assert (row.kind, row.job_id, row.alert_id) == ("resolved", "a1b2c3", 5)
+        assert row.attempts == 0 and row.next_attempt_at == T0 and row.created_at == T0
+
+
+# -- compose ----------------------------------------------------------------------------------
+
+def test_firing_text_has_the_facts() -> None:
+    msg = compose("firing", JOB, alert=ALERT, log_tail=LOG_TAIL)
+    text = msg["text"]
+    assert text.startswith(":rotating_light: *CRITICAL: disk_will_fill*")
+    assert "extract-hidden" in text and "a1b2c3" in text
+    assert ALERT["message"] in text
+    assert "state: running" in text
+    assert "progress: 400/1000 items, 33.2 GB written" in text
+    assert "ETA: 3.3 h (at 2023-11-15T01:33:20Z)" in text
+    assert "disk: 40.0 GB free, full in 2.7 h — the rest will NOT fit" in text
+    assert "GPU memory: 76.0 GB" in text
+    assert "last log lines:" in text and "step 400/1000 loss=1.23" in text
+    assert msg["job"] is JOB and msg["alert"] is ALERT and msg["log_tail"] == LOG_TAIL
+
+
+def test_firing_text_with_a_reason_and_little_known() -> None:
+    job = {**JOB, "state": "failed", "reason": "exited with code 1",
+           "progress": {"items_done": None}, "forecast": {}, "resources": {}}
+    crashed = {**ALERT, "rule": "crashed", "message": "extract-hidden failed"}
+    text = compose("firing", job, alert=crashed, log_tail=[])["text"]
+    assert "*CRITICAL: crashed*" in text
+    assert "state: failed — exited with code 1" in text
+    for absent in ("progress:", "ETA:", "disk:", "GPU memory:", "last log lines"):
+        assert absent not in text
+
+
+def test_resolved_text_is_short() -> None:
+    alert = {**ALERT, "rule": "stalled", "severity": "warning", "state": "resolved",
+             "message": "extract-hidden: no new item for 11 min at 400 items"}
+    text = compose("resolved", JOB, alert=alert, log_tail=LOG_TAIL)["text"]
+    assert text.startswith(":white_check_mark: *RESOLVED: stalled*")
+    assert "extract-hidden" in text and "a1b2c3" in text
+    assert len(text.splitlines()) <= 2
+    for absent in ("progress:", "ETA:", "disk:", "GPU memory:", "last log lines", "step 400"):
+        assert absent not in text
+
+
+def test_succeeded_text_without_an_alert() -> None:
+    job = {**JOB, "state": "succeeded"}
+    msg = compose("succeeded", job, alert=None, log_tail=[])
+    assert msg["text"].startswith(":tada: *job `extract-hidden` (a1b2c3) succeeded*")
+    assert msg["alert"] is None
+
+
+def test_a_long_log_tail_is_cut_from_the_front() -> None:
+    tail = [f"line {n:05d}" for n in range(1000)]
+    text = compose("firing", JOB, alert=ALERT, log_tail=tail)["text"]
+    assert "line 00999" in text and "line 00000" not in text
+    assert len(text) < 3500
+
+
+# -- Retry-After --------------------------------------------------------------------------------
+
+@pytest.mark.parametrize(("value", "expected"), [
+    ("120", 120.0), ("0", 0.0), ("1.5", 1.5), (" 7 ", 7.0), ("-3", 0.0),
+    (None, None), ("", None), ("soon", None), ("Wed, 99 Foo 2015", None),
+])
+def test_retry_after_values(value: str | None, expected: float | None) -> None:
+    assert retry_after_s(value, T0) == expected
+
+
+def test_retry_after_http_date() -> None:
+    assert retry_after_s(formatdate(T0 + 90, usegmt=True), T0) == pytest.approx(90.0)
+    assert retry_after_s("Wed, 21 Oct 2015 07:28:00 GMT", 1_445_412_480.0) == 0.0  # 07:28:00
+    assert retry_after_s("Wed, 21 Oct 2015 07:28:00 GMT", 1_445_412_420.0) == 60.0
+    assert retry_after_s(formatdate(T0 - 3600, usegmt=True), T0) == 0.0  # in the past

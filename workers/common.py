@@ -1,0 +1,159 @@
+"""What every worker shares: progress reporting, JSONL input, conversation tokenization."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import sys
+import time
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+log = logging.getLogger("workers")
+
+
+def setup_logging(verbose: bool = False) -> None:
+    logging.basicConfig(level=logging.DEBUG if verbose else logging.INFO, stream=sys.stderr,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+
+
+def fail(message: str, code: int = 2) -> None:
+    """A user mistake: one clear line, no traceback."""
+    print(f"error: {message}", file=sys.stderr)
+    raise SystemExit(code)
+
+
+class ProgressReporter:
+    """Writes the jobsup progress file atomically (temp + rename), at most every
+    `min_interval_s` unless forced, so a fast loop does not spend its time on it."""
+
+    def __init__(self, total: int | None, unit: str, path: str | None = None,
+                 min_interval_s: float = 0.5):
+        self.path = path if path is not None else os.environ.get("JOBSUP_PROGRESS_FILE")
+        self.total = total
+        self.unit = unit
+        self.min_interval_s = min_interval_s
+        self._last_write = 0.0
+
+    def update(self, done: int, metrics: Mapping[str, float] | None = None, *,
+               force: bool = False) -> None:
+        if not self.path:
+            return
+        now = time.monotonic()
+        if not force and now - self._last_write < self.min_interval_s:
+            return
+        self._last_write = now
+        payload = {"done": done, "total": self.total, "unit": self.unit,
+                   "metrics": {k: float(v) for k, v in (metrics or {}).items()}}
+        tmp = f"{self.path}.{os.getpid()}.tmp"
+        try:
+            with open(tmp, "w", encoding="utf-8") as f:
+                json.dump(payload, f)
+            os.replace(tmp, self.path)
+        except OSError as exc:  # progress is best effort: never kill the work for it
+            log.warning("cannot write progress file %s: %s", self.path, exc)
+
+
+@dataclass
+class JsonlStats:
+    lines: int = 0
+    malformed: list[int] = field(default_factory=list)
+    """Line numbers (1-based) skipped as malformed."""
+
+
+def read_jsonl(path: str | os.PathLike[str], stats: JsonlStats | None = None,
+               required: Sequence[str] = ()) -> Iterator[tuple[int, dict[str, Any]]]:
+    """(line number, record) for each valid line. A malformed line (not JSON, not an
+    object, missing a required key) is skipped, logged with its number, and counted."""
+    stats = stats if stats is not None else JsonlStats()
+    with open(path, encoding="utf-8") as f:
+        for number, line in enumerate(f, start=1):
+            if not line.strip():
+                continue
+            stats.lines += 1
+            try:
+                record = json.loads(line)
+                if not isinstance(record, dict):
+                    raise ValueError("not a JSON object")
+                missing = [key for key in required if key not in record]
+                if missing:
+                    raise ValueError(f"missing {', '.join(missing)}")
+            except ValueError as exc:
+                stats.malformed.append(number)
+                log.warning("%s: skipping malformed line %d: %s", path, number, exc)
+                continue
+            yield number, record
+
+
+def assistant_content(message: Mapping[str, Any]) -> str:
+    """An assistant turn as the target model produced it: the reasoning trace (when the
+    server returned one) inside <think>…</think>, then the answer."""
+    content = message.get("content") or ""
+    reasoning = message.get("reasoning_content")
+    if reasoning:
+        return f"<think>\n{reasoning}\n</think>\n\n{content}"
+    return str(content)
+
+
+def chat_messages(messages: Sequence[Mapping[str, Any]]) -> list[dict[str, str]]:
+    out = []
+    for m in messages:
+        role = str(m.get("role", "user"))
+        text = assistant_content(m) if role == "assistant" else str(m.get("content") or "")
+        out.append({"role": role, "content": text})
+    return out
+
+
+@dataclass(frozen=True)
+class Tokenized:
+    input_ids: list[int]
+    loss_mask: list[int]
+    """1 on tokens the assistant wrote (what a draft model learns to predict)."""
+    truncated: bool
+
+
+def tokenize_conversation(tokenizer: Any, messages: Sequence[Mapping[str, Any]], *,
+                          max_length: int | None = None) -> Tokenized:
+    """Render the conversation with the tokenizer's chat template and mark the tokens
+    that fall inside assistant turns.
+
+    The assistant spans are found on the text: the template is rendered for each prefix
+    of the conversation, and each assistant turn spans from the end of the prefix that
+    ends before it (with the generation prompt) to the end of the prefix that includes
+    it. Tokens are mapped to characters through the fast tokenizer's offsets, so
+    merges across a boundary cannot shift the mask.
+    """
+    msgs = chat_messages(messages)
+    full = tokenizer.apply_chat_template(msgs, tokenize=False)
+    spans = []
+    for i, m in enumerate(msgs):
+        if m["role"] != "assistant":
+            continue
+        before = tokenizer.apply_chat_template(msgs[:i], tokenize=False,
+                                               add_generation_prompt=True) if i else ""
+        through = tokenizer.apply_chat_template(msgs[: i + 1], tokenize=False)
+        if not full.startswith(through) or not through.startswith(before):
+            raise ValueError("the chat template does not render conversations prefix by "
+                             "prefix; cannot locate assistant turns")
+        # the whole turn, its end-of-turn marker included: the draft learns to stop
+        spans.append((len(before), len(through)))
+    encoded = tokenizer(full, add_special_tokens=False, return_offsets_mapping=True)
+    ids = list(encoded["input_ids"])
+    mask = [0] * len(ids)
+    for index, (start, stop) in enumerate(encoded["offset_mapping"]):
+        if any(start >= a and stop <= b and stop > start for a, b in spans):
+            mask[index] = 1
+    truncated = max_length is not None and len(ids) > max_length
+    if truncated:
+        ids, mask = ids[:max_length], mask[:max_length]
+    return Tokenized(ids, mask, truncated)
+
+
+def require_file(path: str | os.PathLike[str], what: str) -> Path:
+    p = Path(path)
+    if not p.exists():
+        fail(f"{what} {str(p)!r} does not exist")
+    return p

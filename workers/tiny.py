@@ -1,0 +1,91 @@
+"""A tiny random Llama with a real tokenizer and chat template, built locally with no
+download: for tests and for `jobsup demo`. `python -m workers.tiny OUT_DIR`."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Any
+
+CHAT_TEMPLATE = (
+    "{% for m in messages %}<|{{ m['role'] }}|>\n{{ m['content'] }}<|end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>\n{% endif %}"
+)
+SPECIAL_TOKENS = ["<unk>", "<s>", "</s>", "<pad>", "<|system|>", "<|user|>",
+                  "<|assistant|>", "<|end|>"]
+DEMO_PROMPTS = Path(__file__).parent / "data" / "demo_prompts.jsonl"
+
+
+def build_tokenizer(texts: Iterable[str], vocab_size: int = 384) -> Any:
+    """A byte-level BPE trained on `texts`, wrapped as a fast HF tokenizer with a chat
+    template (so `apply_chat_template` and offsets work as with real models)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE(unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=SPECIAL_TOKENS,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+                                  show_progress=False)
+    tok.train_from_iterator(list(texts), trainer)
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="<|end|>",
+                                   unk_token="<unk>", pad_token="<pad>")
+    fast.chat_template = CHAT_TEMPLATE
+    return fast
+
+
+def corpus(prompts_file: Path = DEMO_PROMPTS) -> list[str]:
+    texts = []
+    with open(prompts_file, encoding="utf-8") as f:
+        for line in f:
+            record = json.loads(line)
+            texts.extend(m["content"] for m in record["messages"])
+    # some generic text so generated answers are not all <unk>-like bytes
+    texts += ["The answer is that the model writes one token at a time, and the draft "
+              "model predicts several of them ahead so the target can verify them in one "
+              "pass. Numbers: 0 1 2 3 4 5 6 7 8 9 10 100 1000."] * 4
+    return texts
+
+
+def build_tiny_llama(out_dir: str | Path, *, layers: int = 8, hidden: int = 64,
+                     heads: int = 4, kv_heads: int = 2, intermediate: int = 128,
+                     vocab_size: int = 384, seed: int = 0,
+                     texts: Iterable[str] | None = None) -> Path:
+    """Save a random LlamaForCausalLM and its tokenizer to `out_dir`; returns it."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    tokenizer = build_tokenizer(texts if texts is not None else corpus(), vocab_size)
+    config = LlamaConfig(
+        vocab_size=len(tokenizer), hidden_size=hidden, intermediate_size=intermediate,
+        num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=kv_heads,
+        max_position_embeddings=4096, rms_norm_eps=1e-5, tie_word_embeddings=False,
+        bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+    )
+    torch.manual_seed(seed)
+    model = LlamaForCausalLM(config)
+    model.generation_config.pad_token_id = tokenizer.pad_token_id
+    model.save_pretrained(out)
+    tokenizer.save_pretrained(out)
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("out", type=Path, help="directory to write the model into")
+    parser.add_argument("--layers", type=int, default=8)
+    parser.add_argument("--hidden", type=int, default=64)
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args()
+    path = build_tiny_llama(args.out, layers=args.layers, hidden=args.hidden, seed=args.seed)
+    print(path)
+
+
+if __name__ == "__main__":
+    main()
