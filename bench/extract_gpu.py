@@ -16,6 +16,7 @@ also writes the numbers.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import random
@@ -147,10 +148,8 @@ def run_worker(model: torch.nn.Module, samples: list[Sample], out: Path, *, over
 def clean(path: Path) -> None:
     shutil.rmtree(path, ignore_errors=True)
     os.sync()
-    try:  # start each run with a cold page cache where allowed (root on the device)
+    with contextlib.suppress(OSError):  # a cold page cache where allowed (root on the device)
         Path("/proc/sys/vm/drop_caches").write_text("3\n")
-    except OSError:
-        pass
 
 
 def main() -> int:

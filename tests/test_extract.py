@@ -126,6 +126,7 @@ def test_resume_after_sigkill_completes_without_duplicates(tiny: Path, tmp_path:
     for entry in manifest[::37]:
         tensors = load_file(out / entry["file"])
         assert tensors["input_ids"].shape[0] == entry["seq_len"]
+        assert (out / entry["file"]).stat().st_size == entry["bytes"]
 
 
 def test_nonfinite_samples_are_skipped_and_counted(tiny: Path, tmp_path: Path) -> None:

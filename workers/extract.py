@@ -38,7 +38,6 @@ from typing import Any
 
 import torch
 from safetensors import safe_open
-from safetensors.torch import save
 
 from workers.common import (
     JsonlStats,
@@ -179,7 +178,7 @@ class Extractor:
                 with torch.inference_mode():
                     aux, final, finite = self._forward(batch, capture)
                 if self.overlap:
-                    pending.append(self._copy_async_then_write(batch, aux, final, finite))
+                    pending.extend(self._copy_async_then_write(batch, aux, final, finite))
                 else:
                     host = [t.to("cpu") for t in (aux, final, finite)]
                     self._write_batch(batch, *host)
@@ -215,7 +214,7 @@ class Extractor:
         return aux, final, finite
 
     def _copy_async_then_write(self, batch: Sequence[Sample], aux: torch.Tensor,
-                               final: torch.Tensor, finite: torch.Tensor) -> Future[None]:
+                               final: torch.Tensor, finite: torch.Tensor) -> list[Future[None]]:
         """Copy into a pinned buffer on the side stream, then let a writer thread wait
         for that copy alone: the next forward pass starts at once."""
         buffer = self._buffers.get()  # blocks when `queue_depth` batches are in flight
@@ -235,18 +234,24 @@ class Extractor:
         for t in (aux, final, finite):
             t.record_stream(self.copy_stream)
 
-        def write() -> None:
+        remaining = [len(batch)]
+        lock = threading.Lock()
+
+        def write(row: int) -> None:
             try:
                 done.synchronize()
-                self._write_batch(batch, host_aux, host_final, host_finite)
+                self._write_sample(batch[row], host_aux, host_final, host_finite, row)
             finally:
-                self._buffers.put(buffer)
+                with lock:
+                    remaining[0] -= 1
+                    if remaining[0] == 0:  # the whole batch is on disk: recycle its buffer
+                        self._buffers.put(buffer)
 
-        return self.writers.submit(self._guard, write)
+        return [self.writers.submit(self._guard, write, row) for row in range(len(batch))]
 
-    def _guard(self, fn: Any) -> None:
+    def _guard(self, fn: Any, *args: Any) -> None:
         try:
-            fn()
+            fn(*args)
         except BaseException as exc:  # surfaced in the main loop
             self._error = self._error or exc
             raise
@@ -257,10 +262,6 @@ class Extractor:
 
     def _write_batch(self, batch: Sequence[Sample], aux: torch.Tensor, final: torch.Tensor,
                      finite: torch.Tensor) -> None:
-        if self.overlap:
-            for row, sample in enumerate(batch):
-                self._write_sample(sample, aux, final, finite, row)
-            return
         futures = [self.writers.submit(self._write_sample, s, aux, final, finite, row)
                    for row, s in enumerate(batch)]
         for future in futures:  # no overlap: wait for the writes before the next batch
@@ -281,16 +282,17 @@ class Extractor:
             "input_ids": torch.tensor(sample.input_ids, dtype=torch.int64),
             "loss_mask": torch.tensor(sample.loss_mask, dtype=torch.uint8),
         }
-        data = save(tensors, metadata={"id": sample.id, "index": str(sample.index)})
+        parts = safetensors_parts(tensors, {"id": sample.id, "index": str(sample.index)})
+        size = sum(p.nbytes for p in parts)
         path = sample_path(self.out, sample.index)
-        write_atomically(path, data, fsync=self.fsync)
+        write_atomically(path, parts, fsync=self.fsync)
         with self.manifest_lock:
             append_manifest(self.out, {
                 "index": sample.index, "id": sample.id,
                 "file": str(path.relative_to(self.out)), "seq_len": length,
-                "bytes": len(data), "loss_tokens": int(sum(sample.loss_mask))})
+                "bytes": size, "loss_tokens": int(sum(sample.loss_mask))})
             self.stats.written += 1
-            self.stats.bytes_written += len(data)
+            self.stats.bytes_written += size
             self.stats.tokens += length
             self._report()
 
@@ -303,14 +305,43 @@ class Extractor:
         }, force=force)
 
 
-def write_atomically(path: Path, data: bytes, *, fsync: bool) -> None:
+SAFETENSORS_DTYPES = {torch.bfloat16: "BF16", torch.float16: "F16", torch.float32: "F32",
+                      torch.int64: "I64", torch.uint8: "U8"}
+
+
+def safetensors_parts(tensors: dict[str, torch.Tensor],
+                      metadata: dict[str, str]) -> list[memoryview]:
+    """The safetensors file as a list of buffers: the header, then each tensor's bytes
+    straight from its (CPU, contiguous) memory. Written with `write`, which releases the
+    GIL, this avoids `safetensors.save`'s copy of every sample into one bytes object."""
+    header: dict[str, Any] = {"__metadata__": metadata}
+    parts: list[memoryview] = []
+    offset = 0
+    for name, tensor in tensors.items():
+        tensor = tensor.contiguous()
+        size = tensor.numel() * tensor.element_size()
+        header[name] = {"dtype": SAFETENSORS_DTYPES[tensor.dtype], "shape": list(tensor.shape),
+                        "data_offsets": [offset, offset + size]}
+        flat = tensor.reshape(-1).view(torch.uint8)  # 1-D: len() of the view is its bytes
+        parts.append(memoryview(flat.numpy()) if size else memoryview(b""))
+        offset += size
+    encoded = json.dumps(header, separators=(",", ":")).encode()
+    encoded += b" " * (-len(encoded) % 8)  # the data starts 8-byte aligned
+    return [memoryview(len(encoded).to_bytes(8, "little") + encoded), *parts]
+
+
+def write_atomically(path: Path, parts: Sequence[memoryview | bytes], *, fsync: bool) -> None:
     """Write to `.name.tmp` beside it, then rename: the final name only ever holds a
     whole file. On ENOSPC the temp file is removed and DiskFull raised."""
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.tmp")
     try:
-        with open(tmp, "wb") as f:
-            f.write(data)
+        with open(tmp, "wb", buffering=0) as f:
+            for part in parts:
+                view = memoryview(part).cast("B")
+                while view:  # a raw write may be short
+                    written = f.write(view)
+                    view = view[written:]
             if fsync:
                 f.flush()
                 os.fsync(f.fileno())
