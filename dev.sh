@@ -28,10 +28,10 @@ setup_venv() {
         return
     fi
     [ -x .venv/bin/python ] || "$(find_python)" -m venv .venv
-    echo "setting up .venv (pip install -e '.[dev]') ..." >&2
+    echo "setting up .venv (pip install -e '.[dev,workers]') ..." >&2
     # constraints.txt pins torch to the release whose CPU build pip finds locally
     .venv/bin/python -m pip install --quiet --disable-pip-version-check \
-        -c constraints.txt -e '.[dev]'
+        -c constraints.txt -e '.[dev,workers]'
     echo "$want" >"$stamp"
 }
 

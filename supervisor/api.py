@@ -19,8 +19,10 @@ from supervisor import __version__, store
 from supervisor.config import Settings
 from supervisor.errors import Conflict, InvalidSpec, JobsupError
 from supervisor.fileio import read_from, tail_lines
-from supervisor.launcher import check_runnable, log_path
-from supervisor.observe import JobView, preflight_warnings
+from supervisor.launcher import log_path
+from supervisor.models import Job
+from supervisor.observe import JobView
+from supervisor.pipeline import Eagle3Pipeline, eagle3_jobs
 from supervisor.present import alert_out, job_out, sample_out
 from supervisor.spec import (
     AlertOut,
@@ -31,6 +33,7 @@ from supervisor.spec import (
     JobState,
     SampleOut,
 )
+from supervisor.submission import submit_job
 from supervisor.timefmt import iso
 
 log = logging.getLogger(__name__)
@@ -102,18 +105,22 @@ def create_app(settings: Settings, sessions: sessionmaker[Session], *,
 
     @app.post(f"{API_PREFIX}/jobs", status_code=201)
     def submit(spec: JobSpec, session: DB) -> JobOut:
-        spec = check_runnable(spec, default_cwd=default_cwd)
-        missing = sorted(set(spec.depends_on) - store.existing_ids(session, spec.depends_on))
-        if missing:
-            raise InvalidSpec(f"depends_on: unknown job id(s) {', '.join(missing)}",
-                              field="depends_on")
-        current = views()
-        warnings = preflight_warnings(spec, current,
-                                      store.learned_bytes_per_item(session, spec.name))
-        job = store.create_job(session, spec=spec, now=time.time())
+        job, warnings = submit_job(session, spec, default_cwd=default_cwd, views=views())
         session.commit()
         wake()
-        return job_out(job, current.get(job.id), warnings=warnings)
+        return job_out(job, None, warnings=warnings)
+
+    @app.post(f"{API_PREFIX}/pipelines/eagle3", status_code=201)
+    def submit_eagle3(params: Eagle3Pipeline, session: DB) -> list[JobOut]:
+        """The four EAGLE-3 steps (and the target's server, with `serve`) as jobs
+        chained with `depends_on`; all or nothing."""
+        submitted: list[tuple[Job, list[str]]] = []
+        for spec in eagle3_jobs(params, resolve=lambda i: submitted[i][0].id):
+            submitted.append(submit_job(session, spec, default_cwd=default_cwd,
+                                        views=views()))
+        session.commit()
+        wake()
+        return [job_out(job, None, warnings=warnings) for job, warnings in submitted]
 
     @app.get(f"{API_PREFIX}/jobs")
     def list_jobs(

@@ -16,7 +16,7 @@ from rich.text import Text
 from supervisor.client import Client
 from supervisor.config import Settings
 from supervisor.errors import JobsupError
-from supervisor.tui import job_detail, jobs_table, state_text
+from supervisor.tui import follow_jobs, job_detail, jobs_table, state_text
 
 app = typer.Typer(add_completion=False, no_args_is_help=True,
                   help="jobsup: launch, watch and forecast long-running ML jobs.")
@@ -288,19 +288,70 @@ def watch(
         return
 
 
+pipeline_app = typer.Typer(no_args_is_help=True, help="Multi-step pipelines (EAGLE-3).")
+app.add_typer(pipeline_app, name="pipeline")
+
+
+@pipeline_app.command("run")
+def pipeline_run(
+    kind: Annotated[str, typer.Argument(help="Pipeline kind: eagle3.")],
+    model: Annotated[Path, typer.Option(help="Target model directory (HF format).")],
+    prompts: Annotated[Path, typer.Option(help="Prompts JSONL.")],
+    out: Annotated[Path, typer.Option(help="Output directory of all steps.")],
+    name: Annotated[str, typer.Option(help="Prefix of the jobs' names.")] = "eagle3",
+    serve: Annotated[str | None, typer.Option(
+        help="Launch the target's server as a job: vllm | stub.")] = None,
+    endpoint: Annotated[str | None, typer.Option(
+        help="Use a running OpenAI-compatible server (…/v1).")] = None,
+    port: Annotated[int, typer.Option(help="Port of a served target.")] = 8000,
+    max_tokens: Annotated[int | None, typer.Option(help="Generation length cap.")] = None,
+    draft_vocab_size: Annotated[int, typer.Option(help="Draft vocabulary size.")] = 32000,
+    ttt_steps: Annotated[int, typer.Option(help="Training-time-test steps.")] = 7,
+    epochs: Annotated[int, typer.Option(help="Training epochs.")] = 1,
+    device: Annotated[str | None, typer.Option(help="cuda | cpu (default: cuda if any).")] = None,
+    dtype: Annotated[str, typer.Option(help="bf16 | fp16 | fp32 (extraction).")] = "bf16",
+    init: Annotated[Path | None, typer.Option(help="Pre-trained draft to finetune.")] = None,
+    follow: Annotated[bool, typer.Option(help="Watch until every step has ended.")] = False,
+    url: Url = DEFAULT_URL,
+) -> None:
+    """Submit a pipeline's steps as jobs chained with depends_on; prints their ids."""
+    if kind != "eagle3":
+        fail(JobsupError(f"unknown pipeline {kind!r}", hint="available: eagle3"))
+    body: dict[str, Any] = {
+        "model": str(model.resolve()), "prompts": str(prompts.resolve()),
+        "out": str(out.resolve()), "name": name, "serve": serve, "endpoint": endpoint,
+        "port": port, "max_tokens": max_tokens, "draft_vocab_size": draft_vocab_size,
+        "ttt_steps": ttt_steps, "epochs": epochs, "device": device, "dtype": dtype,
+        "init": str(init.resolve()) if init else None}
+    try:
+        c = client(url)
+        jobs = c.post("/api/v1/pipelines/eagle3", json=body)
+        for job in jobs:
+            console.print(f"{job['id']}  {job['name']}", highlight=False)
+            for warning in job.get("warnings", []):
+                err_console.print(f"[bold yellow]warning:[/] {warning}", highlight=False)
+        if follow:
+            ok = follow_jobs(c, [j["id"] for j in jobs], console)
+            raise typer.Exit(0 if ok else 1)
+    except JobsupError as exc:
+        fail(exc)
+
+
 @app.command()
 def demo(
     data_dir: Annotated[Path | None, typer.Option(envvar="JOBSUP_DATA_DIR")] = None,
-    items: Annotated[int, typer.Option(help="Items the demo job writes.")] = 40,
+    max_tokens: Annotated[int, typer.Option(help="Tokens generated per prompt.")] = 48,
+    epochs: Annotated[int, typer.Option(help="Draft training epochs.")] = 2,
     keep_daemon: Annotated[bool, typer.Option(help="Leave the daemon running at the end.")] = True,
     url: Url = DEFAULT_URL,
 ) -> None:
-    """Run the demo under the daemon (starting one if none answers at --url)."""
+    """The EAGLE-3 pipeline on a tiny local model under the daemon (starts one if none
+    answers at --url)."""
     from supervisor.demo import run_demo
 
     try:
-        code = run_demo(url=url, data_dir=data_dir, items=items, keep_daemon=keep_daemon,
-                        console=console)
+        code = run_demo(url=url, data_dir=data_dir, keep_daemon=keep_daemon, console=console,
+                        max_tokens=max_tokens, epochs=epochs)
     except JobsupError as exc:
         fail(exc)
     raise typer.Exit(code)

@@ -1,4 +1,9 @@
-"""`jobsup demo`: a daemon (started here unless one answers) and a demo job under it."""
+"""`jobsup demo`: the EAGLE-3 pipeline on a tiny local model under the daemon.
+
+Starts a daemon unless one answers at the URL, builds a tiny random Llama (no download)
+once, submits the four steps (generation with the transformers backend on the prompts
+shipped in `workers/data/`), shows them live until they end, and says where to look.
+"""
 
 from __future__ import annotations
 
@@ -13,8 +18,10 @@ from rich.console import Console
 from supervisor.client import Client
 from supervisor.config import Settings
 from supervisor.errors import JobsupError
+from supervisor.tui import follow_jobs
 
 DAEMON_START_TIMEOUT_S = 30.0
+DEMO_PROMPTS = Path(__file__).resolve().parent.parent / "workers" / "data" / "demo_prompts.jsonl"
 
 
 def daemon_answers(client: Client) -> bool:
@@ -38,8 +45,20 @@ def start_daemon(url: str, data_dir: Path) -> subprocess.Popen[bytes]:
         )
 
 
-def run_demo(*, url: str, data_dir: Path | None, items: int, keep_daemon: bool,
-             console: Console) -> int:
+def tiny_model(path: Path, console: Console) -> Path:
+    if (path / "config.json").exists():
+        return path
+    try:
+        from workers.tiny import build_tiny_llama
+    except ImportError as exc:
+        raise JobsupError(f"the demo needs the workers extra ({exc.name} is missing)",
+                          hint="pip install -e '.[workers]' (./dev.sh demo does it)") from None
+    console.print(f"building a tiny random Llama in {path} (no download) ...")
+    return build_tiny_llama(path)
+
+
+def run_demo(*, url: str, data_dir: Path | None, keep_daemon: bool, console: Console,
+             max_tokens: int = 48, epochs: int = 2) -> int:
     settings = Settings(data_dir=data_dir) if data_dir else Settings()
     client = Client(url, token=settings.token)
     daemon = None
@@ -55,25 +74,27 @@ def run_demo(*, url: str, data_dir: Path | None, items: int, keep_daemon: bool,
                     f"the daemon did not start; see {settings.data_dir / 'daemon.log'}")
             time.sleep(0.2)
 
-    out = settings.data_dir / "demo" / time.strftime("%Y%m%d-%H%M%S")
-    job = client.post("/api/v1/jobs", json={
-        "name": "demo-writer",
-        "command": [sys.executable, "-m", "supervisor.demo_job", "--out", str(out),
-                    "--items", str(items)],
-        "cwd": str(Path(__file__).resolve().parent.parent),
-        "output_dir": str(out), "pattern": "item-*.bin", "expected_items": items,
-        "stall_timeout_s": 60, "labels": {"demo": "1"},
+    demo_dir = settings.data_dir / "demo"
+    model = tiny_model(demo_dir / "tiny-llama", console)
+    out = demo_dir / time.strftime("run-%Y%m%d-%H%M%S")
+    jobs = client.post("/api/v1/pipelines/eagle3", json={
+        "model": str(model), "prompts": str(DEMO_PROMPTS), "out": str(out),
+        "name": "demo", "backend": "transformers", "device": "cpu", "dtype": "fp32",
+        "max_tokens": max_tokens, "draft_vocab_size": 128, "ttt_steps": 3, "epochs": epochs,
+        "stall_timeout_s": 300, "labels": {"demo": "1"},
     })
-    console.print(f"submitted job {job['id']} ({job['name']}): {items} items into {out}")
-    while job["state"] in ("pending", "running"):
-        time.sleep(0.5)
-        job = client.get(f"/api/v1/jobs/{job['id']}")
-        files = len(list(out.glob("item-*.bin"))) if out.is_dir() else 0
-        console.print(f"  {job['state']:<9} {files}/{items} items", highlight=False)
-    console.print(f"job {job['id']} {job['state']}: {job.get('reason') or ''}")
-    console.print(f"\nAPI:     {url}/api/v1/jobs/{job['id']}\n"
-                  f"logs:    jobsup logs {job['id']}\n"
-                  f"history: jobsup show {job['id']}")
+    console.print(f"EAGLE-3 pipeline submitted ({len(jobs)} jobs), output in {out}")
+    ok = follow_jobs(client, [j["id"] for j in jobs], console)
+    train = jobs[-1]["id"]
+    console.print(
+        f"\n{'all steps succeeded' if ok else 'a step did not succeed'}: "
+        f"`jobsup show ID` and `jobsup logs ID` tell more.\n"
+        f"draft model:  {out / 'train' / 'draft'}\n"
+        f"API:          {url}/api/v1/jobs   (docs at {url}/docs)\n"
+        f"metrics:      {url}/metrics  (training loss: jobsup_job_metric{{job_id=\"{train}\"}})\n"
+        f"live table:   jobsup watch --all\n"
+        f"Grafana:      import dashboards/grafana/jobsup.json, or run the stack: "
+        f"docker compose -f docker/compose.yaml up")
     if daemon is not None:
         if keep_daemon:
             console.print(f"the daemon keeps running (pid {daemon.pid}); "
@@ -81,7 +102,4 @@ def run_demo(*, url: str, data_dir: Path | None, items: int, keep_daemon: bool,
         else:
             daemon.terminate()
             daemon.wait(timeout=15)
-    return 0 if job["state"] == "succeeded" else 1
-
-
-
+    return 0 if ok else 1

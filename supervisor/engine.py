@@ -255,6 +255,9 @@ class Engine:
             self._finish(session, job, status, now)
             return
 
+        if job.stop_requested_at is None and self._served_its_purpose(session, job):
+            job.stop_requested_at = now
+            job.reason = "stopping: the jobs it served have ended"
         if job.stop_requested_at is not None:
             self._stop_running(job, attempt, now)
 
@@ -275,6 +278,15 @@ class Engine:
                    if attempt.shim_pid is not None and worker is not None else
                    "the job's processes vanished without recording an exit status")
             store.transition(session, job, JobState.LOST, now=now, reason=why)
+
+    @staticmethod
+    def _served_its_purpose(session: Session, job: Job) -> bool:
+        """All the jobs of its `stop_when_ended` have ended."""
+        waited_for = JobSpec.model_validate_json(job.spec_json).stop_when_ended
+        if not waited_for:
+            return False
+        states = [session.get(Job, job_id) for job_id in waited_for]
+        return all(other is None or JobState(other.state).ended for other in states)
 
     def _stop_running(self, job: Job, attempt: Attempt, now: float) -> None:
         key = (job.id, job.attempt)
@@ -302,8 +314,10 @@ class Engine:
         if job.stop_requested_at is not None or status.stop_requested:
             job.exit_reason = ExitReason.STOPPED.value
             how = "SIGKILL after the grace" if status.killed_after_grace else "SIGTERM"
+            why = ("because the jobs it served have ended"
+                   if self._served_its_purpose(session, job) else "on request")
             store.transition(session, job, JobState.STOPPED, now=ended_at,
-                             reason=f"stopped on request ({how})")
+                             reason=f"stopped {why} ({how})")
             return
         if status.spawn_error:
             job.exit_reason = ExitReason.EXIT.value

@@ -68,6 +68,10 @@ class JobSpec(BaseModel):
     restart_policy: RestartPolicy = RestartPolicy.NEVER
     max_restarts: int = Field(default=0, ge=0)
     depends_on: list[str] = Field(default_factory=list)
+    stop_when_ended: list[str] = Field(
+        default_factory=list,
+        description="stop this job once all of these jobs have ended (e.g. a model server "
+                    "that only the generation step needs)")
     labels: dict[str, str] = Field(default_factory=dict)
 
     @field_validator("command")

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import time
 from collections.abc import Sequence
 from datetime import datetime
 from typing import Any
 
-from rich.console import Group, RenderableType
+from rich.console import Console, Group, RenderableType
+from rich.live import Live
 from rich.progress_bar import ProgressBar
 from rich.table import Table
 from rich.text import Text
@@ -130,3 +132,21 @@ def job_detail(job: dict[str, Any], samples: Sequence[dict[str, Any]]) -> Group:
     if rates:
         line.append(f"  max {rate_text(max(rates))}")
     return Group(jobs_table([job]), line)
+
+
+def follow_jobs(client: Any, ids: Sequence[str], console: Console,
+                interval_s: float = 1.0) -> bool:
+    """A live table of these jobs until all have ended. True when every job succeeded
+    (a server stopped because the jobs it served ended counts as done)."""
+    def fetch() -> list[dict[str, Any]]:
+        return [client.get(f"/api/v1/jobs/{job_id}") for job_id in ids]
+
+    jobs = fetch()
+    with Live(jobs_table(jobs), console=console, auto_refresh=False) as live:
+        while any(j["state"] in ("pending", "running") for j in jobs):
+            time.sleep(interval_s)
+            jobs = fetch()
+            live.update(jobs_table(jobs), refresh=True)
+    return all(j["state"] == "succeeded"
+               or (j["state"] == "stopped" and j["spec"].get("stop_when_ended"))
+               for j in jobs)

@@ -38,7 +38,7 @@ def build_tokenizer(texts: Iterable[str], vocab_size: int = 384) -> Any:
 
 
 def corpus(prompts_file: Path = DEMO_PROMPTS) -> list[str]:
-    texts = []
+    texts: list[str] = []
     with open(prompts_file, encoding="utf-8") as f:
         for line in f:
             record = json.loads(line)

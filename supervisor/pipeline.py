@@ -1,0 +1,158 @@
+"""Pipelines: several jobs submitted together, chained with `depends_on`.
+
+`eagle3`: synthetic data generation -> hidden-state extraction -> vocabulary mapping ->
+draft training (workers/), each a job with its output directory, item pattern and
+expected item count, so every step has progress, ETA, disk runway and alerts from the
+moment it starts. With `serve`, the target's OpenAI-compatible server (`vllm serve`,
+or the repo's stand-in) is a job of its own: generation waits for its `/health`, and
+the daemon stops it once generation has ended (`stop_when_ended`).
+"""
+
+from __future__ import annotations
+
+import shutil
+import sys
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import BaseModel, Field, model_validator
+
+from supervisor.errors import InvalidSpec
+from supervisor.spec import JobSpec
+
+SERVE_READY_TIMEOUT_S = 3600
+"""How long generation waits for the server's /health (a 1T model loads for long)."""
+
+
+class Eagle3Pipeline(BaseModel):
+    """The body of `POST /api/v1/pipelines/eagle3` (and `jobsup pipeline run eagle3`)."""
+
+    model: str = Field(description="the target model: a local directory (HF format)")
+    prompts: str = Field(description='prompts JSONL: {"id", "messages": [...]} per line')
+    out: str = Field(description="directory for every step's output")
+    name: str = Field(default="eagle3", min_length=1, max_length=100,
+                      description="prefix of the jobs' names")
+    backend: Literal["transformers", "openai"] = "transformers"
+    serve: Literal["vllm", "stub"] | None = Field(
+        default=None, description="launch the target's server as a job (openai backend); "
+                                  "`stub` is the repo's stand-in (workers.stub_server)")
+    endpoint: str | None = Field(default=None, description="a server the user runs")
+    port: int = Field(default=8000, ge=1, le=65535, description="port of a served target")
+    served_model_name: str | None = None
+    concurrency: int = Field(default=16, ge=1)
+    max_tokens: int | None = Field(default=None, ge=1)
+    temperature: float | None = Field(default=None, ge=0)
+    device: str | None = None
+    dtype: Literal["bf16", "fp16", "fp32"] = "bf16"
+    max_length: int = Field(default=4096, ge=1)
+    draft_vocab_size: int = Field(default=32000, ge=1)
+    ttt_steps: int = Field(default=7, ge=1)
+    epochs: int = Field(default=1, ge=1)
+    lr: float = Field(default=1e-4, gt=0)
+    init: str | None = Field(default=None, description="pre-trained draft to finetune")
+    stall_timeout_s: float = Field(default=1800, gt=0)
+    python: str = Field(default=sys.executable, description="interpreter of the workers")
+    env: dict[str, str] = Field(default_factory=dict)
+    labels: dict[str, str] = Field(default_factory=dict)
+
+    @model_validator(mode="after")
+    def _server_choice(self) -> Eagle3Pipeline:
+        if self.serve and self.endpoint:
+            raise ValueError("give either serve or endpoint, not both")
+        if (self.serve or self.endpoint) and self.backend == "transformers":
+            self.backend = "openai"
+        if self.backend == "openai" and not (self.serve or self.endpoint):
+            raise ValueError("the openai backend needs serve (vllm|stub) or an endpoint")
+        return self
+
+
+def count_prompts(path: Path) -> int:
+    with open(path, encoding="utf-8") as f:
+        return sum(1 for line in f if line.strip())
+
+
+def eagle3_jobs(p: Eagle3Pipeline, *, resolve: Callable[[int], str]) -> Iterator[JobSpec]:
+    """The pipeline's job specs, in submission order. `resolve(i)` is the id the i-th
+    yielded spec got (the caller submits each before asking for the next)."""
+    model, prompts, out = Path(p.model), Path(p.prompts), Path(p.out)
+    if not model.exists():
+        raise InvalidSpec(f"model: {str(model)!r} does not exist", field="model")
+    if not prompts.is_file():
+        raise InvalidSpec(f"prompts: {str(prompts)!r} is not a file", field="prompts")
+    if p.init is not None and not Path(p.init).exists():
+        raise InvalidSpec(f"init: {p.init!r} does not exist", field="init")
+    n_prompts = count_prompts(prompts)
+    if n_prompts == 0:
+        raise InvalidSpec(f"prompts: {str(prompts)!r} has no prompts", field="prompts")
+    py = [p.python, "-m"]
+    labels = {"pipeline": "eagle3", "pipeline_name": p.name, **p.labels}
+
+    def job(step: str, **fields: Any) -> JobSpec:
+        return JobSpec(name=f"{p.name}-{step}", labels={**labels, "step": step}, env=p.env,
+                       stall_timeout_s=p.stall_timeout_s, **fields)
+
+    device = ["--device", p.device] if p.device else []
+    conversations = out / "generate" / "conversations.jsonl"
+    hidden = out / "hidden_states"
+    vocab = out / "vocab" / "vocab.safetensors"
+    endpoint = p.endpoint or f"http://127.0.0.1:{p.port}/v1"
+
+    generate = [*py, "workers.generate", "--prompts", str(prompts), "--out", str(conversations),
+                "--backend", p.backend]
+    if p.backend == "openai":
+        generate += ["--endpoint", endpoint, "--concurrency", str(p.concurrency),
+                     "--wait-for-server", str(SERVE_READY_TIMEOUT_S)]
+        if p.served_model_name:
+            generate += ["--model", p.served_model_name]
+    else:
+        generate += ["--model", str(model), *device]
+    if p.max_tokens is not None:
+        generate += ["--max-tokens", str(p.max_tokens)]
+    if p.temperature is not None:
+        generate += ["--temperature", str(p.temperature)]
+    yield job("generate", command=generate, output_dir=str(conversations.parent),
+              pattern=conversations.name, expected_items=n_prompts)
+    generate_id = resolve(0)
+    steps = 1
+
+    if p.serve:
+        yield job("serve", command=serve_command(p), stop_when_ended=[generate_id])
+        steps += 1
+
+    yield job(
+        "extract",
+        command=[*py, "workers.extract", "--model", str(model), "--data", str(conversations),
+                 "--out", str(hidden), "--dtype", p.dtype, "--max-length", str(p.max_length),
+                 *device],
+        depends_on=[generate_id], output_dir=str(hidden), pattern="rows_*/*.safetensors",
+        expected_items=n_prompts)
+    extract_id = resolve(steps)
+
+    vocab_command = [*py, "workers.vocab", "--data", str(hidden), "--tokenizer", str(model),
+                     "--draft-vocab-size", str(p.draft_vocab_size), "--out", str(vocab)]
+    if p.init:
+        vocab_command += ["--from-checkpoint", p.init]
+    yield job("vocab", command=vocab_command, depends_on=[extract_id],
+              output_dir=str(vocab.parent), pattern=vocab.name)
+    vocab_id = resolve(steps + 1)
+
+    train = [*py, "workers.train", "--data", str(hidden), "--target", str(model),
+             "--vocab", str(vocab), "--out", str(out / "train"), "--ttt-steps",
+             str(p.ttt_steps), "--epochs", str(p.epochs), "--lr", str(p.lr), *device]
+    if p.init:
+        train += ["--init", p.init]
+    yield job("train", command=train, depends_on=[vocab_id], output_dir=str(out / "train"),
+              pattern="draft/model.safetensors")
+
+
+def serve_command(p: Eagle3Pipeline) -> list[str]:
+    served = ["--served-model-name", p.served_model_name] if p.served_model_name else []
+    if p.serve == "stub":
+        return [p.python, "-m", "workers.stub_server", p.model, "--host", "127.0.0.1",
+                "--port", str(p.port), *served]
+    vllm = shutil.which("vllm")
+    if vllm is None:
+        raise InvalidSpec("serve: `vllm` is not installed (pip install 'jobsup[vllm]'), or "
+                          "use endpoint for a server you run", field="serve")
+    return [vllm, "serve", p.model, "--host", "127.0.0.1", "--port", str(p.port), *served]

@@ -1,0 +1,32 @@
+"""Accepting a job: validate it against the machine and the store, warn about the disk,
+record it. Shared by `POST /jobs` and the pipelines, which submit several at once."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Mapping
+
+from sqlalchemy.orm import Session
+
+from supervisor import store
+from supervisor.errors import InvalidSpec
+from supervisor.launcher import check_runnable
+from supervisor.models import Job
+from supervisor.observe import JobView, preflight_warnings
+from supervisor.spec import JobSpec
+
+
+def submit_job(session: Session, spec: JobSpec, *, default_cwd: str,
+               views: Mapping[str, JobView]) -> tuple[Job, list[str]]:
+    """The recorded (pending, not yet committed) job and its submit-time warnings, or
+    InvalidSpec naming the field that cannot be accepted."""
+    spec = check_runnable(spec, default_cwd=default_cwd)
+    for field in ("depends_on", "stop_when_ended"):
+        ids = getattr(spec, field)
+        missing = sorted(set(ids) - store.existing_ids(session, ids))
+        if missing:
+            raise InvalidSpec(f"{field}: unknown job id(s) {', '.join(missing)}", field=field)
+    warnings = preflight_warnings(spec, views, store.learned_bytes_per_item(session, spec.name))
+    job = store.create_job(session, spec=spec, now=time.time())
+    session.flush()
+    return job, warnings

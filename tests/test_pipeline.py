@@ -1,0 +1,82 @@
+"""The EAGLE-3 pipeline as jobs: validation, the depends_on chain, the served target."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import Daemon, free_port
+from tests.workers_util import make_model
+from workers.tiny import DEMO_PROMPTS
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return make_model(tmp_path_factory.mktemp("model") / "tiny")
+
+
+def body(tiny: Path, out: Path, **extra: object) -> dict:
+    return {"model": str(tiny), "prompts": str(DEMO_PROMPTS), "out": str(out),
+            "device": "cpu", "dtype": "fp32", "draft_vocab_size": 64, **extra}
+
+
+def test_bad_pipeline_requests(daemon: Daemon, tiny: Path, tmp_path: Path) -> None:
+    cases = [
+        (body(tmp_path / "nope", tmp_path), "model"),
+        ({**body(tiny, tmp_path), "prompts": str(tmp_path / "none.jsonl")}, "prompts"),
+        (body(tiny, tmp_path, backend="openai"), "endpoint"),
+        (body(tiny, tmp_path, serve="stub", endpoint="http://127.0.0.1:1/v1"), "either"),
+        (body(tiny, tmp_path, serve="tgi"), "serve"),
+        (body(tiny, tmp_path, draft_vocab_size=0), "draft_vocab_size"),
+    ]
+    for request, word in cases:
+        response = daemon.http.post("/api/v1/pipelines/eagle3", json=request)
+        assert response.status_code == 422, (request, response.text)
+        assert word in response.json()["error"], response.json()
+    assert daemon.http.get("/api/v1/jobs").json() == []  # all or nothing
+
+
+def test_jobs_are_chained_and_labelled(daemon: Daemon, tiny: Path, tmp_path: Path) -> None:
+    port = free_port()
+    response = daemon.http.post("/api/v1/pipelines/eagle3", json=body(
+        tiny, tmp_path / "run", serve="stub", port=port, name="chain", max_tokens=8))
+    assert response.status_code == 201, response.text
+    generate, serve, extract, vocab, train = response.json()
+    assert [j["name"] for j in (generate, serve, extract, vocab, train)] == [
+        "chain-generate", "chain-serve", "chain-extract", "chain-vocab", "chain-train"]
+    assert serve["spec"]["stop_when_ended"] == [generate["id"]]
+    assert serve["spec"]["command"][1:4] == ["-m", "workers.stub_server", str(tiny)]
+    assert f"http://127.0.0.1:{port}/v1" in generate["spec"]["command"]
+    assert extract["spec"]["depends_on"] == [generate["id"]]
+    assert vocab["spec"]["depends_on"] == [extract["id"]]
+    assert train["spec"]["depends_on"] == [vocab["id"]]
+    assert extract["spec"]["expected_items"] == 32
+    assert extract["spec"]["pattern"] == "rows_*/*.safetensors"
+    assert {j["spec"]["labels"]["step"] for j in response.json()} == {
+        "generate", "serve", "extract", "vocab", "train"}
+    for job in (generate, serve):
+        daemon.http.post(f"/api/v1/jobs/{job['id']}/stop")
+
+
+def test_cli_pipeline_run_prints_the_job_ids(daemon: Daemon, tiny: Path, tmp_path: Path) -> None:
+    import subprocess
+
+    result = subprocess.run(
+        [sys.executable, "-m", "supervisor", "pipeline", "run", "eagle3", "--model", str(tiny),
+         "--prompts", str(DEMO_PROMPTS), "--out", str(tmp_path / "o"), "--device", "cpu",
+         "--url", daemon.url], capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0, result.stderr
+    lines = result.stdout.strip().splitlines()
+    assert [line.split()[1] for line in lines] == [
+        "eagle3-generate", "eagle3-extract", "eagle3-vocab", "eagle3-train"]
+    wrong = subprocess.run(
+        [sys.executable, "-m", "supervisor", "pipeline", "run", "medusa", "--model", str(tiny),
+         "--prompts", str(DEMO_PROMPTS), "--out", str(tmp_path / "o"), "--url", daemon.url],
+        capture_output=True, text=True, timeout=60)
+    assert wrong.returncode == 1 and "unknown pipeline 'medusa'" in wrong.stderr
+    first = lines[0].split()[0]
+    daemon.http.post(f"/api/v1/jobs/{first}/stop")
+    assert json.loads(daemon.http.get(f"/api/v1/jobs/{first}").text)["id"] == first
