@@ -8,15 +8,19 @@ import logging
 import signal as signals
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any
 
+from sqlalchemy.exc import OperationalError
 from sqlalchemy.orm import Session, sessionmaker
 
 from supervisor import alerts, store
 from supervisor.config import Settings
 from supervisor.fileio import tail_lines
 from supervisor.launcher import Attempt, Backend, ExitStatus, LocalBackend, log_path
-from supervisor.models import Alert, Job
+from supervisor.models import Alert, Job, Sample
 from supervisor.notify import Destination, Notifier, compose
 from supervisor.observe import ObservedJob, Observer
 from supervisor.present import alert_out, job_out
@@ -34,8 +38,17 @@ STOP_BACKSTOP_S = 5.0
 COMPACT_EVERY_S = 300.0
 """Seconds between two downsampling passes over old samples."""
 
+UNSAVED_SAMPLES_MAX = 200_000
+"""Samples kept in memory while the database's disk is full (~2 days of 1 job at 2 s)."""
+
 LOG_TAIL_LINES = 20
 """Log lines quoted in a message and searched for known crash causes."""
+
+
+@dataclass
+class Written:
+    ok: bool = False
+    """The block's writes were committed."""
 
 
 def signal_name(sig: int) -> str:
@@ -59,6 +72,11 @@ class Engine:
         self._killed: set[tuple[str, int]] = set()
         self.observer = Observer(settings.jobs_dir)
         self._next_compact_at = 0.0
+        self.database_full = False
+        """The last write failed for lack of disk space (SQLITE_FULL)."""
+        self._unsaved_samples: list[Sample] = []
+        self._sent_unrecorded: dict[tuple[str, str], float] = {}
+        """(job, rule) of alerts sent while the database was full -> when they fired."""
         self.alert_settings = alerts.AlertSettings(
             disk_low_bytes=settings.disk_low_bytes,
             gpu_memory_high_fraction=settings.gpu_memory_high_fraction,
@@ -127,41 +145,102 @@ class Engine:
     # -- one tick ---------------------------------------------------------------------
     def tick(self) -> None:
         """exits -> sample -> store -> forecast (in the observer) -> alert -> notify ->
-        starts."""
+        starts. Each write is its own transaction: with the database's disk full, what
+        cannot be written waits (samples in memory, alerts sent unrecorded) and the
+        rest of the tick goes on."""
         now = self.clock()
         self.backend.reap()
         with self.sessions() as session:
             running = store.jobs_in_states(session, JobState.RUNNING)
             for job in running:
-                self._check_running(session, job, now)
-                session.commit()
+                with self._writing(session, "job state"):
+                    self._check_running(session, job, now)
             # jobs that ended this tick get one last reading: their final output counts
             observed = [self._observed(job, self._attempt(job)) for job in running]
-            samples = self.observer.observe(observed, now)
-            store.add_samples(session, samples)
+            self._store_samples(session, running, self.observer.observe(observed, now))
+            recorded: list[tuple[str, str]] = []
+            with self._writing(session, "alerts") as written:
+                self._alert(session, running, now, recorded)
+            for key in recorded if written.ok else ():
+                self._sent_unrecorded.pop(key, None)
+            if not written.ok:
+                self._alert_unrecorded(session, running, now)
+            for job in running:
+                if JobState(job.state) is not JobState.RUNNING:
+                    self.observer.forget(job.id)
+            self.notifier.wake()
+            for job in store.jobs_in_states(session, JobState.PENDING):
+                with self._writing(session, "job start"):
+                    self._check_pending(session, job, now)
+            if now >= self._next_compact_at:
+                self._next_compact_at = now + COMPACT_EVERY_S
+                with self._writing(session, "sample downsampling"):
+                    deleted = store.compact_samples(session, now=now)
+                    if deleted:
+                        log.info("downsampled old samples: %d rows removed", deleted)
+
+    @contextmanager
+    def _writing(self, session: Session, what: str) -> Iterator[Written]:
+        """Commit what the block wrote. A full disk under the database is survived:
+        the block's writes are rolled back (they are redone from the facts next tick)
+        and the yielded outcome's `ok` stays False; other errors propagate."""
+        outcome = Written()
+        try:
+            yield outcome
+            session.commit()
+            outcome.ok = True
+        except OperationalError as exc:
+            session.rollback()
+            if not store.is_disk_full(exc):
+                raise
+            if not self.database_full:
+                log.error("the database's disk is full (%s): keeping samples in memory and "
+                          "sending alerts unrecorded until space returns", what)
+            self.database_full = True
+            return
+        if self.database_full:
+            log.warning("the database is writable again")
+            self.database_full = False
+
+    def _store_samples(self, session: Session, running: Sequence[Job],
+                       samples: Sequence[Sample]) -> None:
+        """Store this tick's samples, after any that a full disk held back."""
+        pending = [*self._unsaved_samples, *samples]
+        with self._writing(session, "samples") as written:
+            store.add_samples(session, pending)
             for job in running:
                 view = self.observer.views.get(job.id)
                 if view is not None:
                     job.progress_json = view.progress.model_dump_json()
-            self._alert(session, running, now)
-            for job in running:
-                if JobState(job.state) is not JobState.RUNNING:
-                    self.observer.forget(job.id)
-            session.commit()
-            self.notifier.wake()
-            for job in store.jobs_in_states(session, JobState.PENDING):
-                self._check_pending(session, job, now)
-                session.commit()
-            if now >= self._next_compact_at:
-                self._next_compact_at = now + COMPACT_EVERY_S
-                deleted = store.compact_samples(session, now=now)
-                session.commit()
-                if deleted:
-                    log.info("downsampled old samples: %d rows removed", deleted)
+        if written.ok:
+            self._unsaved_samples = []
+        else:
+            self._unsaved_samples = [store.detached_sample(s) for s in
+                                     pending[-UNSAVED_SAMPLES_MAX:]]
 
-    def _alert(self, session: Session, running: Sequence[Job], now: float) -> None:
+    def _alert_unrecorded(self, session: Session, running: Sequence[Job], now: float) -> None:
+        """The database cannot take alerts: send the new ones straight away, from
+        memory, once each; they are recorded (and not sent again) when space returns."""
+        open_keys = {(a.job_id, a.rule) for a in store.alerts(session, state=AlertState.FIRING)}
+        for job in running:
+            for f in alerts.evaluate(self._facts(job, now), now=now,
+                                     settings=self.alert_settings):
+                key = (f.job_id, f.rule)
+                if key in open_keys or key in self._sent_unrecorded:
+                    continue
+                self._sent_unrecorded[key] = now
+                log.warning("job %s: alert %s firing (not recorded: disk full): %s",
+                            f.job_id, f.rule, f.message)
+                alert = {"id": 0, "job_id": f.job_id, "rule": f.rule, "severity": f.severity,
+                         "state": "firing", "started_at": "", "resolved_at": None,
+                         "message": f.message}
+                self.notifier.send_unrecorded(self._message("firing", job, alert))
+
+    def _alert(self, session: Session, running: Sequence[Job], now: float,
+               recorded: list[tuple[str, str]]) -> None:
         """Evaluate the rules for the jobs that ran this tick and the jobs with firing
-        alerts; record what opened, resolved or changed, with its outbox messages."""
+        alerts; record what opened, resolved or changed, with its outbox messages.
+        `recorded` receives the alerts sent unrecorded earlier that this records."""
         open_rows = store.alerts(session, state=AlertState.FIRING)
         jobs = {job.id: job for job in running}
         for row in open_rows:
@@ -180,6 +259,10 @@ class Engine:
             session.add(alert)
             session.flush()
             log.warning("job %s: alert %s firing: %s", f.job_id, f.rule, f.message)
+            if (f.job_id, f.rule) in self._sent_unrecorded:  # told while the disk was full
+                alert.started_at = self._sent_unrecorded[(f.job_id, f.rule)]
+                recorded.append((f.job_id, f.rule))
+                continue
             self._enqueue(session, "firing", jobs[f.job_id], alert, now)
         for opened in changes.resolved:
             alert = rows[opened.id]
@@ -189,6 +272,18 @@ class Engine:
                 self._enqueue(session, "resolved", jobs[alert.job_id], alert, now)
         for opened, message in changes.updated:
             rows[opened.id].message = message
+        firing_keys = {(f.job_id, f.rule) for f in firing}
+        for key, started_at in list(self._sent_unrecorded.items()):
+            if key in firing_keys or key[0] not in jobs:
+                continue  # still firing (recorded above) or its job not evaluated
+            recorded.append(key)  # fired and ended while nothing could be written
+            rule = key[1]
+            alert = Alert(job_id=key[0], rule=rule, severity=alerts.SEVERITY[rule],
+                          state=AlertState.RESOLVED.value, started_at=started_at,
+                          resolved_at=now, message="(sent while the database's disk was full)")
+            session.add(alert)
+            session.flush()
+            self._enqueue(session, "resolved", jobs[key[0]], alert, now)
         if self.settings.notify_on_success:
             for job in running:
                 if job.state == JobState.SUCCEEDED.value:
@@ -220,13 +315,16 @@ class Engine:
                  now: float) -> None:
         if not self.notifier.destinations:
             return
+        message = self._message(kind, job,
+                                alert_out(alert).model_dump(mode="json") if alert else None)
+        self.notifier.enqueue(session, kind, message, job_id=job.id,
+                              alert_id=alert.id if alert else None, now=now)
+
+    def _message(self, kind: str, job: Job, alert: dict[str, Any] | None) -> dict[str, Any]:
         snapshot = job_out(job, self.observer.views.get(job.id)).model_dump(mode="json")
         lines, _ = (tail_lines(log_path(self.settings.jobs_dir, job.id, job.attempt),
                                LOG_TAIL_LINES) if job.attempt else ([], 0))
-        message = compose(kind, snapshot, log_tail=lines,
-                          alert=alert_out(alert).model_dump(mode="json") if alert else None)
-        self.notifier.enqueue(session, kind, message, job_id=job.id,
-                              alert_id=alert.id if alert else None, now=now)
+        return compose(kind, snapshot, log_tail=lines, alert=alert)
 
     def _observed(self, job: Job, attempt: Attempt) -> ObservedJob:
         """The sampler's view of a job: its tree is rooted at the shim (which is the

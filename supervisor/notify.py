@@ -135,6 +135,8 @@ class Notifier:
         """Given up (a 4xx other than 429)."""
         self.retried: Counter[str] = Counter()
         self._next_allowed_at: dict[str, float] = {}
+        self._unrecorded: dict[str, list[dict[str, Any]]] = {n: [] for n in self.destinations}
+        """Messages that could not be written to the outbox (the disk is full)."""
         self._wake = threading.Event()
         self._should_exit = threading.Event()
         self._thread: threading.Thread | None = None
@@ -149,6 +151,14 @@ class Notifier:
             session.add(Notification(destination=name, kind=kind, job_id=job_id,
                                      alert_id=alert_id, payload_json=payload, created_at=now,
                                      attempts=0, next_attempt_at=now))
+
+    def send_unrecorded(self, message: dict[str, Any]) -> None:
+        """Queue a message in memory only (its outbox row could not be written): sent
+        before the outbox's next message, with the same rate limit and retries, but
+        lost if the daemon dies first."""
+        for queue in self._unrecorded.values():
+            queue.append({"payload": message, "attempts": 0, "next_attempt_at": 0.0})
+        self._wake.set()
 
     def wake(self) -> None:
         self._wake.set()
@@ -183,6 +193,17 @@ class Notifier:
         for name, destination in self.destinations.items():
             now = self.clock()
             allowed_at = self._next_allowed_at.get(name, 0.0)
+            memory = self._unrecorded[name]
+            if memory:
+                due_at = max(memory[0]["next_attempt_at"], allowed_at)
+                if due_at > now:
+                    wait_s = min(wait_s, due_at - now)
+                    continue
+                if self._send_unrecorded(destination, memory[0], now):
+                    memory.pop(0)
+                self._next_allowed_at[name] = self.clock() + MIN_INTERVAL_S
+                wait_s = min(wait_s, MIN_INTERVAL_S)
+                continue
             with self.sessions() as session:
                 head = session.scalars(
                     select(Notification)
@@ -201,6 +222,28 @@ class Notifier:
             self._next_allowed_at[name] = self.clock() + MIN_INTERVAL_S
             wait_s = min(wait_s, MIN_INTERVAL_S)
         return max(0.01, wait_s)
+
+    def _send_unrecorded(self, destination: Destination, item: dict[str, Any],
+                         now: float) -> bool:
+        """True when the in-memory message is done with (sent, or refused for good)."""
+        item["attempts"] += 1
+        try:
+            response = self._http.post(destination.url, json=destination.body(item["payload"]))
+        except (httpx.HTTPError, httpx.InvalidURL):
+            self.retried[destination.name] += 1
+            item["next_attempt_at"] = now + min(BACKOFF_MAX_S, 2.0 ** item["attempts"])
+            return False
+        if 200 <= response.status_code < 300:
+            self.sent[destination.name] += 1
+            return True
+        if response.status_code == 429 or response.status_code >= 500:
+            self.retried[destination.name] += 1
+            delay = retry_after_s(response.headers.get("retry-after"), now)
+            item["next_attempt_at"] = now + (delay if delay is not None
+                                             else min(BACKOFF_MAX_S, 2.0 ** item["attempts"]))
+            return False
+        self.failed[destination.name] += 1
+        return True
 
     def _send(self, session: Session, destination: Destination, row: Notification) -> None:
         now = self.clock()

@@ -100,6 +100,18 @@ def add_samples(session: Session, samples: Sequence[Sample]) -> None:
     session.add_all(samples)
 
 
+def detached_sample(sample: Sample) -> Sample:
+    """A fresh, unattached copy of a sample whose insert was rolled back."""
+    return Sample(**{c.key: getattr(sample, c.key) for c in Sample.__table__.columns
+                     if c.key != "id"})
+
+
+def is_disk_full(exc: Exception) -> bool:
+    """SQLITE_FULL ("database or disk is full"), or PostgreSQL's disk-full error."""
+    text = str(exc).lower()
+    return "database or disk is full" in text or "no space left on device" in text
+
+
 def samples(session: Session, job_id: str, *, since: float | None = None,
             limit: int = 1000) -> Sequence[Sample]:
     """Oldest first: from `since` on, or the latest `limit` when no `since` is given."""

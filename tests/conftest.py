@@ -43,8 +43,10 @@ def wait_for(predicate: Callable[[], Any], timeout: float, interval: float = 0.0
 class Daemon:
     """`python -m supervisor serve` as a child process of the test."""
 
-    def __init__(self, data_dir: Path, env: dict[str, str] | None = None):
+    def __init__(self, data_dir: Path, env: dict[str, str] | None = None,
+                 log_dir: Path | None = None):
         self.data_dir = data_dir
+        self.log_dir = log_dir or data_dir
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         inherited = {k: v for k, v in os.environ.items() if not k.startswith("JOBSUP_")}
@@ -55,7 +57,7 @@ class Daemon:
 
     @property
     def log_path(self) -> Path:
-        return self.data_dir / f"daemon-{self.starts}.log"
+        return self.log_dir / f"daemon-{self.starts}.log"
 
     def start(self, wait: bool = True) -> Daemon:
         self.starts += 1
@@ -130,8 +132,8 @@ def make_daemon(tmp_path: Path) -> Iterator[Callable[..., Daemon]]:
     daemons: list[Daemon] = []
 
     def make(env: dict[str, str] | None = None, data_dir: Path | None = None,
-             start: bool = True) -> Daemon:
-        daemon = Daemon(data_dir or tmp_path / f"data{len(daemons)}", env)
+             start: bool = True, log_dir: Path | None = None) -> Daemon:
+        daemon = Daemon(data_dir or tmp_path / f"data{len(daemons)}", env, log_dir)
         daemons.append(daemon)
         return daemon.start() if start else daemon
 

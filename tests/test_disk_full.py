@@ -1,0 +1,108 @@
+"""The disk under the daemon's database and the job's output fills up: the daemon stays
+up and answers, a disk alert goes out, samples wait in memory and are written once
+space returns, and the database stays intact."""
+
+from __future__ import annotations
+
+import os
+import sqlite3
+import subprocess
+import time
+from datetime import datetime
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import Daemon, Receiver, python_job, wait_for
+
+FILLER = """
+import os, sys, time
+out = sys.argv[1]
+os.makedirs(out, exist_ok=True)
+i, size = 0, 262144
+while True:        # 256 kB items, then 4 kB ones to fill the last bytes; then wait and retry
+    try:
+        with open(os.path.join(out, f".{i}.tmp"), "wb") as f:
+            f.write(b"x" * size)
+        os.replace(os.path.join(out, f".{i}.tmp"), os.path.join(out, f"{i:05d}.bin"))
+        i += 1
+        time.sleep(0.05)
+    except OSError:
+        try:
+            os.unlink(os.path.join(out, f".{i}.tmp"))
+        except OSError:
+            pass
+        if size > 4096:
+            size = 4096
+        else:
+            time.sleep(0.2)
+"""
+
+
+@pytest.fixture
+def small_disk(tmp_path: Path):
+    disk = tmp_path / "disk"
+    disk.mkdir()
+    if os.geteuid() != 0:
+        pytest.fail("this test mounts a 24 MB tmpfs and needs root (CI and the dev "
+                    "machines run as root)")
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=24m", "tmpfs", str(disk)], check=True)
+    yield disk
+    subprocess.run(["umount", "-l", str(disk)], check=False)
+
+
+def ts(iso: str) -> float:
+    return datetime.fromisoformat(iso.replace("Z", "+00:00")).timestamp()
+
+
+@pytest.mark.timeout(180)
+def test_full_disk_is_survived(make_daemon, receiver: Receiver, small_disk: Path) -> None:
+    ballast = small_disk / "ballast"
+    ballast.write_bytes(b"\0" * 6_000_000)  # freed later to give space back
+    # the alert threshold is below what SQLite needs to write: it fires only once the
+    # database cannot record it, so it must go out unrecorded
+    daemon: Daemon = make_daemon(data_dir=small_disk / "data", log_dir=small_disk.parent,
+                                 env={"JOBSUP_SLACK_WEBHOOK_URL": receiver.url,
+                                      "JOBSUP_DISK_LOW_BYTES": "20000",
+                                      "JOBSUP_NOTIFY_ON_SUCCESS": "false"})
+    out = small_disk / "out"
+    job = daemon.submit(python_job(FILLER) + [str(out)], name="filler", output_dir=str(out),
+                        pattern="*.bin")
+
+    def disk_free() -> int:
+        st = os.statvfs(small_disk)
+        return st.f_bavail * st.f_frsize
+
+    wait_for(lambda: disk_free() < 20_000, 60, what="the disk to fill")
+    time.sleep(3)  # several ticks with the database unable to write
+    assert "database's disk is full" in daemon.log(), daemon.log()[-3000:]
+    for path in ("/healthz", "/metrics", "/api/v1/jobs", f"/api/v1/jobs/{job['id']}",
+                 "/api/v1/alerts", f"/api/v1/jobs/{job['id']}/samples"):
+        assert daemon.http.get(path).status_code == 200, path
+    wait_for(lambda: any("disk_low" in t for t in receiver.texts()), 15,
+             what="a disk alert sent while the database is full")
+    assert "not recorded: disk full" in daemon.log()
+    full_since = time.time()
+
+    ballast.unlink()  # space comes back
+    wait_for(lambda: "database is writable again" in daemon.log(), 20,
+             what="the daemon to write again")
+    time.sleep(2)
+    samples = daemon.http.get(f"/api/v1/jobs/{job['id']}/samples",
+                              params={"limit": 10000}).json()
+    times = [ts(s["t"]) for s in samples]
+    during = [t for t in times if full_since - 3 <= t <= full_since]
+    assert during, "the samples taken while the disk was full were not written later"
+    gaps = [b - a for a, b in zip(times, times[1:], strict=False)]
+    assert max(gaps) < 5, max(gaps)  # no hole in the record
+    alerts = daemon.http.get("/api/v1/alerts").json()
+    assert any(a["rule"] == "disk_low" for a in alerts)  # recorded once writable
+    texts = receiver.texts()
+    assert sum("CRITICAL: disk_low" in t or "WARNING: disk_low" in t for t in texts) == 1
+    wait_for(lambda: any("RESOLVED: disk_low" in t for t in receiver.texts()), 10,
+             what="the resolve follow-up")
+    daemon.http.post(f"/api/v1/jobs/{job['id']}/stop")
+    daemon.wait_state(job["id"], "stopped", timeout=20)
+    db = sqlite3.connect(f"file:{daemon.data_dir / 'jobsup.db'}?mode=ro", uri=True)
+    assert db.execute("PRAGMA integrity_check").fetchone()[0] == "ok"
+    db.close()
