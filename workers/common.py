@@ -15,9 +15,9 @@ from typing import Any
 log = logging.getLogger("workers")
 
 
-def setup_logging(verbose: bool = False) -> None:
+def setup_logging(verbose: bool = False, prefix: str = "") -> None:
     logging.basicConfig(level=logging.DEBUG if verbose else logging.INFO, stream=sys.stderr,
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+                        format=f"%(asctime)s {prefix}%(levelname)s %(name)s: %(message)s")
 
 
 def fail(message: str, code: int = 2) -> None:

@@ -48,6 +48,7 @@ from workers.common import (
     setup_logging,
     tokenize_conversation,
 )
+from workers.ranks import rank_argv, run_ranks
 
 log = logging.getLogger("workers.extract")
 
@@ -369,6 +370,18 @@ def truncate_torn_line(path: Path) -> None:
             f.truncate(data.rfind(b"\n") + 1)
 
 
+def existing_indexes(out: Path) -> set[int]:
+    """Indexes whose file exists (a rank's view; the parent settled the manifest)."""
+    found = set()
+    for path in out.glob("rows_*/*.safetensors"):
+        if not path.name.startswith("."):
+            try:
+                found.add(int(path.stem))
+            except ValueError:
+                continue
+    return found
+
+
 def restore_manifest(out: Path) -> set[int]:
     """Indexes whose file exists; manifest lines missing for existing files (a crash
     between rename and append) are added back."""
@@ -378,24 +391,16 @@ def restore_manifest(out: Path) -> set[int]:
     if manifest.exists():
         for _, entry in read_jsonl(manifest, required=("index",)):
             listed.add(int(entry["index"]))
-    present: set[int] = set()
-    for path in out.glob("rows_*/*.safetensors"):
-        if path.name.startswith("."):
-            continue
-        try:
-            index = int(path.stem)
-        except ValueError:
-            continue
-        present.add(index)
-        if index not in listed:
-            with safe_open(path, framework="pt") as f:
-                meta = f.metadata() or {}
-                ids = f.get_slice("input_ids")
-                length = ids.get_shape()[0]
-                loss = int(f.get_tensor("loss_mask").sum())
-            append_manifest(out, {"index": index, "id": meta.get("id", ""),
-                                  "file": str(path.relative_to(out)), "seq_len": length,
-                                  "bytes": path.stat().st_size, "loss_tokens": loss})
+    present = existing_indexes(out)
+    for index in sorted(present - listed):
+        path = sample_path(out, index)
+        with safe_open(path, framework="pt") as f:
+            meta = f.metadata() or {}
+            length = f.get_slice("input_ids").get_shape()[0]
+            loss = int(f.get_tensor("loss_mask").sum())
+        append_manifest(out, {"index": index, "id": meta.get("id", ""),
+                              "file": str(path.relative_to(out)), "seq_len": length,
+                              "bytes": path.stat().st_size, "loss_tokens": loss})
     return present
 
 
@@ -458,6 +463,12 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
                         help="compute, then copy, then write (for comparison)")
     parser.add_argument("--fsync", action="store_true", help="fsync each file before rename")
     parser.add_argument("--limit", type=int, default=None, help="only the first N samples")
+    parser.add_argument("--gpus", default=None, metavar="N|all",
+                        help="data-parallel: one process per GPU, each a shard of the samples")
+    parser.add_argument("--ranks", type=int, default=None,
+                        help="data-parallel processes on --device (e.g. CPU ranks for tests)")
+    parser.add_argument("--rank", type=int, default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--world-size", type=int, default=1, help=argparse.SUPPRESS)
     parser.add_argument("-v", "--verbose", action="store_true")
     args = parser.parse_args(argv)
     if args.batch_tokens < 1 or args.max_length < 1 or args.writers < 1 or args.queue_depth < 1:
@@ -465,14 +476,38 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     return args
 
 
+def rank_devices(args: argparse.Namespace) -> list[str] | None:
+    """The devices of the data-parallel ranks to start, or None for one process."""
+    if args.rank is not None:
+        return None
+    if args.gpus is not None:
+        available = torch.cuda.device_count()
+        wanted = available if args.gpus == "all" else int(args.gpus)
+        if wanted < 1 or wanted > available:
+            fail(f"--gpus {args.gpus}: {available} CUDA device(s) available")
+        return [f"cuda:{r}" for r in range(wanted)] if wanted > 1 else None
+    if args.ranks is not None and args.ranks > 1:
+        return [args.device] * args.ranks
+    return None
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
-    setup_logging(args.verbose)
+    setup_logging(args.verbose, prefix=f"rank {args.rank} " if args.rank is not None else "")
     require_file(args.model, "model")
     require_file(args.data, "data file")
     if args.device.startswith("cuda") and not torch.cuda.is_available():
         fail("--device cuda but no CUDA device is available (use --device cpu)")
     args.out.mkdir(parents=True, exist_ok=True)
+    devices = rank_devices(args)
+    if devices is not None:  # the parent of the ranks: settle the manifest, then fan out
+        restore_manifest(args.out)
+        own = rank_argv(sys.argv[1:] if argv is None else argv,
+                        drop=("--gpus", "--ranks", "--device"))
+        code = run_ranks("workers.extract", own, devices=devices,
+                         state_dir=args.out / ".ranks")
+        merge_summaries(args.out, len(devices))
+        return code
     progress = ProgressReporter(None, "sample")
     progress.update(0, force=True)  # the model load can take minutes: say we are alive
     t0 = time.monotonic()
@@ -482,29 +517,34 @@ def main(argv: Sequence[str] | None = None) -> int:
              capture_layers(model.config.num_hidden_layers))
 
     stats = Stats()
-    done = restore_manifest(args.out)
+    done = restore_manifest(args.out) if args.rank is None else existing_indexes(args.out)
     samples = list(load_samples(args.data, tokenizer, max_length=args.max_length,
                                 on_too_long=args.on_too_long, stats=stats, limit=args.limit))
+    if args.rank is not None:  # this rank's shard: every world_size-th sample
+        samples = [s for s in samples if s.index % args.world_size == args.rank]
     stats.total = len(samples)
     todo = [s for s in samples if s.index not in done]
     stats.done_before = stats.total - len(todo)
     progress.total = stats.total
-    write_config(args, model)
+    if args.rank in (None, 0):
+        write_config(args, model)
     log.info("%d samples: %d already done, %d to extract", stats.total, stats.done_before,
              len(todo))
     extractor = Extractor(model, args.out, batch_tokens=args.batch_tokens,
                           writers=args.writers, queue_depth=args.queue_depth,
                           overlap=not args.no_overlap, fsync=args.fsync, progress=progress,
                           stats=stats)
+    summary_name = ("extract_summary.json" if args.rank is None
+                    else f".ranks/extract_summary.rank{args.rank}.json")
     try:
         extractor.run(todo)
     except DiskFull as exc:
-        write_summary(args.out, stats)
+        write_summary(args.out, stats, summary_name)
         print(f"error: {exc}; {stats.done_before + stats.written} of {stats.total} samples "
               f"done. Free space and rerun the same command to resume.", file=sys.stderr)
         return EXIT_DISK_FULL
     extractor._report(force=True)
-    write_summary(args.out, stats)
+    write_summary(args.out, stats, summary_name)
     elapsed = time.monotonic() - extractor.started
     log.info("done: %d written (%.1f GB, %.0f tokens/s), %d already there, %d NaN/Inf "
              "skipped, %d too long skipped, %d truncated, %d malformed lines",
@@ -523,15 +563,35 @@ def write_config(args: argparse.Namespace, model: Any) -> None:
     (args.out / "extract_config.json").write_text(json.dumps(config, indent=2) + "\n")
 
 
-def write_summary(out: Path, stats: Stats) -> None:
+def write_summary(out: Path, stats: Stats, name: str = "extract_summary.json") -> None:
     summary = {"total": stats.total, "done_before": stats.done_before,
                "written": stats.written, "bytes_written": stats.bytes_written,
                "nonfinite_skipped": stats.nonfinite,
                "too_long_skipped": stats.too_long_skipped, "truncated": stats.truncated,
                "empty_skipped": stats.empty, "malformed_lines": stats.malformed_lines}
-    tmp = out / ".extract_summary.json.tmp"
+    target = out / name
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = target.with_name(f".{target.name}.tmp")
     tmp.write_text(json.dumps(summary, indent=2) + "\n")
-    os.replace(tmp, out / "extract_summary.json")
+    os.replace(tmp, target)
+
+
+def merge_summaries(out: Path, world_size: int) -> None:
+    """One extract_summary.json from the ranks' own: counts summed, lists joined."""
+    merged: dict[str, Any] = {}
+    for rank in range(world_size):
+        path = out / ".ranks" / f"extract_summary.rank{rank}.json"
+        if not path.exists():
+            continue
+        for key, value in json.loads(path.read_text()).items():
+            if isinstance(value, list):
+                merged[key] = sorted({*merged.get(key, []), *value}, key=str)
+            else:
+                merged[key] = merged.get(key, 0) + value
+    if merged:
+        tmp = out / ".extract_summary.json.tmp"
+        tmp.write_text(json.dumps(merged, indent=2) + "\n")
+        os.replace(tmp, out / "extract_summary.json")
 
 
 if __name__ == "__main__":
