@@ -1,0 +1,717 @@
+"""Benchmark: the daemon under API load while it supervises JOBS running jobs.
+
+Starts a real daemon (``python -m supervisor serve`` on a free loopback port, a temp data
+dir, ``JOBSUP_SAMPLE_INTERVAL=1``) and submits JOBS jobs that run until stopped. Each is a
+``sh`` loop that, once a second, writes a small file into its own ``output_dir`` (with
+``pattern`` and ``expected_items`` set) and reports progress one of three ways, by turns:
+the progress file (``$JOBSUP_PROGRESS_FILE``, replaced atomically), a bare ``n/total`` log
+line, or output files only. Once every job runs, two windows are measured:
+
+* idle: IDLE_SECONDS with no client -- what sampling JOBS jobs costs the daemon alone;
+* load: SECONDS with CLIENTS threads, each with its own keep-alive ``httpx.Client``, sending
+  requests back to back (closed loop, no think time), the route drawn by weight from
+  ROUTE_WEIGHTS and the job at random.
+
+Per window: the daemon's CPU time (``psutil`` ``cpu_times``, user + system, all threads)
+over wall time = average cores used; its RSS; the machine's busy cores and this process's
+CPU (the clients run on the same machine); and the engine's ticks from the
+``jobsup_tick_duration_seconds`` histogram of ``/metrics`` (scraped at both ends: count, mean
+= sum / count, p99 interpolated in the buckets as Prometheus' ``histogram_quantile`` does).
+Per route: requests, errors (non-2xx or an exception; there must be none) and latency
+p50/p90/p99/max, measured around the whole request including the body.
+
+At the end (also on Ctrl-C, SIGTERM or SIGHUP) every job is stopped through the API, the
+daemon gets SIGTERM, and any process left of the run (the shims and job trees, found by
+their pid files and by the data dir in their command line or environment) is SIGKILLed
+and counted; the daemon log's warnings and errors are printed.
+
+    python bench/load.py [--jobs 100] [--clients 20] [--seconds 60] [--idle-seconds 20]
+
+Prints markdown tables; ``--doc FILE`` also writes them there (docs/benchmarks.md
+holds the recorded results).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import platform
+import random
+import re
+import shutil
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from types import FrameType
+
+import httpx
+import psutil
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+
+from supervisor.procfs import is_same_process  # noqa: E402
+
+EXPECTED_ITEMS = 3600
+"""Items each job announces: an hour at one a second, so none ends during the run."""
+
+JOB_SCRIPT = r"""
+kind=$1 out=$2 total=$3 i=0
+while :; do
+  i=$((i + 1))
+  printf 'item %d\n' "$i" > "$out/item_$i.txt"
+  case $kind in
+    progress_file)
+      printf '{"done": %d, "total": %d, "unit": "items", "metrics": {"step": %d}}' \
+        "$i" "$total" "$i" > "$JOBSUP_PROGRESS_FILE.tmp"
+      mv "$JOBSUP_PROGRESS_FILE.tmp" "$JOBSUP_PROGRESS_FILE" ;;
+    log) echo "$i/$total" ;;
+    *) echo "wrote item_$i.txt" ;;
+  esac
+  sleep 1
+done
+"""
+"""One job: a file a second; `printf`/`echo` are dash builtins, so a second costs one
+`sleep` fork (and one `mv` for the progress-file jobs)."""
+
+PROGRESS_KINDS = ("progress_file", "log", "files")
+
+ROUTE_WEIGHTS = {
+    "GET /api/v1/jobs": 15,
+    "GET /api/v1/jobs/{id}": 25,
+    "GET /api/v1/jobs/{id}/samples?limit=100": 20,
+    "GET /api/v1/jobs/{id}/logs?tail=20": 20,
+    "GET /metrics": 10,
+    "GET /api/v1/alerts": 10,
+}
+"""Share of the requests per route (percent)."""
+
+TICK_METRIC = "jobsup_tick_duration_seconds"
+LOG_PROBLEM = re.compile(r"WARNING|ERROR|CRITICAL|Traceback|Exception|locked", re.IGNORECASE)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def percentile(values: list[float], q: int) -> float:
+    """The q-th percentile (1..99), inclusive method; the value itself for one sample."""
+    if len(values) < 2:
+        return values[0] if values else float("nan")
+    return statistics.quantiles(values, n=100, method="inclusive")[q - 1]
+
+
+# -- the daemon and its jobs -------------------------------------------------------------
+class Daemon:
+    """`python -m supervisor serve` as a child process, its log in the data dir."""
+
+    def __init__(self, data_dir: Path, sample_interval_s: float, source: Path):
+        self.data_dir = data_dir
+        self.source = source
+        self.url = f"http://127.0.0.1:{free_port()}"
+        self.log_path = data_dir / "daemon.log"
+        inherited = {k: v for k, v in os.environ.items() if not k.startswith("JOBSUP_")}
+        self.env = {**inherited, "JOBSUP_SAMPLE_INTERVAL": str(sample_interval_s),
+                    "PYTHONPATH": str(source)}
+        self.proc: subprocess.Popen[bytes] | None = None
+        self.http = httpx.Client(base_url=self.url, timeout=30)
+
+    def start(self) -> None:
+        self.data_dir.mkdir(parents=True, exist_ok=True)
+        with open(self.log_path, "wb") as log:
+            self.proc = subprocess.Popen(
+                [sys.executable, "-m", "supervisor", "serve", "--port", self.url.rsplit(":", 1)[1],
+                 "--data-dir", str(self.data_dir)],
+                stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                env=self.env, cwd=self.source)
+        deadline = time.monotonic() + 30
+        while True:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"daemon exited {self.proc.returncode}:\n{self.log()}")
+            try:
+                if self.http.get("/healthz").status_code == 200:
+                    return
+            except httpx.TransportError:
+                pass
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"daemon not healthy after 30 s:\n{self.log()}")
+            time.sleep(0.1)
+
+    def log(self) -> str:
+        try:
+            return self.log_path.read_text(errors="replace")
+        except OSError:
+            return ""
+
+    def terminate(self) -> int | None:
+        """SIGTERM, SIGKILL after 20 s; the exit code."""
+        if self.proc is None:
+            return None
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(20)
+            except subprocess.TimeoutExpired:
+                print("daemon ignored SIGTERM for 20 s: SIGKILL", file=sys.stderr)
+                self.proc.kill()
+                self.proc.wait(10)
+        return self.proc.returncode
+
+
+def submit_jobs(daemon: Daemon, count: int, job_ids: list[str]) -> None:
+    """Submit `count` jobs into `job_ids` (appended one by one, so a failure still cleans
+    up what was submitted)."""
+    for index in range(count):
+        kind = PROGRESS_KINDS[index % len(PROGRESS_KINDS)]
+        out = daemon.data_dir / "outputs" / f"job{index:03d}"
+        out.mkdir(parents=True, exist_ok=True)
+        spec = {
+            "name": f"load-{kind}-{index:03d}",
+            "command": ["sh", "-c", JOB_SCRIPT, "job", kind, str(out), str(EXPECTED_ITEMS)],
+            "output_dir": str(out), "pattern": "*.txt", "expected_items": EXPECTED_ITEMS,
+            "stop_grace_s": 5, "labels": {"bench": "load", "progress": kind},
+        }
+        response = daemon.http.post("/api/v1/jobs", json=spec)
+        if response.status_code != 201:
+            raise RuntimeError(f"submit {index}: {response.status_code} {response.text}")
+        job_ids.append(response.json()["id"])
+
+
+def wait_all_running(daemon: Daemon, count: int, timeout_s: float = 120) -> None:
+    """Until `count` jobs run and each has made progress (its first item counted)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        jobs = daemon.http.get("/api/v1/jobs").json()
+        running = [j for j in jobs if j["state"] == "running"]
+        progressing = [j for j in running if (j["progress"]["items_done"] or 0) > 0]
+        if len(progressing) == count:
+            return
+        if any(j["state"] not in ("pending", "running") for j in jobs):
+            bad = [(j["id"], j["state"], j["reason"]) for j in jobs
+                   if j["state"] not in ("pending", "running")]
+            raise RuntimeError(f"jobs ended before the benchmark: {bad[:5]}")
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"after {timeout_s} s: {len(running)} of {count} running, "
+                               f"{len(progressing)} with progress")
+        time.sleep(1)
+
+
+def run_processes(data_dir: Path, exclude: set[int]) -> list[psutil.Process]:
+    """Live processes of the run: those whose pid file under `data_dir` still names them,
+    and any whose command line or environment mentions `data_dir` (a job's children)."""
+    found: dict[int, psutil.Process] = {}
+    for pid_file in data_dir.glob("jobs/*/attempt-*/*.json"):
+        if pid_file.name not in ("shim.json", "worker.json"):
+            continue
+        try:
+            info = json.loads(pid_file.read_text())
+        except (OSError, ValueError):
+            continue
+        if is_same_process(info.get("pid"), info.get("create_time")):
+            with contextlib.suppress(psutil.NoSuchProcess):
+                found[info["pid"]] = psutil.Process(info["pid"])
+    marker = str(data_dir)
+    for proc in psutil.process_iter():
+        if proc.pid in exclude or proc.pid in found:
+            continue
+        try:
+            if (any(marker in arg for arg in proc.cmdline())
+                    or marker in proc.environ().get("JOBSUP_PROGRESS_FILE", "")):
+                found[proc.pid] = proc
+        except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
+            continue
+    return list(found.values())
+
+
+@dataclass(frozen=True)
+class Cleanup:
+    job_states: dict[str, int]  # after the stops, as the API answered
+    stop_s: float  # from the first stop request until no job ran
+    daemon_exit: int | None
+    leftovers: int  # processes of the run alive after the daemon's exit, then SIGKILLed
+
+
+def stop_everything(daemon: Daemon, job_ids: list[str]) -> Cleanup:
+    """Stop the jobs through the API, SIGTERM the daemon, SIGKILL whatever of the run is
+    left (process groups first)."""
+    states: list[str] = []
+    started = time.monotonic()
+    if daemon.proc is not None and daemon.proc.poll() is None:
+        for job_id in job_ids:
+            try:
+                daemon.http.post(f"/api/v1/jobs/{job_id}/stop")  # 409 when already ended
+            except httpx.HTTPError as exc:
+                print(f"stop {job_id}: {exc!r}", file=sys.stderr)
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            try:
+                states = [j["state"] for j in daemon.http.get("/api/v1/jobs").json()]
+            except (httpx.HTTPError, ValueError):
+                break
+            if all(s not in ("pending", "running") for s in states):
+                break
+            time.sleep(0.5)
+        else:
+            print("some jobs still run 30 s after their stop", file=sys.stderr)
+    stop_s = time.monotonic() - started
+    daemon_exit = daemon.terminate()
+    leftovers = run_processes(daemon.data_dir, exclude={os.getpid()})
+    for proc in leftovers:
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(os.getpgid(proc.pid), signal.SIGKILL)
+        with contextlib.suppress(psutil.NoSuchProcess):
+            proc.kill()
+    psutil.wait_procs(leftovers, timeout=5)
+    if leftovers:
+        print(f"SIGKILLed {len(leftovers)} process(es) left of the run", file=sys.stderr)
+    still = run_processes(daemon.data_dir, exclude={os.getpid()})
+    if still:
+        print(f"processes still alive after SIGKILL: {[p.pid for p in still]}", file=sys.stderr)
+    counts = {state: states.count(state) for state in sorted(set(states))}
+    return Cleanup(counts, stop_s, daemon_exit, len(leftovers))
+
+
+# -- measuring ---------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Histogram:
+    buckets: list[tuple[float, float]]  # (upper bound in seconds, cumulative count)
+    sum_s: float
+    count: float
+
+
+def read_tick_histogram(metrics_text: str) -> Histogram:
+    buckets: list[tuple[float, float]] = []
+    sum_s = count = 0.0
+    for line in metrics_text.splitlines():
+        if not line.startswith(TICK_METRIC):
+            continue
+        name, _, value = line.rpartition(" ")
+        if name.startswith(f"{TICK_METRIC}_bucket"):
+            bound = re.search(r'le="([^"]+)"', name)
+            if bound:
+                buckets.append((float(bound.group(1)), float(value)))
+        elif name == f"{TICK_METRIC}_sum":
+            sum_s = float(value)
+        elif name == f"{TICK_METRIC}_count":
+            count = float(value)
+    return Histogram(sorted(buckets), sum_s, count)
+
+
+def histogram_quantile(q: float, before: Histogram, after: Histogram) -> float:
+    """The q-quantile of the observations between two scrapes, interpolated linearly in
+    its bucket (Prometheus' histogram_quantile); inf when it lies above the last bound."""
+    counts = [(bound, a - b) for (bound, a), (_, b) in zip(after.buckets, before.buckets,
+                                                              strict=True)]
+    total = counts[-1][1] if counts else 0.0
+    if total <= 0:
+        return float("nan")
+    rank = q * total
+    lower_bound, lower_count = 0.0, 0.0
+    for bound, cumulative in counts:
+        if cumulative >= rank:
+            if bound == float("inf"):
+                return float("inf")
+            share = (rank - lower_count) / max(cumulative - lower_count, 1e-12)
+            return lower_bound + (bound - lower_bound) * share
+        lower_bound, lower_count = bound, cumulative
+    return float("inf")
+
+
+def ticks_over(seconds: float, before: Histogram, after: Histogram) -> float:
+    """Ticks between the scrapes that took longer than `seconds` (a bucket bound)."""
+    within = dict(after.buckets).get(seconds, 0.0) - dict(before.buckets).get(seconds, 0.0)
+    return (after.count - before.count) - within
+
+
+@dataclass
+class Snapshot:
+    wall_s: float
+    daemon_cpu_s: float
+    bench_cpu_s: float
+    machine_busy_s: float
+    daemon_rss_bytes: int
+    jobs_cpu_s: dict[int, float]  # per shim and job process, children reaped included
+    daemon_threads_cpu_s: dict[int, float]  # per thread id of the daemon
+    ticks: Histogram
+
+
+def snapshot(daemon: Daemon) -> Snapshot:
+    assert daemon.proc is not None
+    proc = psutil.Process(daemon.proc.pid)
+    ticks = read_tick_histogram(daemon.http.get("/metrics").text)
+    times, own = proc.cpu_times(), psutil.Process().cpu_times()
+    threads = {t.id: t.user_time + t.system_time for t in proc.threads()}
+    machine = psutil.cpu_times()
+    jobs_cpu_s = {}
+    for job_proc in run_processes(daemon.data_dir, exclude={os.getpid(), proc.pid}):
+        with contextlib.suppress(psutil.Error):
+            t = job_proc.cpu_times()
+            jobs_cpu_s[job_proc.pid] = t.user + t.system + t.children_user + t.children_system
+    return Snapshot(time.monotonic(), times.user + times.system, own.user + own.system,
+                    machine.user + machine.system + machine.nice + machine.irq
+                    + machine.softirq + getattr(machine, "steal", 0.0),
+                    proc.memory_info().rss, jobs_cpu_s, threads, ticks)
+
+
+@dataclass(frozen=True)
+class Window:
+    name: str
+    seconds: float
+    daemon_cores: float
+    bench_cores: float
+    jobs_cores: float
+    machine_cores: float
+    rss_end_bytes: int
+    rss_max_bytes: int
+    ticks: float
+    tick_mean_s: float
+    tick_p99_s: float
+    ticks_over_interval: float
+    thread_cpu_s: dict[int, float]  # per daemon thread, over the window
+
+
+def window(name: str, start: Snapshot, end: Snapshot, rss_max_bytes: int,
+           interval_s: float) -> Window:
+    seconds = end.wall_s - start.wall_s
+    ticks = end.ticks.count - start.ticks.count
+    thread_cpu_s = {tid: cpu_s - start.daemon_threads_cpu_s.get(tid, 0.0)
+                    for tid, cpu_s in end.daemon_threads_cpu_s.items()}
+    return Window(
+        name, seconds, (end.daemon_cpu_s - start.daemon_cpu_s) / seconds,
+        (end.bench_cpu_s - start.bench_cpu_s) / seconds,
+        sum(cpu_s - start.jobs_cpu_s[pid] for pid, cpu_s in end.jobs_cpu_s.items()
+            if pid in start.jobs_cpu_s) / seconds,
+        (end.machine_busy_s - start.machine_busy_s) / seconds,
+        end.daemon_rss_bytes, max(rss_max_bytes, end.daemon_rss_bytes, start.daemon_rss_bytes),
+        ticks, (end.ticks.sum_s - start.ticks.sum_s) / ticks if ticks else float("nan"),
+        histogram_quantile(0.99, start.ticks, end.ticks),
+        ticks_over(interval_s, start.ticks, end.ticks), thread_cpu_s)
+
+
+def watch_rss(pid: int, stop: threading.Event) -> list[int]:
+    """Start a thread recording the daemon's RSS twice a second until `stop`."""
+    readings: list[int] = []
+
+    def loop() -> None:
+        proc = psutil.Process(pid)
+        while not stop.wait(0.5):
+            try:
+                readings.append(proc.memory_info().rss)
+            except psutil.NoSuchProcess:
+                return
+
+    threading.Thread(target=loop, daemon=True).start()
+    return readings
+
+
+@dataclass
+class RouteStats:
+    latencies_s: list[float] = field(default_factory=list)
+    response_bytes: int = 0
+    errors: list[str] = field(default_factory=list)
+
+
+def client(url: str, job_ids: list[str], deadline: float, stop: threading.Event, seed: int,
+           stats: dict[str, RouteStats]) -> None:
+    """Send requests back to back until `deadline`; record into `stats` (this thread's)."""
+    rng = random.Random(seed)
+    routes, weights = list(ROUTE_WEIGHTS), list(ROUTE_WEIGHTS.values())
+    with httpx.Client(base_url=url, timeout=60) as http:
+        while time.monotonic() < deadline and not stop.is_set():
+            route = rng.choices(routes, weights)[0]
+            path = route.removeprefix("GET ").replace("{id}", rng.choice(job_ids))
+            route_stats = stats.setdefault(route, RouteStats())
+            started = time.perf_counter()
+            try:
+                response = http.get(path)
+                error = (None if 200 <= response.status_code < 300
+                         else f"{response.status_code} {response.text[:300]}")
+                size = len(response.content)
+            except httpx.HTTPError as exc:
+                error, size = f"{type(exc).__name__}: {exc}", 0
+            route_stats.latencies_s.append(time.perf_counter() - started)
+            route_stats.response_bytes += size
+            if error is not None:
+                route_stats.errors.append(f"{path}: {error}")
+
+
+def run_clients(daemon: Daemon, job_ids: list[str], clients: int, seconds: float,
+                stop: threading.Event) -> dict[str, RouteStats]:
+    deadline = time.monotonic() + seconds
+    per_thread: list[dict[str, RouteStats]] = [{} for _ in range(clients)]
+    threads = [threading.Thread(target=client, daemon=True,
+                                args=(daemon.url, job_ids, deadline, stop, i, per_thread[i]))
+               for i in range(clients)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        while thread.is_alive():
+            thread.join(0.5)  # short joins: Ctrl-C reaches this thread
+    merged: dict[str, RouteStats] = {route: RouteStats() for route in ROUTE_WEIGHTS}
+    for stats in per_thread:
+        for route, route_stats in stats.items():
+            merged[route].latencies_s += route_stats.latencies_s
+            merged[route].response_bytes += route_stats.response_bytes
+            merged[route].errors += route_stats.errors
+    return merged
+
+
+def measure_window(daemon: Daemon, name: str, seconds: float, interval_s: float,
+                   run: threading.Event | None = None, job_ids: list[str] | None = None,
+                   clients: int = 0) -> tuple[Window, dict[str, RouteStats]]:
+    assert daemon.proc is not None
+    stop_rss = threading.Event()
+    rss = watch_rss(daemon.proc.pid, stop_rss)
+    start = snapshot(daemon)
+    if clients and job_ids and run is not None:
+        stats = run_clients(daemon, job_ids, clients, seconds, run)
+    else:
+        time.sleep(seconds)
+        stats = {}
+    end = snapshot(daemon)
+    stop_rss.set()
+    return window(name, start, end, max(rss, default=0), interval_s), stats
+
+
+# -- report ------------------------------------------------------------------------------
+def machine() -> str:
+    cpu = "unknown CPU"
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    memory_gib = psutil.virtual_memory().total / 2**30
+    return (f"{os.cpu_count()}-core VM, shared ({cpu}, {memory_gib:.0f} GiB), "
+            f"Linux {platform.release()}, Python {platform.python_version()}, "
+            f"httpx {httpx.__version__}, psutil {psutil.__version__}")
+
+
+def ms(seconds: float) -> str:
+    if seconds != seconds:  # nan
+        return "-"
+    return "> 5000" if seconds == float("inf") else f"{seconds * 1000:.1f}"
+
+
+def route_rows(stats: dict[str, RouteStats], seconds: float) -> list[str]:
+    rows = []
+    everything = RouteStats()
+    for route, route_stats in [*stats.items(), ("**all**", everything)]:
+        if route != "**all**":
+            everything.latencies_s += route_stats.latencies_s
+            everything.response_bytes += route_stats.response_bytes
+            everything.errors += route_stats.errors
+        latencies, count = route_stats.latencies_s, len(route_stats.latencies_s)
+        mean_kib = route_stats.response_bytes / count / 1024 if count else 0.0
+        rows.append(
+            f"| `{route}` | {count} | {count / seconds:.1f} | {len(route_stats.errors)} "
+            f"| {ms(percentile(latencies, 50))} | {ms(percentile(latencies, 90))} "
+            f"| {ms(percentile(latencies, 99))} | {ms(max(latencies, default=float('nan')))} "
+            f"| {mean_kib:.1f} |")
+    return rows
+
+
+def render(args: argparse.Namespace, windows: list[Window], stats: dict[str, RouteStats],
+           problems: list[str], cleanup: Cleanup) -> str:
+    errors = sum(len(s.errors) for s in stats.values())
+    load = windows[-1]
+    requests = max(sum(len(s.latencies_s) for s in stats.values()), 1)
+    per_request_ms = ((load.daemon_cores - windows[0].daemon_cores) * load.seconds
+                      / requests * 1000)
+    lines = [
+        "## Under load: 20 API clients while 100 jobs run" if
+        (args.jobs, args.clients) == (100, 20) else
+        f"## Under load: {args.clients} API clients while {args.jobs} jobs run",
+        "",
+        f"`bench/load.py` starts a real daemon (temp data dir, `JOBSUP_SAMPLE_INTERVAL="
+        f"{args.interval:g}`) and submits {args.jobs} jobs that run until stopped: each a",
+        "`sh` loop writing one small file a second into its own `output_dir` (`pattern`, "
+        f"`expected_items={EXPECTED_ITEMS}` set),",
+        "reporting progress by turns through `$JOBSUP_PROGRESS_FILE`, a bare `n/total` log "
+        "line, or the files alone.",
+        "Once all run and count items, it measures two windows: **idle**, "
+        f"{args.idle_seconds:g} s with no client (the cost of supervising",
+        f"the jobs alone), then **load**, {args.seconds:g} s with {args.clients} client "
+        "threads (one keep-alive `httpx.Client` each) sending",
+        "requests back to back, no think time; routes drawn by weight ("
+        + ", ".join(f"{w} % `{r.removeprefix('GET ')}`" for r, w in ROUTE_WEIGHTS.items())
+        + "), jobs at random.",
+        "CPU columns are cores used on average (CPU seconds over wall seconds): daemon is its "
+        "`cpu_times` (user + system, all threads);",
+        "jobs the shims and job processes (with their reaped children: `sleep`, `mv`); bench "
+        "this benchmark's own process (the clients);",
+        "machine all cores busy (user, system, irq, steal); other the rest of the machine "
+        "(other work on the shared VM). Ticks come from the "
+        "`jobsup_tick_duration_seconds` histogram of `/metrics`,",
+        "scraped at both ends of the window: mean = sum / count, p99 interpolated in the "
+        "buckets like `histogram_quantile`.",
+        f"Daemon from {args.label}; run on a {machine()}:",
+        f"`.venv/bin/python bench/load.py --jobs {args.jobs} --clients {args.clients} "
+        f"--seconds {args.seconds:g} --idle-seconds {args.idle_seconds:g}"
+        + (f" --source {args.source}" if args.source.resolve() != REPO else "") + "`.",
+        "",
+        "| window | seconds | daemon CPU (cores) | daemon RSS end / max MiB | jobs CPU "
+        f"| bench CPU | other CPU | machine busy (of {os.cpu_count()}) | ticks | tick mean ms "
+        f"| tick p99 ms | ticks > {args.interval:g} s |",
+        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+    ]
+    for w in windows:
+        lines.append(
+            f"| {w.name} | {w.seconds:.1f} | {w.daemon_cores:.3f} "
+            f"| {w.rss_end_bytes / 2**20:.0f} / {w.rss_max_bytes / 2**20:.0f} "
+            f"| {w.jobs_cores:.3f} | {w.bench_cores:.2f} "
+            f"| {w.machine_cores - w.daemon_cores - w.jobs_cores - w.bench_cores:.2f} "
+            f"| {w.machine_cores:.2f} | {w.ticks:.0f} "
+            f"| {ms(w.tick_mean_s)} | {ms(w.tick_p99_s)} | {w.ticks_over_interval:.0f} |")
+    idle_threads = windows[0].thread_cpu_s
+    engine_tid = max(idle_threads, key=lambda tid: idle_threads[tid]) if idle_threads else -1
+    lines += [
+        "",
+        "Where the daemon's time went: the tick thread is the daemon's busiest thread in the "
+        "idle window (the engine's loop;",
+        "the other threads are uvicorn's event loop, the request thread pool and the exit "
+        "watcher). A tick's wall time above its",
+        "CPU time is time spent waiting: for the interpreter lock held by request threads, "
+        "for a core, or for I/O.",
+        "",
+        "| window | seconds between ticks | tick wall ms (mean) | tick thread CPU ms per tick "
+        "| tick thread CPU (cores) | other threads CPU (cores) | threads |",
+        "| --- | ---: | ---: | ---: | ---: | ---: | ---: |",
+    ]
+    for w in windows:
+        engine_cpu_s = w.thread_cpu_s.get(engine_tid, 0.0)
+        other_cpu_s = sum(w.thread_cpu_s.values()) - engine_cpu_s
+        lines.append(
+            f"| {w.name} | {w.seconds / w.ticks if w.ticks else float('nan'):.2f} "
+            f"| {ms(w.tick_mean_s)} "
+            f"| {engine_cpu_s / w.ticks * 1000 if w.ticks else float('nan'):.1f} "
+            f"| {engine_cpu_s / w.seconds:.3f} | {other_cpu_s / w.seconds:.3f} "
+            f"| {len(w.thread_cpu_s)} |")
+    lines += [
+        "",
+        f"Requests in the load window ({load.seconds:.1f} s; latency in ms, measured by the "
+        "client around the whole request):",
+        "",
+        "| route | requests | req/s | errors | p50 | p90 | p99 | max | mean KiB |",
+        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+        *route_rows(stats, load.seconds),
+        "",
+        f"Daemon CPU per request (load minus idle daemon CPU, over the requests): "
+        f"{per_request_ms:.1f} ms. With {args.clients} closed-loop clients a request waits "
+        f"behind the others: {args.clients} / {requests / load.seconds:.1f} req/s = "
+        f"{args.clients / (requests / load.seconds) * 1000:.0f} ms (Little's law).",
+        "",
+        f"Errors: {errors}" + ("." if not errors else ", the first ones per route:"),
+        *(["", *[f"- `{e}`" for s in stats.values() for e in s.errors[:3]], ""]
+          if errors else []),
+        f"Daemon log: {len(problems)} warning/error line(s)" + ("." if not problems else ":"),
+        *(["", "```", *problems[:20], "```", ""] if problems else []),
+        "Cleanup: jobs after their stop through the API: "
+        + ", ".join(f"{n} {state}" for state, n in cleanup.job_states.items())
+        + f" ({cleanup.stop_s:.1f} s); daemon exit {cleanup.daemon_exit} after SIGTERM "
+        "(uvicorn re-raises the signal after its graceful shutdown);",
+        f"processes of the run still alive after that (SIGKILLed by the benchmark): "
+        f"{cleanup.leftovers}.",
+    ]
+    return "\n".join(lines) + "\n"
+
+
+def on_signal(signum: int, frame: FrameType | None) -> None:
+    raise KeyboardInterrupt  # unwinds through the finally that stops everything
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--jobs", type=int, default=100)
+    parser.add_argument("--clients", type=int, default=20)
+    parser.add_argument("--seconds", type=float, default=60, help="the load window")
+    parser.add_argument("--idle-seconds", type=float, default=20, help="the window without clients")
+    parser.add_argument("--interval", type=float, default=1,
+                        help="the daemon's JOBSUP_SAMPLE_INTERVAL in seconds")
+    parser.add_argument("--settle-seconds", type=float, default=5,
+                        help="wait after all jobs run, before measuring")
+    parser.add_argument("--doc", type=Path, default=None,
+                        help="also write the tables to this markdown file")
+    parser.add_argument("--keep-data", action="store_true", help="keep the temp data dir")
+    parser.add_argument("--source", type=Path, default=REPO,
+                        help="the source tree the daemon runs from (e.g. a `git archive` of a "
+                             "commit, while the checkout is being edited); default this repo")
+    parser.add_argument("--label", default=None,
+                        help="what --source is, for the report (default: git describe)")
+    args = parser.parse_args()
+    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGHUP, on_signal)
+
+    data_dir = Path(tempfile.mkdtemp(prefix="jobsup-load-"))
+    daemon = Daemon(data_dir, args.interval, args.source.resolve())
+    if args.label is None:
+        described = subprocess.run(["git", "-C", str(args.source), "describe", "--always",
+                                    "--dirty"], capture_output=True, text=True)
+        args.label = (f"commit {described.stdout.strip()}" if described.returncode == 0
+                      else str(args.source))
+    job_ids: list[str] = []
+    run = threading.Event()  # set: clients stop
+    windows: list[Window] = []
+    stats: dict[str, RouteStats] = {}
+    interrupted = False
+    try:
+        daemon.start()
+        print(f"daemon pid {daemon.proc.pid if daemon.proc else '?'} on {daemon.url}, "
+              f"data dir {data_dir}", flush=True)
+        submit_jobs(daemon, args.jobs, job_ids)
+        wait_all_running(daemon, args.jobs)
+        print(f"{args.jobs} jobs running; settling {args.settle_seconds:g} s", flush=True)
+        time.sleep(args.settle_seconds)
+        idle, _ = measure_window(daemon, "idle (no clients)", args.idle_seconds, args.interval)
+        windows.append(idle)
+        print(f"idle: daemon {idle.daemon_cores:.3f} cores, {idle.ticks:.0f} ticks, "
+              f"mean {ms(idle.tick_mean_s)} ms", flush=True)
+        load, stats = measure_window(daemon, f"load ({args.clients} clients)", args.seconds,
+                                     args.interval, run, job_ids, args.clients)
+        windows.append(load)
+        print(f"load: daemon {load.daemon_cores:.3f} cores, "
+              f"{sum(len(s.latencies_s) for s in stats.values())} requests", flush=True)
+    except KeyboardInterrupt:
+        interrupted = True
+        print("interrupted: stopping the jobs and the daemon", file=sys.stderr)
+    finally:
+        run.set()
+        # a second Ctrl-C must not leave jobs behind: the cleanup runs to its end
+        previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        cleanup = stop_everything(daemon, job_ids)
+        signal.signal(signal.SIGINT, previous)
+        problems = [line for line in daemon.log().splitlines() if LOG_PROBLEM.search(line)]
+        if args.keep_data:
+            print(f"data dir kept: {data_dir}")
+        else:
+            shutil.rmtree(data_dir, ignore_errors=True)
+    if interrupted or len(windows) < 2:
+        print("\n".join(problems[:20]))
+        return 130 if interrupted else 1
+
+    table = render(args, windows, stats, problems, cleanup)
+    print()
+    print(table)
+    if args.doc is not None:
+        args.doc.parent.mkdir(parents=True, exist_ok=True)
+        args.doc.write_text(table)
+        print(f"wrote {args.doc}")
+    return 1 if any(s.errors for s in stats.values()) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
