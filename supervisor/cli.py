@@ -341,7 +341,7 @@ def pipeline_run(
 def demo(
     data_dir: Annotated[Path | None, typer.Option(envvar="JOBSUP_DATA_DIR")] = None,
     max_tokens: Annotated[int, typer.Option(help="Tokens generated per prompt.")] = 48,
-    epochs: Annotated[int, typer.Option(help="Draft training epochs.")] = 2,
+    epochs: Annotated[int, typer.Option(help="Draft training epochs.")] = 3,
     keep_daemon: Annotated[bool, typer.Option(help="Leave the daemon running at the end.")] = True,
     url: Url = DEFAULT_URL,
 ) -> None:

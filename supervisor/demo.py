@@ -58,7 +58,7 @@ def tiny_model(path: Path, console: Console) -> Path:
 
 
 def run_demo(*, url: str, data_dir: Path | None, keep_daemon: bool, console: Console,
-             max_tokens: int = 48, epochs: int = 2) -> int:
+             max_tokens: int = 48, epochs: int = 3) -> int:
     settings = Settings(data_dir=data_dir) if data_dir else Settings()
     client = Client(url, token=settings.token)
     daemon = None
@@ -81,6 +81,7 @@ def run_demo(*, url: str, data_dir: Path | None, keep_daemon: bool, console: Con
         "model": str(model), "prompts": str(DEMO_PROMPTS), "out": str(out),
         "name": "demo", "backend": "transformers", "device": "cpu", "dtype": "fp32",
         "max_tokens": max_tokens, "draft_vocab_size": 128, "ttt_steps": 3, "epochs": epochs,
+        "train_batch_tokens": 512,
         "stall_timeout_s": 300, "labels": {"demo": "1"},
     })
     console.print(f"EAGLE-3 pipeline submitted ({len(jobs)} jobs), output in {out}")

@@ -50,6 +50,8 @@ class Eagle3Pipeline(BaseModel):
     ttt_steps: int = Field(default=7, ge=1)
     epochs: int = Field(default=1, ge=1)
     lr: float = Field(default=1e-4, gt=0)
+    train_batch_tokens: int | None = Field(default=None, ge=1,
+                                           description="padded tokens per training step")
     init: str | None = Field(default=None, description="pre-trained draft to finetune")
     stall_timeout_s: float = Field(default=1800, gt=0)
     python: str = Field(default=sys.executable, description="interpreter of the workers")
@@ -140,6 +142,8 @@ def eagle3_jobs(p: Eagle3Pipeline, *, resolve: Callable[[int], str]) -> Iterator
     train = [*py, "workers.train", "--data", str(hidden), "--target", str(model),
              "--vocab", str(vocab), "--out", str(out / "train"), "--ttt-steps",
              str(p.ttt_steps), "--epochs", str(p.epochs), "--lr", str(p.lr), *device]
+    if p.train_batch_tokens:
+        train += ["--batch-tokens", str(p.train_batch_tokens)]
     if p.init:
         train += ["--init", p.init]
     yield job("train", command=train, depends_on=[vocab_id], output_dir=str(out / "train"),
