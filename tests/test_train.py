@@ -1,0 +1,440 @@
+"""workers.train on CPU: the draft's forward and TTT objective against a hand-written
+reference, learning on real extracted data, kill -9 and resume, --init, the saved draft."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import signal
+import subprocess
+import sys
+from collections import Counter
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch.nn.functional as F
+from safetensors import safe_open
+from safetensors.torch import load_file, save_file
+
+from tests.conftest import wait_for
+from tests.workers_util import make_conversations, make_model
+from workers import extract, vocab
+from workers.draft import DraftConfig, Eagle3Draft, ttt_losses
+from workers.train import (
+    ExtractedData,
+    build_model,
+    build_optimizer,
+    build_scheduler,
+    load_batch,
+    parse_args,
+    train_step,
+)
+
+REPO = Path(__file__).resolve().parent.parent
+ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
+LM_HEAD_SHARPENING = 30.0
+"""A random tiny Llama's lm_head gives near-uniform distributions (entropy ~ ln 64 over
+the draft vocabulary), which no draft can beat by much; scaled x30 the target's
+entropy is ~0.23 nats, so there is something to learn."""
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread() -> Iterator[None]:
+    """Tiny ops gain nothing from intra-op threads, and on a busy 2-core machine two
+    spinning OpenMP threads made a 0.1 s step take 8 s."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("train")
+    model = make_model(root / "tiny")
+    weights = load_file(model / "model.safetensors")
+    weights["lm_head.weight"] = weights["lm_head.weight"] * LM_HEAD_SHARPENING
+    save_file(weights, str(model / "model.safetensors"), metadata={"format": "pt"})
+    conversations = make_conversations(root / "conv.jsonl")
+    data = root / "extracted"
+    assert extract.main(["--model", str(model), "--data", str(conversations), "--out",
+                         str(data), "--dtype", "fp32", "--device", "cpu"]) == 0
+    vocab.main(["--data", str(data), "--tokenizer", str(model), "--draft-vocab-size", "64",
+                "--out", str(root / "vocab.safetensors")])
+    return {"root": root, "model": model, "data": data, "vocab": root / "vocab.safetensors"}
+
+
+def train_cli(tiny: dict[str, Path], out: Path, *extra: str) -> list[str]:
+    return [sys.executable, "-m", "workers.train", "--data", str(tiny["data"]), "--target",
+            str(tiny["model"]), "--vocab", str(tiny["vocab"]), "--out", str(out), *extra]
+
+
+# -- 1. the forward pass and the objective, by hand --------------------------------------
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    return weight * x / torch.sqrt((x * x).mean(-1, keepdim=True) + eps)
+
+
+def rotate(x: torch.Tensor, position: float, theta: float) -> torch.Tensor:
+    """RoPE of one head vector [D] at one position, HF's half-split convention."""
+    half = x.shape[-1] // 2
+    angles = position * theta ** (-2.0 * torch.arange(half, dtype=x.dtype) / x.shape[-1])
+    first, second = x[:half], x[half:]
+    return torch.cat([first * angles.cos() - second * angles.sin(),
+                      second * angles.cos() + first * angles.sin()])
+
+
+def reference_unroll(w: dict[str, torch.Tensor], c: DraftConfig, aux: torch.Tensor,
+                     ids: torch.Tensor, steps: int) -> list[torch.Tensor]:
+    """One sample, float64, loops: step i at position t attends to the step-0 keys at
+    positions 0..t and the keys of steps 1..i at position t; RoPE position t + i."""
+    length, eps, dim = ids.shape[0], c.rms_norm_eps, c.head_dim
+    group = c.num_attention_heads // c.num_key_value_heads
+    theta = c.rope["rope_theta"]
+    h = aux @ w["fc.weight"].T
+    keys: list[torch.Tensor] = []  # per step [L, Hkv, D]
+    values: list[torch.Tensor] = []
+    outputs = []
+    for i in range(steps):
+        tokens = torch.stack([w["embed_tokens.weight"][ids[t + 1 + i]] if t + 1 + i < length
+                              else torch.zeros(c.hidden_size, dtype=h.dtype)
+                              for t in range(length)])
+        x = torch.cat([rms_norm(tokens, w["midlayer.input_layernorm.weight"], eps),
+                       rms_norm(h, w["midlayer.hidden_norm.weight"], eps)], dim=-1)
+        q = (x @ w["midlayer.self_attn.q_proj.weight"].T).view(length, -1, dim)
+        k = (x @ w["midlayer.self_attn.k_proj.weight"].T).view(length, -1, dim)
+        v = (x @ w["midlayer.self_attn.v_proj.weight"].T).view(length, -1, dim)
+        q = torch.stack([torch.stack([rotate(q[t, n], t + i, theta) for n in range(q.shape[1])])
+                         for t in range(length)])
+        k = torch.stack([torch.stack([rotate(k[t, n], t + i, theta) for n in range(k.shape[1])])
+                         for t in range(length)])
+        keys.append(k)
+        values.append(v)
+        attended = torch.zeros_like(q)
+        for t in range(length):
+            for head in range(q.shape[1]):
+                g = head // group
+                ks = [keys[0][s, g] for s in range(t + 1)] + [keys[j][t, g]
+                                                              for j in range(1, i + 1)]
+                vs = [values[0][s, g] for s in range(t + 1)] + [values[j][t, g]
+                                                                for j in range(1, i + 1)]
+                scores = torch.stack([q[t, head] @ key for key in ks]) / math.sqrt(dim)
+                attended[t, head] = (scores.softmax(0)[:, None] * torch.stack(vs)).sum(0)
+        h = h + attended.reshape(length, -1) @ w["midlayer.self_attn.o_proj.weight"].T
+        m = rms_norm(h, w["midlayer.post_attention_layernorm.weight"], eps)
+        gate = m @ w["midlayer.mlp.gate_proj.weight"].T
+        up = m @ w["midlayer.mlp.up_proj.weight"].T
+        h = h + (gate * torch.sigmoid(gate) * up) @ w["midlayer.mlp.down_proj.weight"].T
+        outputs.append(h)
+    return outputs
+
+
+def tiny_draft() -> tuple[Eagle3Draft, DraftConfig]:
+    config = DraftConfig(hidden_size=32, intermediate_size=48, num_attention_heads=4,
+                         num_key_value_heads=2, head_dim=8, vocab_size=40, draft_vocab_size=16,
+                         rope={"rope_type": "default", "rope_theta": 500.0})
+    torch.manual_seed(0)
+    model = Eagle3Draft(config, embed_weight=torch.randn(40, 32), init_std=0.2)
+    with torch.no_grad():  # norms away from 1 so a missing norm weight shows
+        for name, param in model.trainable().items():
+            if name.endswith("norm.weight"):
+                param.uniform_(0.5, 1.5)
+    return model, config
+
+
+@pytest.mark.parametrize("steps", [1, 2, 3])
+def test_forward_matches_a_hand_written_reference(steps: int) -> None:
+    model, config = tiny_draft()
+    aux = torch.randn(2, 7, 96)
+    ids = torch.randint(0, 40, (2, 7))
+    ours = [h.detach() for h in model.unroll(aux, ids, steps)]
+    weights = {n: t.detach().double() for n, t in model.state_dict().items()}
+    for b in range(2):
+        expected = reference_unroll(weights, config, aux[b].double(), ids[b], steps)
+        for i in range(steps):
+            torch.testing.assert_close(ours[i][b].double(), expected[i], atol=2e-5, rtol=1e-4)
+            logits = rms_norm(expected[i], weights["norm.weight"], config.rms_norm_eps) \
+                @ weights["lm_head.weight"].T
+            torch.testing.assert_close(model.logits(ours[i][b]).detach().double(), logits,
+                                       atol=2e-5, rtol=1e-4)
+
+
+def test_each_ttt_step_is_scored_against_the_target_t_plus_1_plus_i() -> None:
+    model, config = tiny_draft()
+    steps, length = 3, 9
+    aux, ids = torch.randn(2, length, 96), torch.randint(0, 40, (2, length))
+    target_logits = torch.randn(2, length, 16) * 3
+    valid = torch.rand(2, length) > 0.3
+    losses, correct, counts = ttt_losses(model, aux, ids, target_logits, valid, steps)
+    hidden = [h.detach() for h in model.unroll(aux, ids, steps)]
+    for i in range(steps):
+        terms, hits = [], 0
+        for b in range(2):
+            for t in range(length - 1 - i):
+                if not valid[b, t + 1 + i]:
+                    continue
+                draft = model.logits(hidden[i][b, t]).detach()
+                target = target_logits[b, t + 1 + i].softmax(-1)
+                terms.append(-(target * F.log_softmax(draft, -1)).sum())
+                hits += int(draft.argmax() == target.argmax())
+        assert int(counts[i]) == len(terms) > 0
+        torch.testing.assert_close(losses[i].detach(), torch.stack(terms).mean())
+        assert int(correct[i]) == hits
+
+
+# -- 2. learning ----------------------------------------------------------------------
+
+def test_loss_decreases_on_extracted_data(tiny: dict[str, Path], tmp_path: Path) -> None:
+    args = parse_args(["--data", str(tiny["data"]), "--target", str(tiny["model"]),
+                       "--vocab", str(tiny["vocab"]), "--out", str(tmp_path), "--ttt-steps",
+                       "3"])
+    data = ExtractedData(args.data)
+    model, head = build_model(args, data, torch.device("cpu"))
+    optimizer = build_optimizer(model, 3e-3)
+    scheduler = build_scheduler(optimizer, 0, 10_000)
+    batch = load_batch(data.root, data.samples[:8], 64, 4096)
+    history = [train_step(model, head, batch, optimizer, scheduler, ttt_steps=3)
+               for _ in range(30)]
+    losses = [m["loss"] for m in history]
+    # measured (seeds 0-2): the last five average 0.11x the first step's loss (~10 -> ~1.1;
+    # the target's own entropy is the floor), acc_0 goes from 0-0.1 to 1.0
+    assert sum(losses[-5:]) / 5 < 0.25 * losses[0], losses
+    assert history[-1]["acc_0"] >= 0.9 > history[0]["acc_0"]
+    assert all(math.isfinite(x) for x in losses)
+    assert {"loss_0", "loss_2", "acc_0", "acc_2", "lr", "grad_norm"} <= set(history[-1])
+
+
+# -- 3. kill -9 and resume --------------------------------------------------------------
+
+def read_trace(path: Path) -> list[dict[str, Any]]:
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+def test_kill_minus_9_then_resume_matches_an_uninterrupted_run(
+        tiny: dict[str, Path], tmp_path: Path) -> None:
+    args = ["--batch-tokens", "768", "--epochs", "2", "--save-every", "3", "--seed", "5",
+            "--ttt-steps", "3", "--lr", "3e-3", "--draft-dtype", "fp32"]
+    whole, broken = tmp_path / "whole", tmp_path / "broken"
+    trace = tmp_path / "broken.trace"
+    reference = subprocess.Popen(train_cli(tiny, whole, *args), cwd=REPO, env=ENV,
+                                 stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    victim = subprocess.Popen(train_cli(tiny, broken, *args, "--trace-data", str(trace)),
+                              cwd=REPO, env=ENV, stdout=subprocess.DEVNULL,
+                              stderr=subprocess.DEVNULL)
+    try:
+        wait_for(lambda: (broken / "checkpoints" / "latest").exists(), 90, interval=0.01,
+                 what="a first checkpoint")
+        os.kill(victim.pid, signal.SIGKILL)
+        assert victim.wait(10) == -signal.SIGKILL
+    finally:
+        if victim.poll() is None:
+            victim.kill()
+            victim.wait()
+    assert not (broken / "draft").exists(), "the run finished before the kill"
+    pointer = (broken / "checkpoints" / "latest").read_text().strip()
+    killed_at = int(pointer.removeprefix("step_"))
+    resumed = subprocess.run(train_cli(tiny, broken, *args, "--trace-data", str(trace)),
+                             cwd=REPO, env=ENV, capture_output=True, text=True, timeout=120)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert f"resuming from {broken / 'checkpoints' / pointer} (step {killed_at}" \
+        in resumed.stderr
+    _, stderr = reference.communicate(timeout=120)
+    assert reference.returncode == 0, stderr[-3000:]
+
+    latest = (whole / "checkpoints" / "latest").read_text().strip()
+    final = json.loads((whole / "checkpoints" / latest / "trainer_state.json").read_text())
+    total = final["total_steps"]
+    assert final["step"] == total > killed_at
+    state = json.loads((broken / "checkpoints" / f"step_{total:07d}" /
+                        "trainer_state.json").read_text())
+    assert state["step"] == total
+    # the resumed run wrote the last total - killed_at lines; of the killed run's lines,
+    # those after its last checkpoint were done again, so they do not count
+    lines = read_trace(trace)
+    redone = total - killed_at
+    lines = [x for x in lines[:-redone] if x["step"] <= killed_at] + lines[-redone:]
+    assert [x["step"] for x in lines] == list(range(1, total + 1))
+    samples = sorted(ExtractedData(tiny["data"]).samples, key=lambda s: s.index)
+    for epoch in (0, 1):
+        used = Counter(i for x in lines if x["epoch"] == epoch for i in x["indices"])
+        assert sorted(used) == [s.index for s in samples] and set(used.values()) == {1}
+    # weights and optimizer state as if never interrupted
+    got = load_file(broken / "draft" / "model.safetensors")
+    want = load_file(whole / "draft" / "model.safetensors")
+    assert got.keys() == want.keys()
+    for name in want:
+        torch.testing.assert_close(got[name], want[name], atol=1e-6, rtol=1e-5)
+    optimizer = torch.load(broken / "checkpoints" / f"step_{total:07d}" / "optimizer.pt",
+                           weights_only=True)
+    assert all(int(s["step"]) == total for s in optimizer["state"].values())
+    kept = {p.name for p in (broken / "checkpoints").iterdir()}
+    assert kept == {"latest", f"step_{total:07d}", f"step_{total - 3:07d}"}
+
+
+def test_sigterm_saves_a_checkpoint_and_exits_143(tiny: dict[str, Path],
+                                                  tmp_path: Path) -> None:
+    out, trace = tmp_path / "out", tmp_path / "trace"
+    process = subprocess.Popen(
+        train_cli(tiny, out, "--batch-tokens", "512", "--epochs", "3", "--ttt-steps", "2",
+                  "--trace-data", str(trace)), cwd=REPO, env=ENV, stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE, text=True)
+    try:
+        wait_for(lambda: trace.exists() and len(trace.read_text().splitlines()) >= 2, 90,
+                 interval=0.01, what="two steps")
+        process.send_signal(signal.SIGTERM)
+        _, stderr = process.communicate(timeout=60)
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait()
+    assert process.returncode == 143, stderr[-2000:]
+    done = len(read_trace(trace))
+    state = json.loads((out / "checkpoints" / f"step_{done:07d}" / "trainer_state.json")
+                       .read_text())  # --save-every is 1000: only SIGTERM saved it
+    assert state["step"] == done < 27 and not (out / "draft").exists()
+    assert "checkpoint saved; rerun to resume" in stderr
+
+
+# -- 4. --init, and what is refused -----------------------------------------------------
+
+@pytest.fixture(scope="module")
+def trained(tiny: dict[str, Path], tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A short run's output directory (its draft is the --init of the tests below)."""
+    out = tmp_path_factory.mktemp("trained")
+    args = ["--data", str(tiny["data"]), "--target", str(tiny["model"]), "--vocab",
+            str(tiny["vocab"]), "--out", str(out), "--batch-tokens", "1024", "--ttt-steps",
+            "2", "--lr", "3e-3"]
+    from workers.train import main
+
+    assert main(args) == 0
+    return out
+
+
+def run_main(capsys: pytest.CaptureFixture[str], *args: str | Path) -> tuple[int, str]:
+    from workers.train import main
+
+    try:
+        code = main([str(a) for a in args])
+    except SystemExit as exc:
+        code = int(exc.code or 0)
+    return code, capsys.readouterr().err
+
+
+def other_vocab(tiny: dict[str, Path], path: Path, size: int = 64) -> Path:
+    """A valid mapping of `size` ids that is not the draft's."""
+    t2d = torch.zeros(384, dtype=torch.bool)
+    t2d[torch.arange(size) * 5] = True
+    used = torch.nonzero(t2d).reshape(-1)
+    save_file({"d2t": used - torch.arange(size), "t2d": t2d}, str(path))
+    return path
+
+
+def test_init_reuses_the_drafts_mapping_and_refuses_another(
+        tiny: dict[str, Path], trained: Path, tmp_path: Path,
+        capsys: pytest.CaptureFixture[str]) -> None:
+    init = trained / "draft"
+    common = ["--data", tiny["data"], "--target", tiny["model"], "--init", init,
+              "--max-steps", "1", "--ttt-steps", "2", "--lr", "1e-12"]
+    code, err = run_main(capsys, *common, "--out", tmp_path / "a")
+    assert code == 0, err
+    # one step at lr 1e-12 moves no bf16 weight: the run started from the draft's weights
+    before, after = load_file(init / "model.safetensors"), load_file(
+        tmp_path / "a" / "draft" / "model.safetensors")
+    for name in before:
+        assert torch.equal(before[name], after[name]), name
+    code, err = run_main(capsys, *common, "--vocab", tiny["vocab"], "--out", tmp_path / "b")
+    assert code == 0, err  # the same mapping given explicitly is fine
+    code, err = run_main(capsys, *common, "--vocab", other_vocab(tiny, tmp_path / "v"),
+                         "--out", tmp_path / "c")
+    assert code == 2 and err.startswith("error: --vocab") and "differs from the d2t/t2d" in err
+    assert "Traceback" not in err and not (tmp_path / "c" / "draft").exists()
+
+
+def fake_target(path: Path, hidden: int, vocab_size: int) -> Path:
+    path.mkdir()
+    (path / "config.json").write_text(json.dumps({
+        "hidden_size": hidden, "intermediate_size": 2 * hidden, "num_attention_heads": 4,
+        "num_key_value_heads": 2, "vocab_size": vocab_size, "rms_norm_eps": 1e-5}))
+    save_file({"model.embed_tokens.weight": torch.randn(vocab_size, hidden),
+               "lm_head.weight": torch.randn(vocab_size, hidden)},
+              str(path / "model.safetensors"))
+    return path
+
+
+def test_bad_inputs_exit_2_without_traceback(tiny: dict[str, Path], tmp_path: Path,
+                                             capsys: pytest.CaptureFixture[str]) -> None:
+    out = ["--out", tmp_path / "out"]
+    cases = {
+        "does not exist": ["--data", tmp_path / "nope", "--target", tiny["model"],
+                           "--vocab", tiny["vocab"]],
+        "hidden_size 64 but the --target has 32": [
+            "--data", tiny["data"], "--target", fake_target(tmp_path / "t32", 32, 384),
+            "--vocab", tiny["vocab"]],
+        "vocab_size 384 but the --target has 400": [
+            "--data", tiny["data"], "--target", fake_target(tmp_path / "v400", 64, 400),
+            "--vocab", tiny["vocab"]],
+        "vocab size mismatch": ["--data", tiny["data"], "--target", tiny["model"], "--vocab",
+                                other_vocab_file(tmp_path / "v.safetensors")],
+        "--vocab is required": ["--data", tiny["data"], "--target", tiny["model"]],
+    }
+    for expected, args in cases.items():
+        code, err = run_main(capsys, *args, *out)
+        assert code == 2 and err.startswith("error: ") and expected in err, (expected, err)
+        assert "Traceback" not in err
+    assert not (tmp_path / "out" / "draft").exists()
+
+
+def other_vocab_file(path: Path) -> Path:
+    """A mapping for a 400-id target."""
+    t2d = torch.zeros(400, dtype=torch.bool)
+    t2d[:64] = True
+    save_file({"d2t": torch.zeros(64, dtype=torch.int64), "t2d": t2d}, str(path))
+    return path
+
+
+# -- 5. the saved draft -----------------------------------------------------------------
+
+def test_saved_draft_has_sglang_names_config_and_the_mapping(tiny: dict[str, Path],
+                                                             trained: Path) -> None:
+    config = json.loads((trained / "draft" / "config.json").read_text())
+    target = json.loads((tiny["model"] / "config.json").read_text())
+    assert config["architectures"] == ["LlamaForCausalLMEagle3"]
+    assert config["model_type"] == "llama" and config["num_hidden_layers"] == 1
+    for key in ("hidden_size", "intermediate_size", "num_attention_heads",
+                "num_key_value_heads", "vocab_size", "rms_norm_eps", "max_position_embeddings"):
+        assert config[key] == target[key], key
+    assert config["draft_vocab_size"] == 64 and config["torch_dtype"] == "bfloat16"
+    assert config["rope_theta"] == target["rope_parameters"]["rope_theta"]
+    assert config["rope_scaling"] is None
+    assert config["eagle_config"] == {"eagle_aux_hidden_state_layer_ids": [2, 4, 5],
+                                      "use_aux_hidden_state": True}
+    with safe_open(str(trained / "draft" / "model.safetensors"), framework="pt") as f:
+        names = list(f.keys())
+        shapes = {k: f.get_slice(k).get_shape() for k in names}
+    layer = "midlayer."
+    assert shapes == {
+        "fc.weight": [64, 192], "norm.weight": [64], "lm_head.weight": [64, 64],
+        "embed_tokens.weight": [384, 64], "d2t": [64], "t2d": [384],
+        f"{layer}input_layernorm.weight": [64], f"{layer}hidden_norm.weight": [64],
+        f"{layer}post_attention_layernorm.weight": [64],
+        f"{layer}self_attn.q_proj.weight": [64, 128], f"{layer}self_attn.k_proj.weight": [32, 128],
+        f"{layer}self_attn.v_proj.weight": [32, 128], f"{layer}self_attn.o_proj.weight": [64, 64],
+        f"{layer}mlp.gate_proj.weight": [128, 64], f"{layer}mlp.up_proj.weight": [128, 64],
+        f"{layer}mlp.down_proj.weight": [64, 128]}
+    saved, mapping = load_file(trained / "draft" / "model.safetensors"), load_file(tiny["vocab"])
+    assert torch.equal(saved["d2t"], mapping["d2t"]) and torch.equal(saved["t2d"], mapping["t2d"])
+    assert saved["fc.weight"].dtype == torch.bfloat16
+    embed = load_file(tiny["model"] / "model.safetensors")["model.embed_tokens.weight"]
+    assert torch.equal(saved["embed_tokens.weight"], embed.to(torch.bfloat16))
+    # workers.vocab reads the mapping back from the draft directory
+    d2t, t2d, rows = vocab.load_mapping(trained / "draft")
+    assert torch.equal(d2t, mapping["d2t"]) and torch.equal(t2d, mapping["t2d"]) and rows == 64
+    # transformers reads the config (rope from rope_theta/rope_scaling)
+    from transformers import LlamaConfig
+
+    loaded = LlamaConfig.from_pretrained(trained / "draft")
+    assert loaded.rope_parameters["rope_theta"] == config["rope_theta"]

@@ -1,0 +1,599 @@
+"""EAGLE-3 draft training on extracted hidden states: `python -m workers.train --help`.
+
+Reads what `workers.extract` wrote (`--data`: manifest.jsonl, extract_config.json,
+one safetensors file per sample, each opened memory-mapped only when its batch is
+built, one batch read ahead on a thread) and the d2t/t2d of `workers.vocab`; trains the
+draft of `workers.draft` (SGLang `LlamaForCausalLMEagle3` layout) against the target's
+own lm_head applied to the saved final hidden states:
+
+- target at position p: softmax over the draft-vocabulary columns of
+  hidden_state[p] @ lm_head^T; p counts only if p is inside the sample, loss_mask[p] == 1
+  and the full-vocabulary argmax at p is a draft-vocabulary id;
+- TTT step i (0..k-1): position t is trained on the target at p = t + 1 + i (soft
+  cross-entropy, mean over the valid positions); loss = sum_i 0.8^i * loss_i;
+  acc_i = share of valid positions where the draft's argmax is the target's.
+
+Batches: each epoch a seeded permutation of the samples, cut into windows of
+SORT_WINDOW samples sorted by length (little padding) and packed greedily into batches
+of at most `--batch-tokens` padded tokens (a longer sample is cut to that length),
+the batches of a window in seeded random order. AdamW (0.9, 0.95, no weight decay),
+linear warmup then cosine, grad-norm clip 0.5, bf16 autocast on CUDA (fp32 master
+weights), fp32 on CPU.
+
+Checkpoints (`--save-every` steps and at the end) go to out/checkpoints/step_NNNNNNN/
+(model.safetensors, optimizer.pt, scheduler.pt, trainer_state.json), written to a temp
+directory and renamed, then `latest` is replaced; the last two are kept. A rerun of the
+same command resumes from `latest`: weights, optimizer, scheduler, RNG and the position
+in the epoch, so no sample is repeated or skipped. SIGTERM saves a checkpoint, exit 143.
+The result is out/draft/ (config.json + model.safetensors with SGLang names).
+"""
+
+from __future__ import annotations
+
+import argparse
+import base64
+import contextlib
+import json
+import logging
+import math
+import os
+import random
+import shutil
+import signal
+import sys
+import time
+from collections.abc import Callable, Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from workers.common import ProgressReporter, fail, read_jsonl, require_file, setup_logging
+from workers.draft import (
+    DraftConfig,
+    DraftFileError,
+    Eagle3Draft,
+    TargetHead,
+    load_draft_weights,
+    ttt_losses,
+    write_draft,
+)
+from workers.extract import truncate_torn_line
+
+log = logging.getLogger("workers.train")
+
+STEP_WEIGHT = 0.8
+"""TTT step i's loss is weighted STEP_WEIGHT ** i."""
+SORT_WINDOW = 1024
+"""Samples of the epoch's permutation sorted by length together before packing."""
+KEEP_CHECKPOINTS = 2
+EXIT_TERMINATED = 143
+
+
+class TrainError(Exception):
+    """A user mistake or unusable input: `error: ...`, exit 2."""
+
+
+# -- inputs ----------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Sample:
+    index: int
+    file: str
+    seq_len: int
+
+
+class ExtractedData:
+    def __init__(self, root: Path):
+        self.root = root
+        manifest, config = root / "manifest.jsonl", root / "extract_config.json"
+        for path in (manifest, config):
+            if not path.is_file():
+                raise TrainError(f"{path} does not exist: is --data a workers.extract output?")
+        self.config = json.loads(config.read_text(encoding="utf-8"))
+        entries = {}
+        for _, record in read_jsonl(manifest, required=("index", "file", "seq_len")):
+            entries[int(record["index"])] = Sample(int(record["index"]), str(record["file"]),
+                                                   int(record["seq_len"]))
+        self.samples = [entries[i] for i in sorted(entries)]
+        if not self.samples:
+            raise TrainError(f"{manifest}: no samples")
+
+    def plan_epoch(self, epoch: int, seed: int, batch_tokens: int) -> list[list[Sample]]:
+        """The epoch's batches, a pure function of (samples, epoch, seed, batch_tokens):
+        a resumed run recomputes the same plan."""
+        generator = torch.Generator().manual_seed(seed * 1_000_003 + epoch)
+        order = torch.randperm(len(self.samples), generator=generator).tolist()
+        plan: list[list[Sample]] = []
+        for start in range(0, len(order), SORT_WINDOW):
+            window = sorted((self.samples[i] for i in order[start:start + SORT_WINDOW]),
+                            key=lambda s: s.seq_len)
+            batches: list[list[Sample]] = []
+            for sample in window:
+                longest = -(-min(sample.seq_len, batch_tokens) // 8) * 8  # padded as loaded
+                if batches and (len(batches[-1]) + 1) * longest <= batch_tokens:
+                    batches[-1].append(sample)
+                else:
+                    batches.append([sample])
+            shuffle = torch.randperm(len(batches), generator=generator).tolist()
+            plan.extend(batches[i] for i in shuffle)
+        return plan
+
+
+@dataclass
+class Batch:
+    aux: torch.Tensor  # [B, L, 3H]
+    hidden: torch.Tensor  # [B, L, H], the target's final (normed) hidden state
+    input_ids: torch.Tensor  # [B, L] int64
+    loss_mask: torch.Tensor  # [B, L] bool, False on padding
+    indices: list[int]
+    tokens: int  # real (unpadded) tokens
+
+    def to(self, device: torch.device) -> Batch:
+        moved = [t.to(device, non_blocking=True) for t in (self.aux, self.hidden,
+                                                           self.input_ids, self.loss_mask)]
+        return Batch(*moved, indices=self.indices, tokens=self.tokens)
+
+
+def load_batch(root: Path, samples: Sequence[Sample], hidden_size: int, max_length: int,
+               pin: bool = False) -> Batch:
+    """Reads only the rows needed (memory-mapped slices), right-padded to a multiple of 8."""
+    lengths = [min(s.seq_len, max_length) for s in samples]
+    padded = -(-max(lengths) // 8) * 8
+    out: dict[str, torch.Tensor] = {}
+    widths = {"aux_hidden_states": 3 * hidden_size, "hidden_state": hidden_size}
+    for row, (sample, length) in enumerate(zip(samples, lengths, strict=True)):
+        path = root / sample.file
+        try:
+            with safe_open(str(path), framework="pt") as f:
+                for name in ("aux_hidden_states", "hidden_state", "input_ids", "loss_mask"):
+                    part = f.get_slice(name)
+                    shape = part.get_shape()
+                    if name in widths and (len(shape) != 2 or shape[1] != widths[name]):
+                        raise TrainError(f"{path}: {name} is {shape}, expected "
+                                         f"[S, {widths[name]}]: extracted from another model?")
+                    tensor = part[:length]
+                    if name not in out:
+                        out[name] = torch.zeros((len(samples), padded, *tensor.shape[1:]),
+                                                dtype=tensor.dtype, pin_memory=pin)
+                    out[name][row, :tensor.shape[0]] = tensor
+        except TrainError:
+            raise
+        except Exception as exc:  # a torn or foreign file (safetensors' own error type)
+            raise TrainError(f"{path}: unreadable sample: {exc}") from exc
+    mask = out["loss_mask"].bool()
+    return Batch(out["aux_hidden_states"], out["hidden_state"], out["input_ids"].long(), mask,
+                 [s.index for s in samples], sum(lengths))
+
+
+def _tensor_files(model_dir: Path) -> dict[str, Path]:
+    index = model_dir / "model.safetensors.index.json"
+    if index.is_file():
+        weight_map = json.loads(index.read_text(encoding="utf-8"))["weight_map"]
+        return {name: model_dir / file for name, file in weight_map.items()}
+    names: dict[str, Path] = {}
+    for file in sorted(model_dir.glob("*.safetensors")):
+        with safe_open(str(file), framework="pt") as f:
+            names.update(dict.fromkeys(f.keys(), file))
+    return names
+
+
+def load_target(model_dir: Path, device: torch.device,
+                dtype: torch.dtype) -> tuple[dict[str, Any], torch.Tensor, torch.Tensor]:
+    """(config.json, embed_tokens [V, H], lm_head [V, H]) of the target, reading only
+    those two tensors; lm_head is the embedding when the target ties them."""
+    config_file = model_dir / "config.json"
+    if not config_file.is_file():
+        raise TrainError(f"--target {str(model_dir)!r} has no config.json")
+    config = json.loads(config_file.read_text(encoding="utf-8"))
+    files = _tensor_files(model_dir)
+    embeds = sorted((n for n in files if n.endswith("embed_tokens.weight")), key=len)
+    heads = [n for n in files if n == "lm_head.weight" or n.endswith(".lm_head.weight")]
+    if not embeds:
+        raise TrainError(f"--target {str(model_dir)!r}: no embed_tokens weight in its "
+                         "safetensors files")
+    tied = (config.get("text_config") or config).get("tie_word_embeddings", False)
+    if not heads and not tied:
+        raise TrainError(f"--target {str(model_dir)!r}: no lm_head weight and the "
+                         "embeddings are not tied")
+
+    def read(name: str) -> torch.Tensor:
+        with safe_open(str(files[name]), framework="pt") as f:
+            return f.get_tensor(name).to(device=device, dtype=dtype)
+
+    embed = read(embeds[0])
+    return config, embed, read(heads[0]) if heads else embed
+
+
+def load_vocab(path: Path) -> tuple[torch.Tensor, torch.Tensor]:
+    from workers.vocab import VocabError, load_mapping
+
+    try:
+        d2t, t2d, _ = load_mapping(path)
+    except VocabError as exc:
+        raise TrainError(str(exc)) from exc
+    return d2t, t2d
+
+
+# -- the training step -----------------------------------------------------------------
+
+def train_step(model: Eagle3Draft, target_head: TargetHead, batch: Batch,
+               optimizer: torch.optim.Optimizer, scheduler: Any, *, ttt_steps: int,
+               grad_clip: float = 0.5) -> dict[str, float]:
+    """One optimizer step on a batch already on the model's device. bf16 autocast on
+    CUDA. Returns lr, grad_norm and, for the TTT steps with valid positions, loss_i and
+    acc_i (and loss when step 0 has some); a non-finite gradient skips the update and
+    returns `skipped` instead. Two host syncs (that check, the metrics)."""
+    device = batch.input_ids.device
+    model.train()
+    with torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda"):
+        target_logits, valid = target_head(batch.hidden, batch.loss_mask)
+        losses, correct, counts = ttt_losses(model, batch.aux, batch.input_ids, target_logits,
+                                             valid, ttt_steps)
+        total = sum(STEP_WEIGHT ** i * loss for i, loss in enumerate(losses))
+    optimizer.zero_grad(set_to_none=True)
+    assert isinstance(total, torch.Tensor)
+    total.backward()
+    grad_norm = torch.nn.utils.clip_grad_norm_(list(model.trainable().values()), grad_clip)
+    lr = optimizer.param_groups[0]["lr"]
+    finite = bool(torch.isfinite(grad_norm))
+    if finite:  # a NaN/Inf gradient would poison every weight through AdamW: skip it
+        optimizer.step()
+    scheduler.step()
+    accs = [c.float() / n.clamp(min=1) for c, n in zip(correct, counts, strict=True)]
+    values = torch.stack([total.detach(), grad_norm.float(), *[x.detach() for x in losses],
+                          *accs, *counts]).tolist()
+    loss_i, acc_i, count_i = (values[2 + n * ttt_steps:2 + (n + 1) * ttt_steps]
+                              for n in range(3))
+    # a step without valid positions has no loss or accuracy to show (not 0)
+    metrics = {"grad_norm": values[1], "lr": lr} if finite else {"lr": lr, "skipped": 1.0}
+    if count_i[0] and finite:
+        metrics["loss"] = values[0]
+    metrics.update({f"loss_{i}": v for i, v in enumerate(loss_i) if count_i[i] and finite})
+    metrics.update({f"acc_{i}": v for i, v in enumerate(acc_i) if count_i[i]})
+    return metrics
+
+
+def build_optimizer(model: Eagle3Draft, lr: float) -> torch.optim.AdamW:
+    params = list(model.trainable().values())
+    return torch.optim.AdamW(params, lr=lr, betas=(0.9, 0.95), weight_decay=0.0,
+                             fused=params[0].is_cuda)
+
+
+def build_scheduler(optimizer: torch.optim.Optimizer, warmup_steps: int,
+                    total_steps: int) -> torch.optim.lr_scheduler.LambdaLR:
+    def factor(step: int) -> float:
+        if step < warmup_steps:
+            return (step + 1) / warmup_steps
+        progress = (step - warmup_steps) / max(1, total_steps - warmup_steps)
+        return 0.5 * (1.0 + math.cos(math.pi * min(progress, 1.0)))
+
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
+
+
+# -- checkpoints -----------------------------------------------------------------------
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _write_text_atomically(path: Path, text: str) -> None:
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    with open(tmp, "w", encoding="utf-8") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def _rng_state() -> dict[str, Any]:
+    encode = lambda t: base64.b64encode(t.numpy().tobytes()).decode()  # noqa: E731
+    cuda = [encode(s) for s in torch.cuda.get_rng_state_all()] if torch.cuda.is_available() \
+        else []
+    return {"torch": encode(torch.get_rng_state()), "cuda": cuda,
+            "python": json.loads(json.dumps(random.getstate()))}
+
+
+def _set_rng_state(state: dict[str, Any]) -> None:
+    decode = lambda s: torch.frombuffer(bytearray(base64.b64decode(s)),  # noqa: E731
+                                        dtype=torch.uint8)
+    torch.set_rng_state(decode(state["torch"]))
+    if state.get("cuda") and torch.cuda.is_available() \
+            and len(state["cuda"]) == torch.cuda.device_count():
+        torch.cuda.set_rng_state_all([decode(s) for s in state["cuda"]])
+    version, internal, gauss = state["python"]
+    random.setstate((version, tuple(internal), gauss))
+
+
+def save_checkpoint(out: Path, model: Eagle3Draft, optimizer: torch.optim.Optimizer,
+                    scheduler: Any, state: dict[str, Any]) -> Path:
+    """out/checkpoints/step_NNNNNNN, complete or absent: written under a temp name,
+    fsynced, renamed; then `latest` is replaced and all but the last two removed."""
+    root = out / "checkpoints"
+    name = f"step_{state['step']:07d}"
+    tmp = root / f".tmp-{name}-{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    tensors = {n: p.detach().float().cpu().contiguous() for n, p in model.trainable().items()}
+    tensors.update(d2t=model.d2t.cpu(), t2d=model.t2d.cpu())
+    save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+    torch.save(optimizer.state_dict(), tmp / "optimizer.pt")
+    torch.save(scheduler.state_dict(), tmp / "scheduler.pt")
+    (tmp / "trainer_state.json").write_text(json.dumps(state, indent=1) + "\n")
+    for file in tmp.iterdir():
+        with open(file, "rb") as f:
+            os.fsync(f.fileno())
+    final = root / name
+    if final.exists():  # written by a run killed before `latest` moved past it
+        shutil.rmtree(final)
+    os.rename(tmp, final)
+    _fsync_dir(root)
+    _write_text_atomically(root / "latest", name + "\n")
+    steps = sorted(p for p in root.glob("step_*") if p.is_dir())
+    keep = [p for p in steps if p.name <= name][-KEEP_CHECKPOINTS:]
+    for path in steps:
+        if path not in keep:
+            shutil.rmtree(path, ignore_errors=True)
+    return final
+
+
+def latest_checkpoint(out: Path) -> Path | None:
+    root = out / "checkpoints"
+    pointer = root / "latest"
+    if pointer.is_file():
+        path = root / pointer.read_text(encoding="utf-8").strip()
+        if (path / "trainer_state.json").is_file():
+            return path
+        log.warning("%s points to %s, which is incomplete; using the newest complete one",
+                    pointer, path.name)
+    complete = sorted(p for p in root.glob("step_*") if (p / "trainer_state.json").is_file())
+    return complete[-1] if complete else None
+
+
+# -- the run ---------------------------------------------------------------------------
+
+def prefetched(load: Callable[[list[Sample]], Batch],
+               batches: Sequence[list[Sample]]) -> Iterator[Batch]:
+    """Loads batch k+1 on a thread while batch k trains."""
+    with ThreadPoolExecutor(max_workers=1, thread_name_prefix="prefetch") as pool:
+        pending = pool.submit(load, batches[0]) if batches else None
+        for k in range(len(batches)):
+            assert pending is not None
+            current = pending
+            pending = pool.submit(load, batches[k + 1]) if k + 1 < len(batches) else None
+            yield current.result()
+
+
+def choose_vocab(args: argparse.Namespace) -> tuple[torch.Tensor, torch.Tensor]:
+    """--vocab, or the --init draft's own d2t/t2d, which --vocab must then equal."""
+    if args.init is None:
+        if args.vocab is None:
+            raise TrainError("--vocab is required (or --init, to reuse a draft's mapping)")
+        return load_vocab(args.vocab)
+    d2t, t2d = load_vocab(args.init)
+    if args.vocab is not None:
+        given_d2t, given_t2d = load_vocab(args.vocab)
+        if not (torch.equal(given_d2t, d2t) and torch.equal(given_t2d, t2d)):
+            raise TrainError(
+                f"--vocab {str(args.vocab)!r} differs from the d2t/t2d of --init "
+                f"{str(args.init)!r}: the draft's lm_head rows belong to its own mapping. "
+                "Drop --vocab (the draft's mapping is used) or pass the draft's own")
+    return d2t, t2d
+
+
+def build_model(args: argparse.Namespace, data: ExtractedData,
+                device: torch.device) -> tuple[Eagle3Draft, TargetHead]:
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    target_config, embed, lm_head = load_target(args.target, device, dtype)
+    d2t, t2d = choose_vocab(args)
+    config = DraftConfig.from_hf(target_config, draft_vocab_size=d2t.numel(),
+                                 aux_layer_ids=data.config.get("aux_layer_ids", []))
+    for what, ours in (("hidden_size", config.hidden_size), ("vocab_size", config.vocab_size)):
+        theirs = data.config.get(what)
+        if theirs is not None and int(theirs) != ours:
+            raise TrainError(f"--data was extracted with {what} {theirs} but the --target "
+                             f"has {ours}: not the same model")
+    if t2d.numel() != config.vocab_size or embed.shape[0] != config.vocab_size:
+        raise TrainError(f"vocab size mismatch: the mapping covers {t2d.numel()} target ids, "
+                         f"the target's vocab_size is {config.vocab_size}, its embedding has "
+                         f"{embed.shape[0]} rows")
+    torch.manual_seed(args.seed)
+    model = Eagle3Draft(config, embed_weight=embed).to(device)
+    model.set_vocab(d2t, t2d)
+    if args.init is not None:
+        model.load_trainable(load_draft_weights(args.init, model))
+    return model, TargetHead(lm_head, t2d)
+
+
+def train(args: argparse.Namespace, progress: ProgressReporter,
+          stop: Callable[[], bool] = lambda: False) -> int:
+    device = torch.device(args.device)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise TrainError("--device cuda but no CUDA device is available (use --device cpu)")
+    data = ExtractedData(args.data)
+    model, head = build_model(args, data, device)
+    for stale in [*args.out.glob("checkpoints/.tmp-*"), *args.out.glob(".draft.*-*")]:
+        shutil.rmtree(stale, ignore_errors=True)  # left by a run killed while writing
+    plans = [data.plan_epoch(e, args.seed, args.batch_tokens) for e in range(args.epochs)]
+    cut = sum(s.seq_len > args.batch_tokens for s in data.samples)
+    if cut:
+        log.warning("%d samples are longer than --batch-tokens %d and are cut to it", cut,
+                    args.batch_tokens)
+    total = min(sum(map(len, plans)), args.max_steps or sys.maxsize)
+    warmup = args.warmup_steps if args.warmup_steps is not None else round(0.015 * total)
+    optimizer = build_optimizer(model, args.lr)
+    scheduler = build_scheduler(optimizer, warmup, total)
+    progress.total = total
+    step, epoch, batch_in_epoch = 0, 0, 0
+    checkpoint = latest_checkpoint(args.out)
+    if checkpoint is not None:
+        step, epoch, batch_in_epoch = resume(checkpoint, args, data, plans, model, optimizer,
+                                             scheduler)
+    log.info("%d samples, %d steps (%d epochs, %d warmup), draft vocab %d, TTT %d, %s; "
+             "starting at step %d", len(data.samples), total, args.epochs, warmup,
+             model.config.draft_vocab_size, args.ttt_steps, device, step)
+    # (epoch, batch number in it, samples) of every step still to run
+    todo = [(e, k, samples) for e in range(epoch, len(plans))
+            for k, samples in enumerate(plans[e]) if e > epoch or k >= batch_in_epoch]
+    todo = todo[:max(total - step, 0)]
+
+    def load(samples: list[Sample]) -> Batch:
+        return load_batch(data.root, samples, model.config.hidden_size, args.batch_tokens,
+                          pin=device.type == "cuda")
+
+    def state(next_epoch: int, next_batch: int) -> dict[str, Any]:
+        if next_batch == len(plans[next_epoch]):
+            next_epoch, next_batch = next_epoch + 1, 0
+        position = sum(map(len, plans[next_epoch][:next_batch])) if next_epoch < len(plans) \
+            else 0
+        return {"step": step, "epoch": next_epoch, "batch_in_epoch": next_batch,
+                "position": position, "num_samples": len(data.samples), "seed": args.seed,
+                "total_steps": total, "rng": _rng_state(),
+                "args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()}}
+
+    started, tokens_seen, saved_at, position = time.monotonic(), 0, step, (epoch, batch_in_epoch)
+    shown: dict[str, float] = {}  # the latest value of each metric
+    skipped = 0
+    with contextlib.ExitStack() as stack:
+        trace = None
+        if args.trace_data:
+            truncate_torn_line(args.trace_data)  # a kill in the middle of a line
+            trace = stack.enter_context(open(args.trace_data, "a", encoding="utf-8"))
+        batches = prefetched(load, [samples for _, _, samples in todo])
+        for (epoch, k, _), batch in zip(todo, batches, strict=True):
+            if stop():
+                break
+            metrics = train_step(model, head, batch.to(device), optimizer, scheduler,
+                                 ttt_steps=args.ttt_steps, grad_clip=args.grad_clip)
+            step, position = step + 1, (epoch, k + 1)
+            tokens_seen += batch.tokens
+            skipped += int(metrics.pop("skipped", 0))
+            shown.update(metrics, epoch=epoch,
+                         tokens_per_s=tokens_seen / max(time.monotonic() - started, 1e-9))
+            if trace is not None:
+                trace.write(json.dumps({"step": step, "epoch": epoch,
+                                        "indices": batch.indices}) + "\n")
+                trace.flush()
+            if "grad_norm" not in metrics:
+                log.warning("step %d: non-finite gradient, update skipped (%d so far)", step,
+                            skipped)
+            progress.update(step, {**shown, "skipped_steps": skipped})
+            if step % args.log_every == 0 or step == total:
+                last = args.ttt_steps - 1
+                log.info("step %d/%d epoch %d loss %.4f acc_0 %.3f acc_%d %.3f lr %.2e "
+                         "%.0f tokens/s", step, total, epoch, shown.get("loss", math.nan),
+                         shown.get("acc_0", math.nan), last, shown.get(f"acc_{last}", math.nan),
+                         shown["lr"], shown["tokens_per_s"])
+            if step % args.save_every == 0 or step == total or stop():
+                save_checkpoint(args.out, model, optimizer, scheduler, state(*position))
+                saved_at = step
+    if stop() and step < total:
+        if saved_at < step:
+            save_checkpoint(args.out, model, optimizer, scheduler, state(*position))
+        log.info("terminated at step %d, checkpoint saved; rerun to resume", step)
+        return EXIT_TERMINATED
+    draft = write_draft(args.out, model, DTYPES[args.draft_dtype])
+    progress.update(step, shown, force=True)
+    log.info("done: %d steps; draft written to %s", step, draft)
+    return 0
+
+
+def resume(checkpoint: Path, args: argparse.Namespace, data: ExtractedData,
+           plans: list[list[list[Sample]]], model: Eagle3Draft,
+           optimizer: torch.optim.Optimizer, scheduler: Any) -> tuple[int, int, int]:
+    state = json.loads((checkpoint / "trainer_state.json").read_text(encoding="utf-8"))
+    for key, ours in (("seed", args.seed), ("num_samples", len(data.samples))):
+        if state[key] != ours:
+            raise TrainError(f"{checkpoint}: it has {key} {state[key]}, this run {ours}; "
+                             "resuming would repeat or skip samples. Use another --out")
+    if state["args"].get("batch_tokens") != args.batch_tokens:
+        raise TrainError(f"{checkpoint}: it used --batch-tokens "
+                         f"{state['args'].get('batch_tokens')}; resume with the same")
+    with safe_open(str(checkpoint / "model.safetensors"), framework="pt") as f:
+        if not (torch.equal(f.get_tensor("d2t"), model.d2t.cpu())
+                and torch.equal(f.get_tensor("t2d"), model.t2d.cpu())):
+            raise TrainError(f"{checkpoint}: trained with another d2t/t2d than this run's "
+                             "vocab mapping")
+    model.load_trainable(load_draft_weights(checkpoint / "model.safetensors", model))
+    device = next(model.parameters()).device
+    optimizer.load_state_dict(torch.load(checkpoint / "optimizer.pt", map_location=device,
+                                         weights_only=True))
+    scheduler.load_state_dict(torch.load(checkpoint / "scheduler.pt", weights_only=True))
+    _set_rng_state(state["rng"])
+    epoch, batch = int(state["epoch"]), int(state["batch_in_epoch"])
+    if epoch < len(plans) and sum(len(b) for b in plans[epoch][:batch]) != state["position"]:
+        raise TrainError(f"{checkpoint}: its position in epoch {epoch} does not fall on a "
+                         "batch boundary of this run's plan; was the data changed?")
+    log.info("resuming from %s (step %d, epoch %d, sample %d of the epoch)", checkpoint,
+             state["step"], epoch, state["position"])
+    return int(state["step"]), epoch, batch
+
+
+DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
+
+
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="python -m workers.train", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--data", required=True, type=Path, help="workers.extract output")
+    parser.add_argument("--target", required=True, type=Path, help="target model directory")
+    parser.add_argument("--vocab", type=Path, help="workers.vocab output (d2t, t2d)")
+    parser.add_argument("--out", required=True, type=Path, help="output directory")
+    parser.add_argument("--init", type=Path, help="a saved draft directory to start from; "
+                        "its own d2t/t2d are used (--vocab must match them)")
+    parser.add_argument("--ttt-steps", type=int, default=7, help="TTT unroll (default 7)")
+    parser.add_argument("--epochs", type=int, default=1)
+    parser.add_argument("--lr", type=float, default=1e-4)
+    parser.add_argument("--warmup-steps", type=int, default=None,
+                        help="linear warmup steps (default 1.5%% of the total)")
+    parser.add_argument("--batch-tokens", type=int, default=8192,
+                        help="padded tokens per batch (default 8192)")
+    parser.add_argument("--grad-clip", type=float, default=0.5)
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--max-steps", type=int, default=None, help="stop after N steps")
+    parser.add_argument("--save-every", type=int, default=1000,
+                        help="checkpoint every N steps (default 1000) and at the end")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--log-every", type=int, default=10)
+    parser.add_argument("--draft-dtype", choices=sorted(DTYPES), default="bf16",
+                        help="dtype of out/draft/model.safetensors (default bf16)")
+    parser.add_argument("--trace-data", type=Path, default=None,
+                        help="append one JSON line per step with the sample indices used")
+    parser.add_argument("-v", "--verbose", action="store_true")
+    args = parser.parse_args(argv)
+    for flag in ("ttt_steps", "epochs", "batch_tokens", "save_every", "log_every"):
+        if getattr(args, flag) < 1:
+            parser.error(f"--{flag.replace('_', '-')} must be >= 1")
+    return args
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = parse_args(argv)
+    setup_logging(args.verbose)
+    for path, what in ((args.data, "--data"), (args.target, "--target"),
+                       (args.vocab, "--vocab"), (args.init, "--init")):
+        if path is not None:
+            require_file(path, what)
+    progress = ProgressReporter(None, "step")
+    progress.update(0, force=True)  # loading the target can take a while: say we are alive
+    terminated: list[int] = []
+    previous = signal.signal(signal.SIGTERM, lambda signum, _frame: terminated.append(signum))
+    try:
+        return train(args, progress, stop=lambda: bool(terminated))
+    except (TrainError, DraftFileError) as exc:
+        fail(str(exc))
+        return 2
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
