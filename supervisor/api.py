@@ -1,19 +1,32 @@
-"""FastAPI routes. Thin: validate, call the store, wake the engine, return."""
+"""FastAPI routes. Thin: validate, call the store, wake the engine, return.
+
+In front of every route, `Guard` (ASGI middleware) enforces what docs/security.md
+promises: allowed Host, same Origin, the bearer token, the body cap."""
 
 
+import contextlib
+import hashlib
 import hmac
+import ipaddress
 import logging
 import os
+import socket
 import time
-from collections.abc import Awaitable, Callable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from datetime import UTC, datetime
 from typing import Annotated, Any
+from urllib.parse import urlsplit
 
 from fastapi import Depends, FastAPI, Query, Request, Response
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
+from pydantic import BaseModel, StringConstraints
 from sqlalchemy.orm import Session, sessionmaker
+from starlette.datastructures import Headers
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.routing import Match
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from supervisor import __version__, store
 from supervisor.config import Settings
@@ -32,6 +45,7 @@ from supervisor.spec import (
     JobSpec,
     JobState,
     SampleOut,
+    check_env,
 )
 from supervisor.submission import submit_job
 from supervisor.timefmt import iso
@@ -42,6 +56,40 @@ API_PREFIX = "/api/v1"
 PUBLIC_PATHS = frozenset({"/healthz"})
 LOG_CHUNK_BYTES = 1 << 20
 """Most bytes one `logs?offset=` answer carries."""
+LOOPBACK_NAMES = frozenset({"localhost"})
+"""Loopback host names besides loopback addresses. Never resolved through DNS: a name
+an attacker's DNS points at 127.0.0.1 is exactly what DNS rebinding looks like."""
+CROSS_SITE = frozenset({"cross-site", "same-site"})
+"""`Sec-Fetch-Site` values of a request some other site's page made."""
+
+
+class ErrorOut(BaseModel):
+    """Every error answer: what went wrong, what to do about it, the field at fault."""
+
+    error: str
+    hint: str | None = None
+    field: str | None = None
+    detail: list[dict[str, Any]] | None = None
+    """The request validation errors (loc, msg, type), on a 422 from validation."""
+
+
+def _errors(**described: str) -> dict[int | str, dict[str, Any]]:
+    """OpenAPI responses, JSON whatever the route's own media type (a `model` would
+    take the route's: text/plain for the logs)."""
+    content = {"application/json": {"schema": ErrorOut.model_json_schema()}}
+    return {int(code): {"description": text, "content": content}
+            for code, text in described.items()}
+
+
+GUARD_RESPONSES = _errors(**{
+    "400": "malformed request (Content-Length)",
+    "403": "Host or Origin not allowed (DNS rebinding, cross-site request)",
+    "413": "request body too large (JOBSUP_MAX_BODY_BYTES)",
+    "422": "invalid input; `error` names the field"})
+"""What any route may answer besides its own: declared so the schema tells the truth."""
+UNAUTHORIZED = _errors(**{"401": "missing or wrong bearer token"})
+NOT_FOUND = _errors(**{"404": "no job with this id"})
+LabelSelector = Annotated[str, StringConstraints(pattern=r"^[^=]+=")]
 
 
 def _validation_message(errors: list[Any]) -> str:
@@ -53,14 +101,192 @@ def _validation_message(errors: list[Any]) -> str:
     return "; ".join(parts)
 
 
+def split_host(value: str) -> tuple[str, int | None] | None:
+    """`host[:port]` of a Host header (`[v6]:port` too) as (lowercased host, port), or
+    None when it is not of that form."""
+    value = value.strip().lower()
+    if value.startswith("["):
+        end = value.find("]")
+        host, rest = value[1:end], value[end + 1:]
+        if end < 0 or (rest and not rest.startswith(":")):
+            return None
+        port_text = rest[1:] if rest else None
+    elif value.count(":") > 1:
+        return None
+    else:
+        host, sep, port_text = value.partition(":")
+        port_text = port_text if sep else None
+    if not host:
+        return None
+    if port_text is None:
+        return host, None
+    if not port_text.isascii() or not port_text.isdigit() or int(port_text) > 65535:
+        return None
+    return host, int(port_text)
+
+
+def is_loopback_host(host: str) -> bool:
+    """A loopback name or address, judged without DNS (see LOOPBACK_NAMES)."""
+    if host in LOOPBACK_NAMES:
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def allowed_hosts(bind_host: str, extra: Iterable[str]) -> frozenset[str]:
+    """Host names a request's Host header may name besides the loopback ones: the
+    configured ones, the host the daemon binds when it is not loopback, and, when it
+    binds every interface (0.0.0.0 or ::), this machine's name and the addresses that
+    name has (from /etc/hosts, where containers and pods list their own address)."""
+    hosts = {h.strip().lower().strip("[]") for h in extra if h.strip()}
+    bind = bind_host.strip().lower().strip("[]")
+    try:
+        unspecified = ipaddress.ip_address(bind).is_unspecified
+    except ValueError:
+        unspecified = bind == ""
+    if unspecified:
+        name = socket.gethostname().lower()
+        hosts.add(name)
+        with contextlib.suppress(OSError):
+            hosts.update(str(info[4][0]).lower() for info in socket.getaddrinfo(name, None))
+    elif not is_loopback_host(bind):
+        hosts.add(bind)
+    return frozenset(hosts)
+
+
+def _error(status: int, message: str, hint: str | None = None,
+           headers: Mapping[str, str] | None = None) -> JSONResponse:
+    return JSONResponse({"error": message, "hint": hint}, status_code=status,
+                        headers=dict(headers or {}))
+
+
+class Guard:
+    """ASGI middleware in front of every route, in this order:
+    1. `Host` must be a loopback name/address or an allowed host (DNS rebinding) -> 403;
+    2. an `Origin` must be same-origin with that Host, and a request another site's page
+       made (`Sec-Fetch-Site`) is refused unless it is a plain navigation -> 403;
+    3. with a token, every path but the public ones needs `Authorization: Bearer` -> 401;
+    4. a body over `max_body_bytes` -> 413, read at most that plus one byte (chunked
+       bodies too) and handed to the route from memory.
+    No CORS headers are ever sent: no page of another origin may read an answer."""
+
+    def __init__(self, app: ASGIApp, *, settings: Settings, public_paths: frozenset[str]):
+        self.app = app
+        self.token = hashlib.sha256(settings.token.encode()).digest() if settings.token \
+            else None
+        self.public_paths = public_paths
+        self.hosts = allowed_hosts(settings.host, settings.allowed_hosts)
+        self.max_body_bytes = settings.max_body_bytes
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        refusal = self.refusal(scope, Headers(scope=scope))
+        if refusal is not None:
+            await refusal(scope, receive, send)
+            return
+        body = await self.read_body(receive)
+        if body is None:  # the client went away before its body ended: nothing to do
+            return
+        if isinstance(body, Response):
+            await body(scope, receive, send)
+            return
+        replayed = False
+
+        async def replay() -> Message:
+            nonlocal replayed
+            if replayed:
+                return await receive()
+            replayed = True
+            return {"type": "http.request", "body": body, "more_body": False}
+
+        await self.app(scope, replay, send)
+
+    def refusal(self, scope: Scope, headers: Headers) -> Response | None:
+        host = split_host(headers.get("host", ""))
+        if host is None or not (is_loopback_host(host[0]) or host[0] in self.hosts):
+            return _error(403, f"host {headers.get('host', '')!r} is not allowed",
+                          "use http://127.0.0.1:PORT, or add the name to "
+                          "JOBSUP_ALLOWED_HOSTS on the daemon")
+        origin = headers.get("origin")
+        if origin is not None and not same_origin(origin, host):
+            return _error(403, f"requests from origin {origin!r} are not allowed",
+                          "jobsup answers only its own origin; use the CLI or the API "
+                          "from a script")
+        if headers.get("sec-fetch-site") in CROSS_SITE and not (
+                scope["method"] in ("GET", "HEAD")
+                and headers.get("sec-fetch-mode") == "navigate"):
+            return _error(403, "requests made by another site's page are not allowed")
+        if self.token is not None and scope["path"] not in self.public_paths:
+            header = headers.get("authorization", "")
+            given = header[7:] if header[:7].lower() == "bearer " else ""
+            # digests: equal lengths, so the comparison's time says nothing, not even
+            # the token's length
+            if not hmac.compare_digest(hashlib.sha256(given.encode()).digest(),
+                                       self.token):
+                return _error(401, "missing or wrong bearer token",
+                              "send `Authorization: Bearer $JOBSUP_TOKEN`",
+                              {"WWW-Authenticate": "Bearer"})
+        length = headers.get("content-length")
+        if length is not None:
+            if not (length.isascii() and length.isdigit()):
+                return _error(400, f"invalid Content-Length {length!r}")
+            if int(length) > self.max_body_bytes:
+                return self.too_large()
+        return None
+
+    async def read_body(self, receive: Receive) -> bytes | Response | None:
+        """The whole body, a 413 answer as soon as more than the limit arrived, or None
+        when the client disconnected first."""
+        chunks: list[bytes] = []
+        size = 0
+        while True:
+            message = await receive()
+            if message["type"] != "http.request":
+                return None
+            chunk = message.get("body", b"")
+            size += len(chunk)
+            if size > self.max_body_bytes:
+                return self.too_large()
+            chunks.append(chunk)
+            if not message.get("more_body", False):
+                return b"".join(chunks)
+
+    def too_large(self) -> Response:
+        return _error(413, f"request body larger than {self.max_body_bytes} bytes",
+                      "raise JOBSUP_MAX_BODY_BYTES on the daemon if this is intended",
+                      {"Connection": "close"})
+
+
+def same_origin(origin: str, host: tuple[str, int | None]) -> bool:
+    """Whether `origin` (scheme://host[:port]) is the origin the request's Host names.
+    A missing port is the scheme's default on either side; `null` is never same-origin."""
+    try:
+        parts = urlsplit(origin)
+        origin_port = parts.port
+    except ValueError:
+        return False
+    if parts.scheme not in ("http", "https") or parts.hostname is None or (
+            parts.username is not None or parts.path or parts.query or parts.fragment):
+        return False
+    default = 443 if parts.scheme == "https" else 80
+    return (parts.hostname, origin_port or default) == (host[0], host[1] or default)
+
+
 def create_app(settings: Settings, sessions: sessionmaker[Session], *,
                wake: Callable[[], None], views: Callable[[], Mapping[str, JobView]],
                registry: CollectorRegistry | None = None) -> FastAPI:
     """The API over a store. `wake` asks the engine for a tick (after a submit or stop);
     `views` returns the engine's latest per-job progress, forecast and resources."""
-    app = FastAPI(title="jobsup", version=__version__)
+    public_paths = PUBLIC_PATHS | ({"/metrics"} if settings.metrics_public else frozenset())
+    app = FastAPI(title="jobsup", version=__version__,
+                  responses={**GUARD_RESPONSES, **(UNAUTHORIZED if settings.token else {})})
     default_cwd = os.getcwd()
-    public_paths = PUBLIC_PATHS | ({"/metrics"} if settings.metrics_public else set())
+    if settings.token:
+        _declare_bearer_auth(app, public_paths)
 
     def db() -> Iterator[Session]:
         with sessions() as session:
@@ -68,24 +294,20 @@ def create_app(settings: Settings, sessions: sessionmaker[Session], *,
 
     DB = Annotated[Session, Depends(db)]
 
-    @app.middleware("http")
-    async def require_token(
-        request: Request, call_next: Callable[[Request], Awaitable[Response]]
-    ) -> Response:
-        if settings.token and request.url.path not in public_paths:
-            header = request.headers.get("authorization", "")
-            given = header[7:] if header.lower().startswith("bearer ") else ""
-            if not hmac.compare_digest(given.encode(), settings.token.encode()):
-                return JSONResponse(
-                    {"error": "missing or wrong bearer token",
-                     "hint": "send `Authorization: Bearer $JOBSUP_TOKEN`"},
-                    status_code=401, headers={"WWW-Authenticate": "Bearer"})
-        return await call_next(request)
+    app.add_middleware(Guard, settings=settings, public_paths=public_paths)
 
     @app.exception_handler(JobsupError)
     async def jobsup_error(_request: Request, exc: JobsupError) -> JSONResponse:
         body = {"error": exc.message, "hint": exc.hint, "field": exc.field}
         return JSONResponse(body, status_code=exc.status_code)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        headers = dict(exc.headers or {})
+        if exc.status_code == 405:  # every method of the path, not only one route's
+            headers["Allow"] = ", ".join(_allowed_methods(app, request.scope))
+        return JSONResponse({"error": str(exc.detail), "hint": None, "field": None},
+                            status_code=exc.status_code, headers=headers)
 
     @app.exception_handler(RequestValidationError)
     async def invalid_request(_request: Request, exc: RequestValidationError) -> JSONResponse:
@@ -105,6 +327,7 @@ def create_app(settings: Settings, sessions: sessionmaker[Session], *,
 
     @app.post(f"{API_PREFIX}/jobs", status_code=201)
     def submit(spec: JobSpec, session: DB) -> JobOut:
+        check_env(spec.env, settings.allowed_env)
         job, warnings = submit_job(session, spec, default_cwd=default_cwd, views=views())
         session.commit()
         wake()
@@ -114,6 +337,7 @@ def create_app(settings: Settings, sessions: sessionmaker[Session], *,
     def submit_eagle3(params: Eagle3Pipeline, session: DB) -> list[JobOut]:
         """The four EAGLE-3 steps (and the target's server, with `serve`) as jobs
         chained with `depends_on`; all or nothing."""
+        check_env(params.env, settings.allowed_env)
         submitted: list[tuple[Job, list[str]]] = []
         for spec in eagle3_jobs(params, resolve=lambda i: submitted[i][0].id):
             submitted.append(submit_job(session, spec, default_cwd=default_cwd,
@@ -125,28 +349,23 @@ def create_app(settings: Settings, sessions: sessionmaker[Session], *,
     @app.get(f"{API_PREFIX}/jobs")
     def list_jobs(
         session: DB, state: JobState | None = None,
-        label: Annotated[list[str] | None, Query(description="k=v, repeatable")] = None,
+        label: Annotated[list[LabelSelector] | None,
+                         Query(description="key=value, repeatable")] = None,
     ) -> list[JobOut]:
-        wanted: dict[str, str] = {}
-        for item in label or []:
-            key, sep, value = item.partition("=")
-            if not sep or not key:
-                raise InvalidSpec(f"label: {item!r} is not of the form key=value",
-                                  field="label")
-            wanted[key] = value
+        wanted = dict(item.partition("=")[::2] for item in label or [])
         current = views()
         firing = store.firing_alerts_by_job(session)
         jobs = [job_out(j, current.get(j.id), alerts=firing.get(j.id, ()))
                 for j in store.list_jobs(session, state=state)]
         return [j for j in jobs if all(j.spec.labels.get(k) == v for k, v in wanted.items())]
 
-    @app.get(f"{API_PREFIX}/jobs/{{job_id}}")
+    @app.get(f"{API_PREFIX}/jobs/{{job_id}}", responses=NOT_FOUND)
     def get_job(job_id: str, session: DB) -> JobOut:
         job = store.get_job(session, job_id)
         firing = store.firing_alerts_by_job(session, job_id=job_id)
         return job_out(job, views().get(job_id), alerts=firing.get(job_id, ()))
 
-    @app.get(f"{API_PREFIX}/jobs/{{job_id}}/events")
+    @app.get(f"{API_PREFIX}/jobs/{{job_id}}/events", responses=NOT_FOUND)
     def job_events(job_id: str, session: DB) -> list[EventOut]:
         store.get_job(session, job_id)
         return [
@@ -155,7 +374,8 @@ def create_app(settings: Settings, sessions: sessionmaker[Session], *,
             for e in store.events(session, job_id)
         ]
 
-    @app.post(f"{API_PREFIX}/jobs/{{job_id}}/stop", status_code=202)
+    @app.post(f"{API_PREFIX}/jobs/{{job_id}}/stop", status_code=202,
+              responses={**NOT_FOUND, **_errors(**{"409": "the job already ended"})})
     def stop_job(job_id: str, session: DB) -> JobOut:
         job = store.get_job(session, job_id)
         if JobState(job.state).ended:
@@ -170,7 +390,7 @@ def create_app(settings: Settings, sessions: sessionmaker[Session], *,
     def list_alerts(session: DB, state: AlertState | None = None) -> list[AlertOut]:
         return [alert_out(a) for a in store.alerts(session, state=state)]
 
-    @app.get(f"{API_PREFIX}/jobs/{{job_id}}/samples")
+    @app.get(f"{API_PREFIX}/jobs/{{job_id}}/samples", responses=NOT_FOUND)
     def job_samples(
         job_id: str, session: DB, since: datetime | None = None,
         limit: Annotated[int, Query(ge=1, le=100_000)] = 1000,
@@ -185,7 +405,8 @@ def create_app(settings: Settings, sessions: sessionmaker[Session], *,
                              since=since.timestamp() - 5e-7 if since else None)
         return [sample_out(row) for row in rows]
 
-    @app.get(f"{API_PREFIX}/jobs/{{job_id}}/logs", response_class=PlainTextResponse)
+    @app.get(f"{API_PREFIX}/jobs/{{job_id}}/logs", response_class=PlainTextResponse,
+             responses=NOT_FOUND)
     def job_logs(
         job_id: str, session: DB,
         tail: Annotated[int, Query(ge=0, le=1_000_000)] = 100,
@@ -212,3 +433,36 @@ def create_app(settings: Settings, sessions: sessionmaker[Session], *,
         return PlainTextResponse(text, headers=headers)
 
     return app
+
+
+def _allowed_methods(app: FastAPI, scope: Scope) -> list[str]:
+    """Every method some route serves at the request's path."""
+    methods: set[str] = set()
+    for route in app.router.routes:
+        match, _ = route.matches({**scope, "method": "GET"})
+        route_methods = getattr(route, "methods", None)
+        if match != Match.NONE and route_methods:
+            methods |= set(route_methods)
+    return sorted(methods)
+
+
+def _declare_bearer_auth(app: FastAPI, public_paths: frozenset[str]) -> None:
+    """Say in the OpenAPI schema what the Guard enforces: bearer auth on every operation
+    but the public ones."""
+    build = app.openapi
+
+    def openapi() -> dict[str, Any]:
+        if app.openapi_schema is None:
+            schema = build()
+            schema.setdefault("components", {})["securitySchemes"] = {
+                "bearer": {"type": "http", "scheme": "bearer"}}
+            schema["security"] = [{"bearer": []}]
+            for path, operations in schema.get("paths", {}).items():
+                if path in public_paths:
+                    for operation in operations.values():
+                        operation["security"] = []
+                        operation.get("responses", {}).pop("401", None)
+            app.openapi_schema = schema
+        return app.openapi_schema
+
+    app.openapi = openapi  # type: ignore[method-assign]

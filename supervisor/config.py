@@ -7,9 +7,16 @@ Defaults work with no configuration: a daemon on 127.0.0.1:8765 keeping its stat
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Annotated, Any
 
-from pydantic import Field
-from pydantic_settings import BaseSettings, SettingsConfigDict
+from pydantic import Field, field_validator
+from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
+
+MAX_BODY_BYTES = 1 << 20
+"""Default cap of a request body (1 MiB): a JobSpec is a few KB."""
+
+CommaSeparated = Annotated[frozenset[str], NoDecode]
+"""A set read from `a,b,c` in the environment (not JSON)."""
 
 
 def default_data_dir() -> Path:
@@ -30,6 +37,18 @@ class Settings(BaseSettings):
 
     token: str | None = None
     """Bearer token required on every route but /healthz when set."""
+
+    allowed_hosts: CommaSeparated = frozenset()
+    """Host names (or addresses) a request's `Host` header may carry besides the loopback
+    ones, e.g. `jobs.example.org,10.0.0.7`: the defence against DNS rebinding. A specific
+    non-loopback `host` the daemon binds is allowed too (see docs/security.md)."""
+
+    allowed_env: CommaSeparated = frozenset()
+    """Environment variable names a JobSpec may set although they change how a program
+    loads code (`LD_LIBRARY_PATH`, ...); see `spec.CODE_LOADING_ENV`."""
+
+    max_body_bytes: int = Field(default=MAX_BODY_BYTES, ge=1)
+    """Largest request body accepted; a larger one answers 413."""
 
     sample_interval: float = Field(default=2.0, gt=0)
     """Seconds between two ticks of the engine (sampling, forecasts, alerts)."""
@@ -69,6 +88,13 @@ class Settings(BaseSettings):
 
     metrics_ended_retention_s: float = Field(default=3600.0, ge=0)
     """Ended jobs keep their /metrics series this long, then the series disappear."""
+
+    @field_validator("allowed_hosts", "allowed_env", mode="before")
+    @classmethod
+    def _split_commas(cls, value: Any) -> Any:
+        if isinstance(value, str):
+            return frozenset(item.strip() for item in value.split(",") if item.strip())
+        return value
 
     @property
     def resolved_database_url(self) -> str:

@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterable, Mapping
 from enum import StrEnum
 from typing import Annotated
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+from supervisor.errors import InvalidSpec
 
 
 class JobState(StrEnum):
@@ -43,6 +46,45 @@ class RestartPolicy(StrEnum):
 
 
 PositiveSeconds = Annotated[float, Field(gt=0)]
+
+CODE_LOADING_ENV = frozenset({
+    # the dynamic loader, which every dynamically linked program trusts: libraries
+    # injected into or substituted in the process, and loader tunables
+    "LD_PRELOAD", "LD_AUDIT", "LD_LIBRARY_PATH", "GCONV_PATH", "GLIBC_TUNABLES",
+    # a file every non-interactive bash sources before its script
+    "BASH_ENV",
+    # interpreters told to run code before the program named in argv
+    "PYTHONSTARTUP", "PYTHONHOME", "PERL5OPT", "RUBYOPT", "NODE_OPTIONS",
+    "JAVA_TOOL_OPTIONS", "JDK_JAVA_OPTIONS", "_JAVA_OPTIONS",
+})
+"""Environment variables a JobSpec may not set unless the daemon allows them
+(`JOBSUP_ALLOWED_ENV`): each makes a program load or run code that its argv does not
+name. Every other `LD_*` variable and exported bash functions (`BASH_FUNC_*`) are refused
+too. Library search paths of one language (`PYTHONPATH`, `PERL5LIB`, `NODE_PATH`) are
+allowed: ML jobs need them daily. docs/security.md says why each is here."""
+
+CODE_LOADING_ENV_PREFIXES = ("LD_", "BASH_FUNC_")
+
+
+def refused_env(env: Iterable[str], allowed: Iterable[str] = ()) -> list[str]:
+    """The names in `env` that change how programs load or run code and that `allowed`
+    does not name, sorted."""
+    permitted = set(allowed)
+    return sorted(name for name in env if name not in permitted and (
+        name in CODE_LOADING_ENV or name.startswith(CODE_LOADING_ENV_PREFIXES)))
+
+
+def check_env(env: Mapping[str, str], allowed: Iterable[str], *, field: str = "env") -> None:
+    """InvalidSpec naming the variables of `env` that `refused_env` refuses, if any."""
+    refused = refused_env(env, allowed)
+    if refused:
+        names = ", ".join(refused)
+        raise InvalidSpec(
+            f"{field}: {names} may not be set by a job: "
+            f"{'it changes' if len(refused) == 1 else 'they change'} how programs load code",
+            hint=f"set it in the daemon's own environment, or allow it with "
+                 f"JOBSUP_ALLOWED_ENV={','.join(refused)} (docs/security.md)",
+            field=field)
 
 
 class JobSpec(BaseModel):
