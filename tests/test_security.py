@@ -15,9 +15,9 @@ from typing import Any
 import httpx
 import pytest
 
-from supervisor import api
-from supervisor.api import Guard, allowed_hosts, same_origin, split_host
+from supervisor import guard as guard_module
 from supervisor.config import Settings
+from supervisor.guard import Guard, allowed_hosts, same_origin, split_host
 from supervisor.spec import CODE_LOADING_ENV, refused_env
 from tests.conftest import PY, Daemon, kill_jobs_of, python_job
 
@@ -131,13 +131,13 @@ def test_token_is_compared_with_compare_digest(monkeypatch: pytest.MonkeyPatch) 
     hmac.compare_digest of two SHA-256 digests (timing is not reliably measurable in a
     test)."""
     calls: list[tuple[bytes, bytes]] = []
-    real = api.hmac.compare_digest
+    real = guard_module.hmac.compare_digest
 
     def spy(a: bytes, b: bytes) -> bool:
         calls.append((a, b))
         return real(a, b)
 
-    monkeypatch.setattr(api.hmac, "compare_digest", spy)
+    monkeypatch.setattr(guard_module.hmac, "compare_digest", spy)
     guard = Guard(_ok_app, settings=Settings(token=TOKEN), public_paths=frozenset())
     assert asyncio.run(_asgi_status(guard, {"authorization": "Bearer nope"})) == 401
     assert asyncio.run(_asgi_status(guard, {"authorization": f"Bearer {TOKEN}"})) == 200
