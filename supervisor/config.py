@@ -71,6 +71,9 @@ class Settings(BaseSettings):
     webhook_url: str | None = None
     """Generic webhook: receives every message as JSON (text, job, alert, log tail)."""
 
+    notify_backoff_max_s: float = Field(default=120.0, gt=0)
+    """Longest wait between two delivery attempts of a message (5xx, network errors)."""
+
     notify_on_success: bool = True
     """Also send a message when a job succeeds."""
 

@@ -83,7 +83,8 @@ class Engine:
             ended_alert_ttl_s=settings.ended_alert_ttl_s)
         destinations = [Destination(name, url) for name, url in (
             ("slack", settings.slack_webhook_url), ("webhook", settings.webhook_url)) if url]
-        self.notifier = Notifier(destinations, sessions)
+        self.notifier = Notifier(destinations, sessions,
+                                 backoff_max_s=settings.notify_backoff_max_s)
         self.on_tick: Callable[[float], None] = lambda _seconds: None
         """Called with each tick's duration in seconds (the metrics histogram)."""
 

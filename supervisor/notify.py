@@ -126,8 +126,9 @@ class Notifier:
     """The outbox's delivery thread."""
 
     def __init__(self, destinations: list[Destination], sessions: sessionmaker[Session], *,
-                 clock: Callable[[], float] = time.time):
+                 clock: Callable[[], float] = time.time, backoff_max_s: float = BACKOFF_MAX_S):
         self.destinations = {d.name: d for d in destinations}
+        self.backoff_max_s = backoff_max_s
         self.sessions = sessions
         self.clock = clock
         self.sent: Counter[str] = Counter()
@@ -231,7 +232,7 @@ class Notifier:
             response = self._http.post(destination.url, json=destination.body(item["payload"]))
         except (httpx.HTTPError, httpx.InvalidURL):
             self.retried[destination.name] += 1
-            item["next_attempt_at"] = now + min(BACKOFF_MAX_S, 2.0 ** item["attempts"])
+            item["next_attempt_at"] = now + min(self.backoff_max_s, 2.0 ** item["attempts"])
             return False
         if 200 <= response.status_code < 300:
             self.sent[destination.name] += 1
@@ -240,7 +241,8 @@ class Notifier:
             self.retried[destination.name] += 1
             delay = retry_after_s(response.headers.get("retry-after"), now)
             item["next_attempt_at"] = now + (delay if delay is not None
-                                             else min(BACKOFF_MAX_S, 2.0 ** item["attempts"]))
+                                             else min(self.backoff_max_s,
+                                                      2.0 ** item["attempts"]))
             return False
         self.failed[destination.name] += 1
         return True
@@ -286,8 +288,7 @@ class Notifier:
         log.warning("notification %d to %s failed (%s); retry in %.1f s", row.id,
                     destination.name, error, row.next_attempt_at - now)
 
-    @staticmethod
-    def _backoff(row: Notification) -> float:
+    def _backoff(self, row: Notification) -> float:
         """Exponential with "equal jitter": half fixed, half random."""
-        ceiling = min(BACKOFF_MAX_S, BACKOFF_BASE_S * 2 ** (row.attempts - 1))
+        ceiling = min(self.backoff_max_s, BACKOFF_BASE_S * 2 ** (row.attempts - 1))
         return ceiling / 2 + random.uniform(0, ceiling / 2)

@@ -186,6 +186,8 @@ class Receiver:
         self.posts: list[tuple[float, dict[str, Any]]] = []
         self.attempts: list[tuple[float, int]] = []
         self.script: list[tuple[int, dict[str, str]]] = []
+        self.down_until = 0.0
+        """Until this time every POST answers 503 (the service is down)."""
         self.lock = threading.Lock()
         receiver = self
 
@@ -193,7 +195,11 @@ class Receiver:
             def do_POST(self) -> None:  # noqa: N802 - http.server's naming
                 body = self.rfile.read(int(self.headers.get("content-length", 0)))
                 with receiver.lock:
-                    status, headers = receiver.script.pop(0) if receiver.script else (200, {})
+                    if time.time() < receiver.down_until:
+                        status, headers = 503, {}
+                    else:
+                        status, headers = (receiver.script.pop(0) if receiver.script
+                                           else (200, {}))
                     receiver.attempts.append((time.time(), status))
                     if status == 200:
                         receiver.posts.append((time.time(), json.loads(body)))
