@@ -363,7 +363,10 @@ class Engine:
         if self.backend.shim_alive(attempt):
             return
         if worker is not None and self.backend.worker_alive(worker):
-            return  # the shim died but the job runs on; watched until it ends
+            # the shim died but the job runs on: watch the worker itself, so its end
+            # is noticed at once (the watcher ignores a pid it already watches)
+            self.backend.watch(attempt, worker)
+            return
         status = self.backend.read_exit(attempt)  # the shim may have just finished
         if status is not None:
             self._finish(session, job, status, now)
@@ -371,6 +374,11 @@ class Engine:
             if now - (job.started_at or now) > LAUNCH_CONFIRM_S:
                 store.transition(session, job, JobState.PENDING, now=now,
                                  reason="the daemon died while launching; launching again")
+        elif job.stop_requested_at is not None:  # what the user asked for, exit unknown
+            job.exit_reason = ExitReason.STOPPED.value
+            store.transition(session, job, JobState.STOPPED, now=now,
+                             reason="stopped on request (exit status unknown: its shim had "
+                                    "died)")
         else:
             job.exit_reason = ExitReason.LOST.value
             why = ("the job's process vanished after its shim died; exit status unknown"

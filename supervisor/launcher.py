@@ -22,7 +22,7 @@ from typing import Protocol
 
 from supervisor.errors import InvalidSpec
 from supervisor.fileio import atomic_write_json, read_json
-from supervisor.procfs import create_time, is_same_process, signal_group
+from supervisor.procfs import all_stats, create_time, is_same_process, signal_group
 from supervisor.spec import JobSpec
 
 log = logging.getLogger(__name__)
@@ -153,7 +153,8 @@ class LocalBackend:
         return Attempt(job_id, number, adir, shim_pid, shim_create_time)
 
     def worker_alive(self, worker: WorkerInfo) -> bool:
-        return is_same_process(worker.pid, worker.create_time)
+        """The worker, or what it left in its process group, still runs."""
+        return worker_group_alive(worker)
 
     def read_worker(self, attempt: Attempt) -> WorkerInfo | None:
         data = read_json(attempt.dir / "worker.json")
@@ -178,15 +179,15 @@ class LocalBackend:
 
     def request_stop(self, attempt: Attempt, worker: WorkerInfo | None) -> None:
         """Ask the shim to stop the job (it runs SIGTERM -> grace -> SIGKILL). Without a
-        live shim, signal the worker's group directly, if it is still the same process."""
+        live shim, signal the worker's group directly, while it is still the job's."""
         if self.shim_alive(attempt) and attempt.shim_pid is not None:
             os.kill(attempt.shim_pid, signal.SIGTERM)
-        elif worker is not None and is_same_process(worker.pid, worker.create_time):
+        elif worker is not None and worker_group_alive(worker):
             signal_group(worker.pid, signal.SIGTERM)
 
     def kill(self, attempt: Attempt, worker: WorkerInfo | None) -> None:
         """Backstop when the shim did not finish a stop in time: SIGKILL the group."""
-        if worker is not None and is_same_process(worker.pid, worker.create_time):
+        if worker is not None and worker_group_alive(worker):
             signal_group(worker.pid, signal.SIGKILL)
         if self.shim_alive(attempt) and attempt.shim_pid is not None:
             os.kill(attempt.shim_pid, signal.SIGKILL)
@@ -210,6 +211,22 @@ class LocalBackend:
 
     def close(self) -> None:
         self._watcher.close()
+
+
+def worker_group_alive(worker: WorkerInfo) -> bool:
+    """True while the worker's process group holds a live process of this job: the worker
+    itself or, once it has ended with no shim left to clean up, what it left in its group.
+
+    The group's id is the worker's pid, and the kernel keeps a pid number reserved while
+    any process still has it as its group id. So the group is still the worker's unless
+    another process now holds that pid (then the group, if any, is that stranger's)."""
+    if is_same_process(worker.pid, worker.create_time):
+        return True
+    holder = create_time(worker.pid)  # our worker as a zombie, or a stranger
+    if holder is not None and (worker.create_time is None
+                               or abs(holder - worker.create_time) >= 0.015):
+        return False
+    return any(stat[2] == worker.pid and stat[0] not in ("Z", "X") for _, stat in all_stats())
 
 
 def _package_root_on_path() -> str:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import errno
 import os
 import signal
+from collections.abc import Iterator
 from functools import cache
 
 
@@ -55,25 +56,34 @@ def start_ticks_to_time(start_ticks: int) -> float:
     return round(_boot_time() + start_ticks / _clock_ticks(), 2)
 
 
-def create_time(pid: int) -> float | None:
-    """The process's create time in seconds since the epoch, None if it is gone."""
+def read_stat(pid: int | str) -> tuple[str, int, int, int, int] | None:
+    """`parse_stat` of /proc/<pid>/stat, None when the process is gone."""
     try:
         with open(f"/proc/{pid}/stat", "rb") as f:
-            parsed = parse_stat(f.read())
+            return parse_stat(f.read())
     except OSError:
         return None
-    if parsed is None:
-        return None
-    return start_ticks_to_time(parsed[4])
+
+
+def all_stats() -> Iterator[tuple[int, tuple[str, int, int, int, int]]]:
+    """(pid, parsed stat) of every process, in one pass over /proc; processes that
+    vanish during the pass are skipped."""
+    for entry in os.scandir("/proc"):
+        if entry.name.isdigit():
+            parsed = read_stat(entry.name)
+            if parsed is not None:
+                yield int(entry.name), parsed
+
+
+def create_time(pid: int) -> float | None:
+    """The process's create time in seconds since the epoch, None if it is gone."""
+    parsed = read_stat(pid)
+    return start_ticks_to_time(parsed[4]) if parsed else None
 
 
 def process_state(pid: int) -> str | None:
     """The one-letter state of /proc/<pid>/stat (R, S, D, Z, ...), None if gone."""
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            parsed = parse_stat(f.read())
-    except OSError:
-        return None
+    parsed = read_stat(pid)
     return parsed[0] if parsed else None
 
 
@@ -81,11 +91,7 @@ def is_same_process(pid: int | None, expected_create_time: float | None) -> bool
     """True when `pid` is alive, not a zombie, and is the process created at that time."""
     if pid is None or expected_create_time is None:
         return False
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            parsed = parse_stat(f.read())
-    except OSError:
-        return False
+    parsed = read_stat(pid)
     if parsed is None or parsed[0] in ("Z", "X"):
         return False
     return abs(start_ticks_to_time(parsed[4]) - expected_create_time) < 0.015

@@ -31,7 +31,7 @@ from types import FrameType
 from typing import Any
 
 from supervisor.fileio import atomic_write_json, read_json
-from supervisor.procfs import create_time, group_alive, parse_stat, signal_group
+from supervisor.procfs import all_stats, create_time, group_alive, signal_group
 
 PR_SET_CHILD_SUBREAPER = 36
 LEFTOVER_GRACE_S = 2.0
@@ -48,18 +48,7 @@ def _become_subreaper() -> bool:
 
 def _children_of(ppid: int) -> list[int]:
     """Pids whose parent is `ppid` (one pass over /proc)."""
-    found = []
-    for entry in os.scandir("/proc"):
-        if not entry.name.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry.name}/stat", "rb") as f:
-                parsed = parse_stat(f.read())
-        except OSError:
-            continue
-        if parsed is not None and parsed[1] == ppid and parsed[0] != "Z":
-            found.append(int(entry.name))
-    return found
+    return [pid for pid, stat in all_stats() if stat[1] == ppid and stat[0] != "Z"]
 
 
 def oom_kill_count() -> int | None:

@@ -56,7 +56,8 @@ def ts(iso: str) -> float:
 
 
 @pytest.mark.timeout(180)
-def test_full_disk_is_survived(make_daemon, receiver: Receiver, small_disk: Path) -> None:
+def test_full_disk_is_survived(small_disk: Path, make_daemon, receiver: Receiver) -> None:
+    # small_disk first: it is unmounted last, after make_daemon has killed the jobs on it
     ballast = small_disk / "ballast"
     ballast.write_bytes(b"\0" * 6_000_000)  # freed later to give space back
     # the alert threshold is below what SQLite needs to write: it fires only once the
