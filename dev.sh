@@ -59,7 +59,8 @@ test)
     .venv/bin/ruff check .
     .venv/bin/mypy
     set +e
-    .venv/bin/pytest "$@"
+    # 3 workers, one test file each at a time: most tests wait on real processes
+    .venv/bin/pytest -n 3 --dist loadfile "$@"
     rc=$?
     set -e
     if [ "$rc" -eq 5 ]; then
