@@ -272,7 +272,7 @@ def watch(
         if not all_jobs:
             jobs = [j for j in jobs if j["state"] in ("pending", "running")
                     or j.get("alerts")] or jobs[-10:]
-        return jobs_table(jobs)
+        return jobs_table(jobs, console.width)
 
     try:
         if once:

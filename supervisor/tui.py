@@ -77,10 +77,18 @@ def runway_text(forecast: dict[str, Any]) -> Text:
     return text
 
 
-def jobs_table(jobs: Sequence[dict[str, Any]]) -> Table:
+NARROW_COLUMNS = ("ID", "NAME", "STATE", "PROGRESS", "RATE", "ETA", "ALERTS")
+"""What a terminal narrower than WIDE_COLUMNS_MIN shows."""
+WIDE_COLUMNS_MIN = 150
+
+
+def jobs_table(jobs: Sequence[dict[str, Any]], width: int | None = None) -> Table:
+    """One row per job; on a terminal narrower than WIDE_COLUMNS_MIN (`width`), only
+    NARROW_COLUMNS, so the progress bars stay readable."""
+    columns = ("ID", "NAME", "STATE", "PROGRESS", "RATE", "ETA", "WRITTEN", "DISK",
+               "CPU", "RSS", "GPU", "ALERTS")
     table = Table(box=None, header_style="bold", expand=False)
-    for column in ("ID", "NAME", "STATE", "PROGRESS", "RATE", "ETA", "WRITTEN", "DISK",
-                   "CPU", "RSS", "GPU", "ALERTS"):
+    for column in columns:
         table.add_column(column, no_wrap=column != "ALERTS")
     for job in jobs:
         f, p, r = job["forecast"], job["progress"], job["resources"]
@@ -97,6 +105,9 @@ def jobs_table(jobs: Sequence[dict[str, Any]]) -> Table:
             human_bytes(r["gpu_memory_bytes"]) if r["gpu_memory_bytes"] is not None else "-",
             Text(alerts, style="bold red") if alerts else "",
         )
+    if width is not None and width < WIDE_COLUMNS_MIN:
+        keep = [columns.index(name) for name in NARROW_COLUMNS]
+        table.columns = [table.columns[i] for i in keep]
     return table
 
 
@@ -142,11 +153,11 @@ def follow_jobs(client: Any, ids: Sequence[str], console: Console,
         return [client.get(f"/api/v1/jobs/{job_id}") for job_id in ids]
 
     jobs = fetch()
-    with Live(jobs_table(jobs), console=console, auto_refresh=False) as live:
+    with Live(jobs_table(jobs, console.width), console=console, auto_refresh=False) as live:
         while any(j["state"] in ("pending", "running") for j in jobs):
             time.sleep(interval_s)
             jobs = fetch()
-            live.update(jobs_table(jobs), refresh=True)
+            live.update(jobs_table(jobs, console.width), refresh=True)
     return all(j["state"] == "succeeded"
                or (j["state"] == "stopped" and j["spec"].get("stop_when_ended"))
                for j in jobs)
