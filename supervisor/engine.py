@@ -11,20 +11,19 @@ import time
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any
 
 from sqlalchemy.exc import OperationalError
 from sqlalchemy.orm import Session, sessionmaker
 
 from supervisor import alerts, store
+from supervisor.alerting import AlertRecorder
 from supervisor.config import Settings
 from supervisor.fileio import tail_lines
 from supervisor.launcher import Attempt, Backend, ExitStatus, LocalBackend, log_path
-from supervisor.models import Alert, Job, Sample
-from supervisor.notify import Destination, Notifier, compose
+from supervisor.models import Job, Sample
+from supervisor.notify import Destination, Notifier
 from supervisor.observe import ObservedJob, Observer
-from supervisor.present import alert_out, job_out
-from supervisor.spec import AlertState, ExitReason, JobSpec, JobState, Progress, RestartPolicy
+from supervisor.spec import ExitReason, JobSpec, JobState, Progress, RestartPolicy
 
 log = logging.getLogger(__name__)
 
@@ -42,7 +41,7 @@ UNSAVED_SAMPLES_MAX = 200_000
 """Samples kept in memory while the database's disk is full (~2 days of 1 job at 2 s)."""
 
 LOG_TAIL_LINES = 20
-"""Log lines quoted in a message and searched for known crash causes."""
+"""Log lines searched for known crash causes."""
 
 
 @dataclass
@@ -75,16 +74,11 @@ class Engine:
         self.database_full = False
         """The last write failed for lack of disk space (SQLITE_FULL)."""
         self._unsaved_samples: list[Sample] = []
-        self._sent_unrecorded: dict[tuple[str, str], float] = {}
-        """(job, rule) of alerts sent while the database was full -> when they fired."""
-        self.alert_settings = alerts.AlertSettings(
-            disk_low_bytes=settings.disk_low_bytes,
-            gpu_memory_high_fraction=settings.gpu_memory_high_fraction,
-            ended_alert_ttl_s=settings.ended_alert_ttl_s)
         destinations = [Destination(name, url) for name, url in (
             ("slack", settings.slack_webhook_url), ("webhook", settings.webhook_url)) if url]
         self.notifier = Notifier(destinations, sessions,
                                  backoff_max_s=settings.notify_backoff_max_s)
+        self.alerting = AlertRecorder(settings, self.observer, self.notifier)
         self.on_tick: Callable[[float], None] = lambda _seconds: None
         """Called with each tick's duration in seconds (the metrics histogram)."""
 
@@ -161,11 +155,11 @@ class Engine:
             self._store_samples(session, running, self.observer.observe(observed, now))
             recorded: list[tuple[str, str]] = []
             with self._writing(session, "alerts") as written:
-                self._alert(session, running, now, recorded)
-            for key in recorded if written.ok else ():
-                self._sent_unrecorded.pop(key, None)
-            if not written.ok:
-                self._alert_unrecorded(session, running, now)
+                self.alerting.record(session, running, now, recorded)
+            if written.ok:
+                self.alerting.forget_sent(recorded)
+            else:
+                self.alerting.send_unrecorded(session, running, now)
             for job in running:
                 if JobState(job.state) is not JobState.RUNNING:
                     self.observer.forget(job.id)
@@ -218,114 +212,6 @@ class Engine:
         else:
             self._unsaved_samples = [store.detached_sample(s) for s in
                                      pending[-UNSAVED_SAMPLES_MAX:]]
-
-    def _alert_unrecorded(self, session: Session, running: Sequence[Job], now: float) -> None:
-        """The database cannot take alerts: send the new ones straight away, from
-        memory, once each; they are recorded (and not sent again) when space returns."""
-        open_keys = {(a.job_id, a.rule) for a in store.alerts(session, state=AlertState.FIRING)}
-        for job in running:
-            for f in alerts.evaluate(self._facts(job, now), now=now,
-                                     settings=self.alert_settings):
-                key = (f.job_id, f.rule)
-                if key in open_keys or key in self._sent_unrecorded:
-                    continue
-                self._sent_unrecorded[key] = now
-                log.warning("job %s: alert %s firing (not recorded: disk full): %s",
-                            f.job_id, f.rule, f.message)
-                alert = {"id": 0, "job_id": f.job_id, "rule": f.rule, "severity": f.severity,
-                         "state": "firing", "started_at": "", "resolved_at": None,
-                         "message": f.message}
-                self.notifier.send_unrecorded(self._message("firing", job, alert))
-
-    def _alert(self, session: Session, running: Sequence[Job], now: float,
-               recorded: list[tuple[str, str]]) -> None:
-        """Evaluate the rules for the jobs that ran this tick and the jobs with firing
-        alerts; record what opened, resolved or changed, with its outbox messages.
-        `recorded` receives the alerts sent unrecorded earlier that this records."""
-        open_rows = store.alerts(session, state=AlertState.FIRING)
-        jobs = {job.id: job for job in running}
-        for row in open_rows:
-            if row.job_id not in jobs:
-                jobs[row.job_id] = store.get_job(session, row.job_id)
-        firing = [f for job in jobs.values()
-                  for f in alerts.evaluate(self._facts(job, now), now=now,
-                                           settings=self.alert_settings)]
-        changes = alerts.reconcile(
-            firing, [alerts.OpenAlert(a.id, a.job_id, a.rule) for a in open_rows],
-            {a.id: a.message for a in open_rows}, settled_job_ids=jobs)
-        rows = {a.id: a for a in open_rows}
-        for f in changes.opened:
-            alert = Alert(job_id=f.job_id, rule=f.rule, severity=f.severity,
-                          state=AlertState.FIRING.value, started_at=now, message=f.message)
-            session.add(alert)
-            session.flush()
-            log.warning("job %s: alert %s firing: %s", f.job_id, f.rule, f.message)
-            if (f.job_id, f.rule) in self._sent_unrecorded:  # told while the disk was full
-                alert.started_at = self._sent_unrecorded[(f.job_id, f.rule)]
-                recorded.append((f.job_id, f.rule))
-                continue
-            self._enqueue(session, "firing", jobs[f.job_id], alert, now)
-        for opened in changes.resolved:
-            alert = rows[opened.id]
-            alert.state, alert.resolved_at = AlertState.RESOLVED.value, now
-            log.info("job %s: alert %s resolved", alert.job_id, alert.rule)
-            if alert.rule not in alerts.EVENT_RULES:  # those only age out
-                self._enqueue(session, "resolved", jobs[alert.job_id], alert, now)
-        for opened, message in changes.updated:
-            rows[opened.id].message = message
-        firing_keys = {(f.job_id, f.rule) for f in firing}
-        for key, started_at in list(self._sent_unrecorded.items()):
-            if key in firing_keys or key[0] not in jobs:
-                continue  # still firing (recorded above) or its job not evaluated
-            recorded.append(key)  # fired and ended while nothing could be written
-            rule = key[1]
-            alert = Alert(job_id=key[0], rule=rule, severity=alerts.SEVERITY[rule],
-                          state=AlertState.RESOLVED.value, started_at=started_at,
-                          resolved_at=now, message="(sent while the database's disk was full)")
-            session.add(alert)
-            session.flush()
-            self._enqueue(session, "resolved", jobs[key[0]], alert, now)
-        if self.settings.notify_on_success:
-            for job in running:
-                if job.state == JobState.SUCCEEDED.value:
-                    self._enqueue(session, "succeeded", job, None, now)
-
-    def _facts(self, job: Job, now: float) -> alerts.JobFacts:
-        spec = JobSpec.model_validate_json(job.spec_json)
-        view = self.observer.views.get(job.id)
-        progress = view.progress if view else None
-        forecast = view.forecast if view else None
-        return alerts.JobFacts(
-            job_id=job.id, name=job.name, state=job.state, reason=job.reason,
-            exit_code=job.exit_code, signal=job.signal, exit_reason=job.exit_reason,
-            attempt=job.attempt, started_at=job.started_at, ended_at=job.ended_at,
-            stall_timeout_s=spec.stall_timeout_s, startup_timeout_s=spec.startup_timeout_s,
-            items_done=progress.items_done if progress else None,
-            items_expected=spec.expected_items,
-            first_item_at=view.first_item_at if view else None,
-            last_progress_at=self.observer.last_progress_at(job.id),
-            activity_at=view.activity_at if view else None,
-            eta_s=forecast.eta_s if forecast else None,
-            disk_free_bytes=forecast.disk_free_bytes if forecast else None,
-            disk_full_in_s=forecast.disk_full_in_s if forecast else None,
-            will_fit=forecast.will_fit if forecast else None,
-            gpu_memory_fraction=view.gpu_memory_fraction if view else None,
-        )
-
-    def _enqueue(self, session: Session, kind: str, job: Job, alert: Alert | None,
-                 now: float) -> None:
-        if not self.notifier.destinations:
-            return
-        message = self._message(kind, job,
-                                alert_out(alert).model_dump(mode="json") if alert else None)
-        self.notifier.enqueue(session, kind, message, job_id=job.id,
-                              alert_id=alert.id if alert else None, now=now)
-
-    def _message(self, kind: str, job: Job, alert: dict[str, Any] | None) -> dict[str, Any]:
-        snapshot = job_out(job, self.observer.views.get(job.id)).model_dump(mode="json")
-        lines, _ = (tail_lines(log_path(self.settings.jobs_dir, job.id, job.attempt),
-                               LOG_TAIL_LINES) if job.attempt else ([], 0))
-        return compose(kind, snapshot, log_tail=lines, alert=alert)
 
     def _observed(self, job: Job, attempt: Attempt) -> ObservedJob:
         """The sampler's view of a job: its tree is rooted at the shim (which is the

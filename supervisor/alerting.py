@@ -1,0 +1,153 @@
+"""The engine's alert step: evaluate the pure rules (`alerts.py`) over what the observer
+knows of each job, record what opened, resolved or changed, and put the messages in the
+outbox in the same transaction. With the database's disk full, new alerts are sent
+straight away from memory and recorded (never sent twice) once space returns."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+from sqlalchemy.orm import Session
+
+from supervisor import alerts, store
+from supervisor.config import Settings
+from supervisor.fileio import tail_lines
+from supervisor.launcher import log_path
+from supervisor.models import Alert, Job
+from supervisor.notify import Notifier, compose
+from supervisor.observe import Observer
+from supervisor.present import alert_out, job_out
+from supervisor.spec import AlertState, JobSpec, JobState
+
+log = logging.getLogger(__name__)
+
+LOG_TAIL_LINES = 20
+"""Log lines quoted in a message."""
+
+
+class AlertRecorder:
+    def __init__(self, settings: Settings, observer: Observer, notifier: Notifier):
+        self.settings = settings
+        self.observer = observer
+        self.notifier = notifier
+        self.rules = alerts.AlertSettings(
+            disk_low_bytes=settings.disk_low_bytes,
+            gpu_memory_high_fraction=settings.gpu_memory_high_fraction,
+            ended_alert_ttl_s=settings.ended_alert_ttl_s)
+        self._sent_unrecorded: dict[tuple[str, str], float] = {}
+        """(job, rule) of alerts sent while the database was full -> when they fired."""
+
+    def forget_sent(self, recorded: Iterable[tuple[str, str]]) -> None:
+        """These alerts sent unrecorded are now in the database (its commit succeeded)."""
+        for key in recorded:
+            self._sent_unrecorded.pop(key, None)
+
+    def send_unrecorded(self, session: Session, running: Sequence[Job], now: float) -> None:
+        """The database cannot take alerts: send the new ones straight away, from
+        memory, once each; they are recorded (and not sent again) when space returns."""
+        open_keys = {(a.job_id, a.rule) for a in store.alerts(session, state=AlertState.FIRING)}
+        for job in running:
+            for f in alerts.evaluate(self.facts(job, now), now=now,
+                                     settings=self.rules):
+                key = (f.job_id, f.rule)
+                if key in open_keys or key in self._sent_unrecorded:
+                    continue
+                self._sent_unrecorded[key] = now
+                log.warning("job %s: alert %s firing (not recorded: disk full): %s",
+                            f.job_id, f.rule, f.message)
+                alert = {"id": 0, "job_id": f.job_id, "rule": f.rule, "severity": f.severity,
+                         "state": "firing", "started_at": "", "resolved_at": None,
+                         "message": f.message}
+                self.notifier.send_unrecorded(self._message("firing", job, alert))
+
+    def record(self, session: Session, running: Sequence[Job], now: float,
+               recorded: list[tuple[str, str]]) -> None:
+        """Evaluate the rules for the jobs that ran this tick and the jobs with firing
+        alerts; record what opened, resolved or changed, with its outbox messages.
+        `recorded` receives the alerts sent unrecorded earlier that this records."""
+        open_rows = store.alerts(session, state=AlertState.FIRING)
+        jobs = {job.id: job for job in running}
+        for row in open_rows:
+            if row.job_id not in jobs:
+                jobs[row.job_id] = store.get_job(session, row.job_id)
+        firing = [f for job in jobs.values()
+                  for f in alerts.evaluate(self.facts(job, now), now=now,
+                                           settings=self.rules)]
+        changes = alerts.reconcile(
+            firing, [alerts.OpenAlert(a.id, a.job_id, a.rule) for a in open_rows],
+            {a.id: a.message for a in open_rows}, settled_job_ids=jobs)
+        rows = {a.id: a for a in open_rows}
+        for f in changes.opened:
+            alert = Alert(job_id=f.job_id, rule=f.rule, severity=f.severity,
+                          state=AlertState.FIRING.value, started_at=now, message=f.message)
+            session.add(alert)
+            session.flush()
+            log.warning("job %s: alert %s firing: %s", f.job_id, f.rule, f.message)
+            if (f.job_id, f.rule) in self._sent_unrecorded:  # told while the disk was full
+                alert.started_at = self._sent_unrecorded[(f.job_id, f.rule)]
+                recorded.append((f.job_id, f.rule))
+                continue
+            self._enqueue(session, "firing", jobs[f.job_id], alert, now)
+        for opened in changes.resolved:
+            alert = rows[opened.id]
+            alert.state, alert.resolved_at = AlertState.RESOLVED.value, now
+            log.info("job %s: alert %s resolved", alert.job_id, alert.rule)
+            if alert.rule not in alerts.EVENT_RULES:  # those only age out
+                self._enqueue(session, "resolved", jobs[alert.job_id], alert, now)
+        for opened, message in changes.updated:
+            rows[opened.id].message = message
+        firing_keys = {(f.job_id, f.rule) for f in firing}
+        for key, started_at in list(self._sent_unrecorded.items()):
+            if key in firing_keys or key[0] not in jobs:
+                continue  # still firing (recorded above) or its job not evaluated
+            recorded.append(key)  # fired and ended while nothing could be written
+            rule = key[1]
+            alert = Alert(job_id=key[0], rule=rule, severity=alerts.SEVERITY[rule],
+                          state=AlertState.RESOLVED.value, started_at=started_at,
+                          resolved_at=now, message="(sent while the database's disk was full)")
+            session.add(alert)
+            session.flush()
+            self._enqueue(session, "resolved", jobs[key[0]], alert, now)
+        if self.settings.notify_on_success:
+            for job in running:
+                if job.state == JobState.SUCCEEDED.value:
+                    self._enqueue(session, "succeeded", job, None, now)
+
+    def facts(self, job: Job, now: float) -> alerts.JobFacts:
+        spec = JobSpec.model_validate_json(job.spec_json)
+        view = self.observer.views.get(job.id)
+        progress = view.progress if view else None
+        forecast = view.forecast if view else None
+        return alerts.JobFacts(
+            job_id=job.id, name=job.name, state=job.state, reason=job.reason,
+            exit_code=job.exit_code, signal=job.signal, exit_reason=job.exit_reason,
+            attempt=job.attempt, started_at=job.started_at, ended_at=job.ended_at,
+            stall_timeout_s=spec.stall_timeout_s, startup_timeout_s=spec.startup_timeout_s,
+            items_done=progress.items_done if progress else None,
+            items_expected=spec.expected_items,
+            first_item_at=view.first_item_at if view else None,
+            last_progress_at=self.observer.last_progress_at(job.id),
+            activity_at=view.activity_at if view else None,
+            eta_s=forecast.eta_s if forecast else None,
+            disk_free_bytes=forecast.disk_free_bytes if forecast else None,
+            disk_full_in_s=forecast.disk_full_in_s if forecast else None,
+            will_fit=forecast.will_fit if forecast else None,
+            gpu_memory_fraction=view.gpu_memory_fraction if view else None,
+        )
+
+    def _enqueue(self, session: Session, kind: str, job: Job, alert: Alert | None,
+                 now: float) -> None:
+        if not self.notifier.destinations:
+            return
+        message = self._message(kind, job,
+                                alert_out(alert).model_dump(mode="json") if alert else None)
+        self.notifier.enqueue(session, kind, message, job_id=job.id,
+                              alert_id=alert.id if alert else None, now=now)
+
+    def _message(self, kind: str, job: Job, alert: dict[str, Any] | None) -> dict[str, Any]:
+        snapshot = job_out(job, self.observer.views.get(job.id)).model_dump(mode="json")
+        lines, _ = (tail_lines(log_path(self.settings.jobs_dir, job.id, job.attempt),
+                               LOG_TAIL_LINES) if job.attempt else ([], 0))
+        return compose(kind, snapshot, log_tail=lines, alert=alert)
