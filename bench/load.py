@@ -37,7 +37,6 @@ import argparse
 import contextlib
 import json
 import os
-import platform
 import random
 import re
 import shutil
@@ -58,6 +57,9 @@ import psutil
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(REPO / "bench"))
+
+from machine import describe  # noqa: E402
 
 from supervisor.procfs import is_same_process  # noqa: E402
 
@@ -486,18 +488,9 @@ def measure_window(daemon: Daemon, name: str, seconds: float, interval_s: float,
 
 # -- report ------------------------------------------------------------------------------
 def machine() -> str:
-    cpu = "unknown CPU"
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
     memory_gib = psutil.virtual_memory().total / 2**30
-    return (f"{os.cpu_count()}-core VM, shared ({cpu}, {memory_gib:.0f} GiB), "
-            f"Linux {platform.release()}, Python {platform.python_version()}, "
-            f"httpx {httpx.__version__}, psutil {psutil.__version__}")
+    return describe(f"{memory_gib:.0f} GiB, shared", f"httpx {httpx.__version__}",
+                    f"psutil {psutil.__version__}")
 
 
 def ms(seconds: float) -> str:

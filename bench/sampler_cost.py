@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import platform
 import signal
 import statistics
 import subprocess
@@ -40,6 +39,9 @@ from types import FrameType
 import psutil
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from machine import describe  # noqa: E402
 
 from supervisor import procfs  # noqa: E402
 from supervisor.sampler import Sampler, TreeTarget  # noqa: E402
@@ -143,16 +145,7 @@ def processes_on_machine() -> int:
 
 
 def machine() -> str:
-    cpu = "unknown CPU"
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
-    return (f"{os.cpu_count()}-core VM ({cpu}), Linux {platform.release()}, "
-            f"Python {platform.python_version()}, psutil {psutil.__version__}")
+    return describe(f"psutil {psutil.__version__}")
 
 
 def on_sigterm(signum: int, frame: FrameType | None) -> None:

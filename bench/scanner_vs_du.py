@@ -20,7 +20,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import shutil
 import statistics
 import subprocess
@@ -29,6 +28,9 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from machine import describe  # noqa: E402
 
 from supervisor.scanner import OutputScanner, ScanResult  # noqa: E402
 
@@ -100,18 +102,7 @@ def fmt_ms(seconds: float) -> str:
 
 
 def machine() -> str:
-    cpu = "unknown CPU"
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
-    return (
-        f"{os.cpu_count()}-core VM ({cpu}), Linux {platform.release()}, "
-        f"Python {platform.python_version()}"
-    )
+    return describe()
 
 
 def filesystem(root: Path) -> str:
