@@ -44,9 +44,10 @@ class Daemon:
     """`python -m supervisor serve` as a child process of the test."""
 
     def __init__(self, data_dir: Path, env: dict[str, str] | None = None,
-                 log_dir: Path | None = None):
+                 log_dir: Path | None = None, cwd: Path = REPO):
         self.data_dir = data_dir
         self.log_dir = log_dir or data_dir
+        self.cwd = cwd
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         inherited = {k: v for k, v in os.environ.items() if not k.startswith("JOBSUP_")}
@@ -66,7 +67,7 @@ class Daemon:
             self.proc = subprocess.Popen(
                 [PY, "-m", "supervisor", "serve", "--port", str(self.port),
                  "--data-dir", str(self.data_dir)],
-                stdout=log, stderr=subprocess.STDOUT, env=self.env, cwd=REPO,
+                stdout=log, stderr=subprocess.STDOUT, env=self.env, cwd=self.cwd,
             )
         if wait:
             wait_for(self._healthy, 20, what=f"daemon on {self.url}; log:\n{self.log()}")

@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import os
 import shutil
-import subprocess
 import time
 from collections import Counter
 from collections.abc import Iterator
@@ -40,7 +39,7 @@ from schemathesis import Case
 from schemathesis.config import SchemathesisConfig
 from schemathesis.engine import events, from_schema
 
-from tests.conftest import PY, REPO, Daemon, kill_jobs_of, wait_for
+from tests.conftest import REPO, Daemon, kill_jobs_of, wait_for
 
 MAX_EXAMPLES = 25
 TOKEN = "fuzz-token"
@@ -52,25 +51,12 @@ class FencedDaemon(Daemon):
 
     def __init__(self, root: Path):
         self.empty_path = root / "empty-path"
-        self.cwd = root / "empty-cwd"
+        (root / "empty-cwd").mkdir()
         self.empty_path.mkdir()
-        self.cwd.mkdir()
         super().__init__(root / "data", env={
             "PATH": str(self.empty_path), "JOBSUP_TOKEN": TOKEN,
-            "PYTHONPATH": str(REPO)})
+            "PYTHONPATH": str(REPO)}, cwd=root / "empty-cwd")
         self.http.headers["Authorization"] = f"Bearer {TOKEN}"
-
-    def start(self, wait: bool = True) -> Daemon:
-        self.starts += 1
-        self.data_dir.mkdir(parents=True, exist_ok=True)
-        with open(self.log_path, "wb") as log:
-            self.proc = subprocess.Popen(
-                [PY, "-m", "supervisor", "serve", "--port", str(self.port),
-                 "--data-dir", str(self.data_dir)],
-                stdout=log, stderr=subprocess.STDOUT, env=self.env, cwd=self.cwd,
-            )
-        wait_for(self._healthy, 20, what=f"daemon on {self.url}; log:\n{self.log()}")
-        return self
 
 
 @pytest.fixture(scope="module")
