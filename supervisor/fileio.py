@@ -43,12 +43,16 @@ def tail_lines(
         end = size = f.tell()
         if n <= 0:
             return [], size
-        data = b""
-        while end > 0 and data.count(b"\n") <= n:
+        blocks: list[bytes] = []
+        newlines = 0
+        while end > 0 and newlines <= n:  # each block read and counted once
             start = max(0, end - block_size)
             f.seek(start)
-            data = f.read(end - start) + data
+            block = f.read(end - start)
+            blocks.append(block)
+            newlines += block.count(b"\n")
             end = start
+    data = b"".join(reversed(blocks))
     lines = data.decode("utf-8", errors="replace").splitlines()
     return lines[-n:], size
 

@@ -7,6 +7,7 @@ implements the same calls with sbatch/squeue/sacct and a shim on the compute nod
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import select
@@ -27,7 +28,8 @@ from supervisor.spec import JobSpec
 
 log = logging.getLogger(__name__)
 
-SCRUBBED_ENV = ("JOBSUP_TOKEN",)
+SCRUBBED_ENV = ("JOBSUP_TOKEN", "JOBSUP_SLACK_WEBHOOK_URL", "JOBSUP_WEBHOOK_URL",
+                "JOBSUP_DATABASE_URL")
 """Daemon settings a job must not inherit (secrets)."""
 
 
@@ -103,7 +105,18 @@ class Backend(Protocol):
     def read_exit(self, attempt: Attempt) -> ExitStatus | None: ...
     def shim_alive(self, attempt: Attempt) -> bool: ...
     def request_stop(self, attempt: Attempt, worker: WorkerInfo | None) -> None: ...
-    def kill(self, attempt: Attempt, worker: WorkerInfo | None) -> None: ...
+    def kill(self, attempt: Attempt, worker: WorkerInfo | None) -> None:
+        """Backstop when the shim did not finish a stop in time: SIGKILL the worker's
+        group and the shim's other children (orphans it adopted), never the shim itself:
+        it must live to reap them and record the exit."""
+        if worker is not None and worker_group_alive(worker):
+            signal_group(worker.pid, signal.SIGKILL)
+        if self.shim_alive(attempt) and attempt.shim_pid is not None:
+            for pid, stat in all_stats():
+                if stat[1] == attempt.shim_pid:
+                    with contextlib.suppress(ProcessLookupError):
+                        os.kill(pid, signal.SIGKILL)
+
     def watch(self, attempt: Attempt, worker: WorkerInfo | None) -> None: ...
     def forget(self, attempt: Attempt) -> None: ...
     def reap(self) -> None: ...

@@ -117,7 +117,8 @@ def retry_after_s(value: str | None, now: float) -> float | None:
     except ValueError:
         pass
     try:
-        return max(0.0, parsedate_to_datetime(value).timestamp() - now)
+        return min(max(0.0, parsedate_to_datetime(value).timestamp() - now),
+                   MAX_RETRY_AFTER_S)
     except (TypeError, ValueError):
         return None
 

@@ -241,3 +241,14 @@ def test_spawn_failure_after_submit_is_reported(daemon: Daemon, tmp_path: Path) 
     script.unlink()  # gone by the time the job starts
     done = daemon.wait_state(b["id"], "failed", timeout=15)
     assert done["exit_code"] == 127 and "cannot start" in done["reason"]
+
+
+def test_daemon_secrets_never_reach_a_job() -> None:
+    from supervisor.launcher import SCRUBBED_ENV, job_environment
+    from supervisor.spec import JobSpec
+
+    base = {name: "secret" for name in SCRUBBED_ENV} | {"HOME": "/root"}
+    env = job_environment(base, JobSpec(name="x", command=["true"]), "j1", 1, Path("/p"))
+    assert not set(SCRUBBED_ENV) & set(env) and env["HOME"] == "/root"
+    assert {"JOBSUP_TOKEN", "JOBSUP_SLACK_WEBHOOK_URL", "JOBSUP_DATABASE_URL"} <= set(
+        SCRUBBED_ENV)
