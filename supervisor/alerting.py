@@ -26,6 +26,9 @@ log = logging.getLogger(__name__)
 LOG_TAIL_LINES = 20
 """Log lines quoted in a message."""
 
+RECENTLY_ENDED_S = 600.0
+"""Ended jobs are evaluated for this long after their end (see `record`)."""
+
 
 class AlertRecorder:
     def __init__(self, settings: Settings, observer: Observer, notifier: Notifier):
@@ -69,6 +72,11 @@ class AlertRecorder:
         `recorded` receives the alerts sent unrecorded earlier that this records."""
         open_rows = store.alerts(session, state=AlertState.FIRING)
         jobs = {job.id: job for job in running}
+        # and jobs that ended lately: if the daemon died between recording a job's end
+        # and this step, their `crashed`/`incomplete` alert is opened now (once: an
+        # open alert is never opened again)
+        for job in store.jobs_ended_since(session, now - RECENTLY_ENDED_S):
+            jobs.setdefault(job.id, job)
         for row in open_rows:
             if row.job_id not in jobs:
                 jobs[row.job_id] = store.get_job(session, row.job_id)

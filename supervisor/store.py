@@ -54,6 +54,11 @@ def jobs_in_states(session: Session, *states: JobState) -> Sequence[Job]:
     return session.scalars(query.order_by(Job.created_at, Job.id)).all()
 
 
+def jobs_ended_since(session: Session, since: float) -> Sequence[Job]:
+    return session.scalars(select(Job).where(Job.ended_at >= since)
+                           .order_by(Job.ended_at, Job.id)).all()
+
+
 def existing_ids(session: Session, ids: Sequence[str]) -> set[str]:
     if not ids:
         return set()

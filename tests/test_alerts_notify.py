@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import time
 from pathlib import Path
 
@@ -169,3 +170,29 @@ def test_metrics_names_and_retention(make_daemon) -> None:
     assert f'jobsup_job_state{{{labels},state="stopped"}} 1.0' in daemon.http.get("/metrics").text
     wait_for(lambda: job["id"] not in daemon.http.get("/metrics").text, 10,
              what="the ended job's series to disappear")
+
+
+def test_crash_recorded_by_a_daemon_that_died_before_alerting(make_daemon,
+                                                               receiver: Receiver) -> None:
+    """The job's end was committed but the daemon died before its alert step: the next
+    daemon still opens `crashed` and sends it, once."""
+    import json
+    import sqlite3
+
+    daemon = slack_daemon(make_daemon, receiver)
+    job = daemon.submit(python_job("import time; time.sleep(600)"), name="orphaned")
+    wait_for(lambda: daemon.job(job["id"])["pid"], 10, what="the worker's pid")
+    daemon.kill()
+    db = sqlite3.connect(daemon.data_dir / "jobsup.db")
+    db.execute("UPDATE jobs SET state='failed', exit_code=1, exit_reason='exit', "
+               "reason='exited with code 1', ended_at=? WHERE id=?", (time.time(), job["id"]))
+    db.commit()
+    db.close()
+    attempt = daemon.data_dir / "jobs" / job["id"] / "attempt-1"
+    os.kill(json.loads((attempt / "shim.json").read_text())["pid"], 9)
+    os.killpg(json.loads((attempt / "worker.json").read_text())["pid"], 9)
+    daemon.start()
+    wait_for(lambda: receiver.posts, 10, what="the crash message from the new daemon")
+    time.sleep(2)
+    assert len(receiver.posts) == 1 and "orphaned" in receiver.texts()[0]
+    assert [a["rule"] for a in daemon.job(job["id"])["alerts"]] == ["crashed"]
