@@ -235,6 +235,7 @@ class Notifier:
             self.retried[destination.name] += 1
             item["next_attempt_at"] = now + min(self.backoff_max_s, 2.0 ** item["attempts"])
             return False
+        now = self.clock()  # delays such as Retry-After count from the answer
         if 200 <= response.status_code < 300:
             self.sent[destination.name] += 1
             return True
@@ -249,7 +250,6 @@ class Notifier:
         return True
 
     def _send(self, session: Session, destination: Destination, row: Notification) -> None:
-        now = self.clock()
         row.attempts += 1
         body = destination.body(json.loads(row.payload_json))
         try:
@@ -257,8 +257,9 @@ class Notifier:
         except (httpx.HTTPError, httpx.InvalidURL) as exc:
             # InvalidURL (a malformed URL) is not an HTTPError; raised out of deliver_due it
             # would stop delivery to every destination after this one, on every pass
-            self._retry_later(destination, row, now, f"network error: {exc!r}")
+            self._retry_later(destination, row, self.clock(), f"network error: {exc!r}")
             return
+        now = self.clock()  # delays such as Retry-After count from the answer
         status = response.status_code
         if 200 <= status < 300:
             row.sent_at = now
