@@ -38,6 +38,15 @@ LOG_SIGNATURES: tuple[tuple[re.Pattern[str], str], ...] = (
      "NCCL error or timeout (seen in the log)"),
 )
 
+RANK_FAILURES: tuple[re.Pattern[str], ...] = (
+    # workers.ranks (jobsup's data-parallel workers)
+    re.compile(r"rank (?P<rank>\d+) \((?P<where>[^)]*)\) failed \((?P<how>[^)]*)\)"),
+    # torchrun's failure summary: the first observed failure
+    re.compile(r"Root Cause.*?rank\s*:\s*(?P<rank>\d+)\s*\(local_rank:\s*(?P<where>\d+)\)"
+               r"\s*exitcode\s*:\s*(?P<how>-?\d+)", re.S),
+)
+"""How a multi-process job's parent names the rank that failed first."""
+
 
 @dataclass(frozen=True)
 class AlertSettings:
@@ -196,11 +205,27 @@ def classify_exit(*, exit_code: int | None, signal: int | None, oom_kills: int,
         notes.append("SIGKILL from outside the job: possibly the kernel OOM killer (a guess; "
                      "no OOM kill recorded in a readable cgroup)")
     text = "\n".join(log_tail)
+    rank = failed_rank(text)
+    if rank:
+        notes.insert(0, rank)
     for pattern, meaning in LOG_SIGNATURES:
         if pattern.search(text):
             notes.append(meaning)
             break
     return ("; ".join(notes) or None), exit_reason
+
+
+def failed_rank(text: str) -> str | None:
+    """"rank 1 (cuda:1) failed first: exit code 3" from a multi-process job's log, so
+    the alert says which of its processes took the job down; None if none is named."""
+    for pattern in RANK_FAILURES:
+        match = pattern.search(text)
+        if match:
+            where, how = match["where"], match["how"]
+            if where.isdigit():  # torchrun's numbers
+                where, how = f"local rank {where}", f"exitcode {how}"
+            return f"rank {match['rank']} ({where}) failed first: {how}"
+    return None
 
 
 def _recent(job: JobFacts, now: float, settings: AlertSettings) -> bool:

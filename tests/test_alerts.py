@@ -379,6 +379,38 @@ def test_cuda_oom_is_not_mistaken_for_host_memory_error() -> None:
     assert notes == "CUDA out of memory (seen in the log)"
 
 
+def test_the_failed_rank_of_a_data_parallel_worker_is_named() -> None:
+    tail = ["rank 1 12:00:01 CUDA out of memory. Tried to allocate 8.00 GiB",
+            "12:00:02 rank 1 (cuda:1) failed (exit code 1); stopping the other ranks"]
+    notes, _ = alerts.classify_exit(exit_code=1, signal=None, oom_kills=0, log_tail=tail)
+    assert notes == ("rank 1 (cuda:1) failed first: exit code 1; "
+                     "CUDA out of memory (seen in the log)")
+
+
+def test_the_failed_rank_of_a_torchrun_job_is_named() -> None:
+    tail = """torch.distributed.elastic.multiprocessing.errors.ChildFailedError:
+============================================================
+train.py FAILED
+------------------------------------------------------------
+Failures:
+[1]:
+  time      : 2026-11-29_12:00:03
+  host      : node1
+  rank      : 3 (local_rank: 3)
+  exitcode  : 1 (pid: 4242)
+------------------------------------------------------------
+Root Cause (first observed failure):
+[0]:
+  time      : 2026-11-29_12:00:01
+  host      : node1
+  rank      : 2 (local_rank: 2)
+  exitcode  : -9 (pid: 4241)
+  error_file: <N/A>
+============================================================""".splitlines()
+    notes, _ = alerts.classify_exit(exit_code=1, signal=None, oom_kills=0, log_tail=tail)
+    assert notes == "rank 2 (local rank 2) failed first: exitcode -9"
+
+
 def test_oom_kill_and_a_log_signature_both_reported() -> None:
     notes, reason = alerts.classify_exit(exit_code=None, signal=9, oom_kills=2,
                                          log_tail=["MemoryError"])

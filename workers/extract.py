@@ -49,6 +49,7 @@ from workers.common import (
     tokenize_conversation,
 )
 from workers.ranks import rank_argv, run_ranks
+from workers.split import load_split, parse_devices
 
 log = logging.getLogger("workers.extract")
 
@@ -149,7 +150,9 @@ class Extractor:
         self.num_layers = len(self.base.layers)
         self.layer_ids = capture_layers(self.num_layers)
         self.hidden = model.config.hidden_size
-        self.device = next(model.parameters()).device
+        # a split model takes its input on the embedding's device and ends on the norm's
+        self.input_device = self.base.get_input_embeddings().weight.device
+        self.device = self.base.norm.weight.device
         self.dtype = next(model.parameters()).dtype
         self.out = out
         self.batch_tokens = batch_tokens
@@ -203,13 +206,16 @@ class Extractor:
         for row, sample in enumerate(batch):
             ids[row, : len(sample.input_ids)] = torch.tensor(sample.input_ids)
             attention[row, : len(sample.input_ids)] = 1
-        ids = ids.to(self.device, non_blocking=True)
-        attention = attention.to(self.device, non_blocking=True)
+        ids = ids.to(self.input_device, non_blocking=True)
+        attention = attention.to(self.input_device, non_blocking=True)
         capture.states.clear()
         self.base(input_ids=ids, attention_mask=attention, use_cache=False)
-        aux = torch.cat([capture.states[i] for i in self.layer_ids], dim=-1)
+        # with a split model the captured layers live on several devices: gather them
+        # on the last one (a no-op otherwise)
+        aux = torch.cat([capture.states[i].to(self.device, non_blocking=True)
+                         for i in self.layer_ids], dim=-1)
         final = capture.states["final"]
-        valid = attention.bool().unsqueeze(-1)
+        valid = attention.to(self.device, non_blocking=True).bool().unsqueeze(-1)
         finite = (torch.isfinite(aux) | ~valid).flatten(1).all(1) & \
                  (torch.isfinite(final) | ~valid).flatten(1).all(1)
         return aux, final, finite
@@ -434,9 +440,13 @@ def load_samples(data: Path, tokenizer: Any, *, max_length: int | None, on_too_l
 
 
 def load_model(path: Path, *, device: str, dtype: torch.dtype) -> tuple[Any, Any]:
+    """The model on `device`, or split over a comma-separated list of devices."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(path)
+    devices = parse_devices(device)
+    if len(devices) > 1:
+        return load_split(path, devices, dtype), tokenizer
     model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
     model.to(device).eval()
     return model, tokenizer
@@ -449,7 +459,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--model", required=True, type=Path, help="target model directory")
     parser.add_argument("--data", required=True, type=Path, help="conversations JSONL")
     parser.add_argument("--out", required=True, type=Path, help="output directory")
-    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu",
+                        help="device, or a comma-separated list to split the model over "
+                             "(e.g. cuda:0,cuda:1)")
     parser.add_argument("--dtype", choices=sorted(DTYPES), default="bf16")
     parser.add_argument("--max-length", type=int, default=4096,
                         help="longest sample in tokens (default 4096)")
@@ -465,6 +477,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--limit", type=int, default=None, help="only the first N samples")
     parser.add_argument("--gpus", default=None, metavar="N|all",
                         help="data-parallel: one process per GPU, each a shard of the samples")
+    parser.add_argument("--gpus-per-model", type=int, default=1, metavar="K",
+                        help="split the model's layers over K GPUs (a target larger than "
+                             "one GPU); with --gpus N, N/K data-parallel copies (default 1)")
     parser.add_argument("--ranks", type=int, default=None,
                         help="data-parallel processes on --device (e.g. CPU ranks for tests)")
     parser.add_argument("--rank", type=int, default=None, help=argparse.SUPPRESS)
@@ -473,22 +488,34 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     args = parser.parse_args(argv)
     if args.batch_tokens < 1 or args.max_length < 1 or args.writers < 1 or args.queue_depth < 1:
         parser.error("--batch-tokens, --max-length, --writers, --queue-depth must be >= 1")
+    if args.gpus_per_model < 1:
+        parser.error("--gpus-per-model must be >= 1")
+    if args.gpus_per_model > 1 and args.ranks is not None:
+        parser.error("--gpus-per-model goes with --gpus (CUDA devices), not --ranks")
+    if args.gpus is not None and args.gpus != "all" and not args.gpus.isdigit():
+        parser.error(f"--gpus takes a number or 'all', not {args.gpus!r}")
     return args
 
 
-def rank_devices(args: argparse.Namespace) -> list[str] | None:
-    """The devices of the data-parallel ranks to start, or None for one process."""
+def rank_devices(args: argparse.Namespace) -> list[str]:
+    """The device (or comma-separated devices of a split model) of each process to run:
+    one entry means one process, several mean data-parallel ranks."""
     if args.rank is not None:
-        return None
-    if args.gpus is not None:
+        return [args.device]
+    per_model = args.gpus_per_model
+    if args.gpus is not None or per_model > 1:
         available = torch.cuda.device_count()
-        wanted = available if args.gpus == "all" else int(args.gpus)
+        wanted = per_model if args.gpus is None else (
+            available if args.gpus == "all" else int(args.gpus))
         if wanted < 1 or wanted > available:
-            fail(f"--gpus {args.gpus}: {available} CUDA device(s) available")
-        return [f"cuda:{r}" for r in range(wanted)] if wanted > 1 else None
+            fail(f"--gpus {args.gpus or wanted}: {available} CUDA device(s) available")
+        if wanted % per_model:
+            fail(f"--gpus {wanted} is not a multiple of --gpus-per-model {per_model}")
+        return [",".join(f"cuda:{g}" for g in range(r * per_model, (r + 1) * per_model))
+                for r in range(wanted // per_model)]
     if args.ranks is not None and args.ranks > 1:
         return [args.device] * args.ranks
-    return None
+    return [args.device]
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -500,14 +527,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         fail("--device cuda but no CUDA device is available (use --device cpu)")
     args.out.mkdir(parents=True, exist_ok=True)
     devices = rank_devices(args)
-    if devices is not None:  # the parent of the ranks: settle the manifest, then fan out
+    if len(devices) > 1:  # the parent of the ranks: settle the manifest, then fan out
         restore_manifest(args.out)
         own = rank_argv(sys.argv[1:] if argv is None else argv,
-                        drop=("--gpus", "--ranks", "--device"))
+                        drop=("--gpus", "--gpus-per-model", "--ranks", "--device"))
         code = run_ranks("workers.extract", own, devices=devices,
                          state_dir=args.out / ".ranks")
         merge_summaries(args.out, len(devices))
         return code
+    args.device = devices[0]
     progress = ProgressReporter(None, "sample")
     progress.update(0, force=True)  # the model load can take minutes: say we are alive
     t0 = time.monotonic()
@@ -551,6 +579,10 @@ def main(argv: Sequence[str] | None = None) -> int:
              stats.written, stats.bytes_written / 1e9, stats.tokens / max(elapsed, 1e-9),
              stats.done_before, len(stats.nonfinite), len(stats.too_long_skipped),
              stats.truncated, len(stats.malformed_lines))
+    if args.device.startswith("cuda"):
+        peaks = ", ".join(f"{d} {torch.cuda.max_memory_allocated(d) / 1e9:.1f} GB"
+                          for d in parse_devices(args.device))
+        log.info("peak GPU memory: %s", peaks)
     return 0
 
 

@@ -1,0 +1,122 @@
+"""Model-split extraction (`workers.extract --gpus-per-model K`) on a multi-GPU host,
+side by side in one run with one GPU and with data parallelism:
+
+1. speed: the 8B-class Llama of bench/extract_multi_gpu.py, 1,450-token samples, the
+   real CLI with `--gpus 1`, `--gpus-per-model N` and `--gpus N`; tokens/s as the
+   workers report them (model load excluded) and each device's peak memory;
+2. correctness: every file of the split run against the one-GPU run (max |diff|,
+   files bit-identical);
+3. capacity: a ballast process leaves only `--free-gb` on each GPU, less than the
+   model's weights: one GPU must fail, the split model must run.
+
+`python bench/extract_split_gpu.py --work /tmp/split --samples 512`."""
+
+from __future__ import annotations
+
+import argparse
+import re
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from extract_multi_gpu import build  # noqa: E402
+
+BALLAST = """
+import sys, time, torch
+keep = float(sys.argv[1]) * 1e9
+held = []
+for i in range(torch.cuda.device_count()):
+    free, _ = torch.cuda.mem_get_info(i)
+    held.append(torch.empty(int(free - keep), dtype=torch.uint8, device=f"cuda:{i}"))
+print("ready", flush=True)
+time.sleep(3600)
+"""
+
+
+def extract(model: Path, data: Path, out: Path, *options: str) -> tuple[int, str]:
+    shutil.rmtree(out, ignore_errors=True)
+    result = subprocess.run([sys.executable, "-m", "workers.extract", "--model", str(model),
+                             "--data", str(data), "--out", str(out), "--max-length", "1450",
+                             *options], capture_output=True, text=True)
+    return result.returncode, result.stderr
+
+
+def rate_and_peaks(stderr: str) -> tuple[float, str]:
+    rates = re.findall(r"done: \d+ written \([\d.]+ GB, (\d+) tokens/s\)", stderr)
+    peaks = re.findall(r"peak GPU memory: (.*)", stderr)
+    return sum(map(float, rates)), "; ".join(peaks)
+
+
+def compare(a: Path, b: Path) -> tuple[int, int, float]:
+    """(files compared, files bit-identical, max |difference| over all tensors)."""
+    files = sorted(p.relative_to(a) for p in a.glob("rows_*/*.safetensors"))
+    identical, worst = 0, 0.0
+    for name in files:
+        one, two = load_file(a / name), load_file(b / name)
+        same = one.keys() == two.keys()
+        for key in one:
+            x, y = one[key], two[key]
+            same = same and torch.equal(x, y)
+            worst = max(worst, (x.double() - y.double()).abs().max().item())
+        identical += same
+    return len(files), identical, worst
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--work", type=Path, default=Path("/tmp/split"))
+    parser.add_argument("--samples", type=int, default=512)
+    parser.add_argument("--free-gb", type=float, default=13.0)
+    args = parser.parse_args()
+    n = torch.cuda.device_count()
+    if n < 2:
+        raise SystemExit("needs at least 2 GPUs")
+    model, data = build(args.work, args.samples)
+    print(f"{n} x {torch.cuda.get_device_name(0)}, {args.samples} samples", flush=True)
+    runs = {"1 GPU": ["--gpus", "1"], f"split over {n}": ["--gpus-per-model", str(n)],
+            f"data-parallel x{n}": ["--gpus", str(n)]}
+    rows = []
+    for label, options in runs.items():
+        t0 = time.perf_counter()
+        code, stderr = extract(model, data, args.work / label.replace(" ", "_"), *options)
+        if code != 0:
+            raise SystemExit(f"{label} failed:\n{stderr[-3000:]}")
+        rate, peaks = rate_and_peaks(stderr)
+        rows.append((label, rate, peaks, time.perf_counter() - t0))
+        print(f"{label}: {rate:,.0f} tokens/s, peak {peaks}", flush=True)
+    print("\n| run | tokens/s | vs 1 GPU | peak memory per device | wall (load incl.) |")
+    print("| --- | ---: | ---: | --- | ---: |")
+    for label, rate, peaks, wall in rows:
+        print(f"| {label} | {rate:,.0f} | {rate / rows[0][1]:.2f}x | {peaks} | {wall:.0f} s |")
+    files, identical, worst = compare(args.work / "1_GPU", args.work / f"split_over_{n}")
+    print(f"\nsplit vs 1 GPU: {files} files, {identical} bit-identical, max |diff| {worst:g}")
+
+    ballast = subprocess.Popen([sys.executable, "-c", BALLAST, str(args.free_gb)],
+                               stdout=subprocess.PIPE, text=True)
+    try:
+        assert ballast.stdout is not None and ballast.stdout.readline().strip() == "ready"
+        print(f"\ncapacity: {args.free_gb:g} GB left free on each GPU (weights 16.1 GB)")
+        for label, options in (("1 GPU", ["--gpus", "1"]),
+                               (f"split over {n}", ["--gpus-per-model", str(n)])):
+            code, stderr = extract(model, data, args.work / "capacity", *options,
+                                   "--limit", "64", "--batch-tokens", "8192")
+            oom = "out of memory" in stderr.lower()
+            rate, peaks = rate_and_peaks(stderr)
+            print(f"| {label} | exit {code} | {'CUDA OOM' if oom else 'no OOM'} | "
+                  f"{rate:,.0f} tokens/s | peak {peaks or '-'} |", flush=True)
+    finally:
+        ballast.kill()
+        ballast.wait()
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

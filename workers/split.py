@@ -1,0 +1,104 @@
+"""Model split: one copy of a target that does not fit one GPU, its decoder layers
+placed across several devices (HF `device_map` placement; accelerate moves the
+activations from one device to the next).
+
+The plan is contiguous and balanced by parameter bytes: the embedding and the first
+layers on the first device, the last layers, the final norm and the lm_head on the
+last. Sizes come from the model built on the meta device, so planning reads the config
+alone, and the weights load straight onto their devices (host memory never holds the
+whole model).
+
+Kernels are queued without waiting for the host, so while the second device runs
+batch k's later layers the first can already run batch k+1's early ones: a split
+model is pipelined across batches, not only stored across devices.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+
+log = logging.getLogger("workers.split")
+
+
+def parse_devices(spec: str) -> list[str]:
+    """`cuda:0,cuda:1` -> ["cuda:0", "cuda:1"]; a single device is a list of one."""
+    devices = [d.strip() for d in spec.split(",") if d.strip()]
+    if not devices:
+        raise ValueError(f"no device in {spec!r}")
+    return devices
+
+
+def balanced_assignment(sizes: Sequence[int], parts: int) -> list[int]:
+    """For items of `sizes` in order, the part (0..parts-1) of each: contiguous runs,
+    each item going to the part its byte midpoint falls in, so every part holds about
+    total/parts bytes (off by at most one item)."""
+    if parts < 1:
+        raise ValueError("parts must be >= 1")
+    total = sum(sizes)
+    if total == 0:
+        return [0] * len(sizes)
+    out, before = [], 0
+    for size in sizes:
+        midpoint = before + size / 2
+        out.append(min(parts - 1, int(midpoint * parts / total)))
+        before += size
+    return out
+
+
+def _param_bytes(module: torch.nn.Module) -> int:
+    return sum(p.numel() * p.element_size() for p in module.parameters())
+
+
+def plan_device_map(config: Any, devices: Sequence[str], dtype: torch.dtype) -> dict[str, str]:
+    """{module name: device} for `from_pretrained(device_map=...)`: the decoder's
+    embedding, layers and norm in order, balanced over `devices`; modules that hold no
+    weights (the rotary embedding) beside the embedding; the lm_head on the last device
+    (with the embedding when the two are tied: they are one tensor)."""
+    from transformers import AutoModelForCausalLM
+
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    prefix = model.base_model_prefix
+    base = getattr(model, prefix)
+    if not hasattr(base, "layers") or not hasattr(base, "embed_tokens"):
+        raise ValueError("the model has no `embed_tokens`/`layers` decoder (Llama-style needed)")
+    tied = getattr(config, "tie_word_embeddings", False)
+    ordered = [(f"{prefix}.embed_tokens", base.embed_tokens)]
+    ordered += [(f"{prefix}.layers.{i}", layer) for i, layer in enumerate(base.layers)]
+    ordered += [(f"{prefix}.{name}", module) for name, module in base.named_children()
+                if name not in ("embed_tokens", "layers")]
+    heads = [(name, module) for name, module in model.named_children() if name != prefix]
+    ordered += heads
+    tied_heads = {name for name, _ in heads} if tied else set()
+    sizes = [0 if name in tied_heads else _param_bytes(module) for name, module in ordered]
+    parts = balanced_assignment(sizes, len(devices))
+    # weightless modules (the rotary embedding, a tied lm_head) stay with the embedding
+    return {name: devices[part if size else 0]
+            for (name, _), size, part in zip(ordered, sizes, parts, strict=True)}
+
+
+def device_bytes(model: torch.nn.Module) -> dict[str, int]:
+    """Parameter bytes per device, for the log (what the plan did)."""
+    out: dict[str, int] = {}
+    for p in model.parameters():
+        key = str(p.device)
+        out[key] = out.get(key, 0) + p.numel() * p.element_size()
+    return out
+
+
+def load_split(path: Path, devices: Sequence[str], dtype: torch.dtype) -> Any:
+    """The causal LM at `path` with its layers placed over `devices` (see module doc)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.from_pretrained(path)
+    plan = plan_device_map(config, devices, dtype)
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, device_map=plan)
+    model.eval()
+    placed = ", ".join(f"{d} {n / 1e9:.2f} GB" for d, n in sorted(device_bytes(model).items()))
+    log.info("model split over %d devices: %s", len(devices), placed)
+    return model
