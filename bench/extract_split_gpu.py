@@ -92,12 +92,16 @@ def main() -> int:
         rate, peaks = rate_and_peaks(stderr)
         rows.append((label, rate, peaks, time.perf_counter() - t0))
         print(f"{label}: {rate:,.0f} tokens/s, peak {peaks}", flush=True)
+        if label.startswith("data-parallel"):  # not compared: free its disk space
+            shutil.rmtree(args.work / label.replace(" ", "_"), ignore_errors=True)
     print("\n| run | tokens/s | vs 1 GPU | peak memory per device | wall (load incl.) |")
     print("| --- | ---: | ---: | --- | ---: |")
     for label, rate, peaks, wall in rows:
         print(f"| {label} | {rate:,.0f} | {rate / rows[0][1]:.2f}x | {peaks} | {wall:.0f} s |")
     files, identical, worst = compare(args.work / "1_GPU", args.work / f"split_over_{n}")
     print(f"\nsplit vs 1 GPU: {files} files, {identical} bit-identical, max |diff| {worst:g}")
+    for label, *_ in rows:
+        shutil.rmtree(args.work / label.replace(" ", "_"), ignore_errors=True)
 
     ballast = subprocess.Popen([sys.executable, "-c", BALLAST, str(args.free_gb)],
                                stdout=subprocess.PIPE, text=True)

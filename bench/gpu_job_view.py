@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -70,14 +71,19 @@ def main() -> int:
         split_flags, dp_flags = ["--device", "cpu,cpu"], ["--ranks", "2", "--device", "cpu",
                                                           "--batch-tokens", "64"]
     else:
+        if not (model / "config.json").exists():  # a fresh machine: build them again
+            sys.path.insert(0, str(Path(__file__).resolve().parent))
+            from extract_multi_gpu import build
+
+            build(args.work, 512)
         n = torch.cuda.device_count()
         split_flags, dp_flags = ["--gpus-per-model", str(n)], ["--gpus", str(n)]
     data_dir = args.work / "daemon"
     env = {**os.environ, "JOBSUP_SAMPLE_INTERVAL": "1"}
-    daemon = subprocess.Popen([sys.executable, "-m", "supervisor", "serve", "--port", str(PORT),
-                               "--data-dir", str(data_dir)], env=env,
-                              stdout=open(args.work / "daemon.log", "wb"),
-                              stderr=subprocess.STDOUT)
+    with open(args.work / "daemon.log", "wb") as daemon_log:
+        daemon = subprocess.Popen([sys.executable, "-m", "supervisor", "serve", "--port",
+                                   str(PORT), "--data-dir", str(data_dir)], env=env,
+                                  stdout=daemon_log, stderr=subprocess.STDOUT)
     http = httpx.Client(base_url=URL, timeout=10)
     try:
         for _ in range(60):
@@ -103,6 +109,7 @@ def main() -> int:
         print("largest per-device GPU memory in the job view: " + ", ".join(
             f"gpu{i} {b / 1e9:.1f} GB" for i, b in sorted(peak.items())))
         print("\n`jobsup show` while it ran:\n" + (shown[0] if shown else "(not captured)"))
+        shutil.rmtree(args.work / "job_split", ignore_errors=True)  # disk for the next job
 
         def kill_last_rank(job: dict[str, Any]) -> None:
             if not shown[1:] and (job["progress"]["items_done"] or 0) > 64:
