@@ -16,7 +16,7 @@ from rich.text import Text
 from supervisor.client import Client
 from supervisor.config import Settings
 from supervisor.errors import JobsupError
-from supervisor.tui import follow_jobs, job_detail, jobs_table, state_text
+from supervisor.tui import follow_jobs, gpu_memory_text, job_detail, jobs_table, state_text
 
 app = typer.Typer(add_completion=False, no_args_is_help=True,
                   help="jobsup: launch, watch and forecast long-running ML jobs.")
@@ -179,6 +179,7 @@ def show(job_id: Annotated[str, typer.Argument(help="Job id.")], url: Url = DEFA
         ("ended", short_time(job["ended_at"])),
         ("output", spec.get("output_dir") or "-"),
         ("depends on", ", ".join(spec["depends_on"]) or "-"),
+        ("GPU memory", gpu_memory_text(job["resources"])),
     ]
     for key, value in rows:
         table.add_row(key, value)

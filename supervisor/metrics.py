@@ -86,6 +86,9 @@ class JobsCollector(Collector):
             ("restarts", "Restarts so far"),
         )}
         metric = _gauge("jobsup_job_metric", "Worker-reported metric (loss, acc, ...)", ["name"])
+        gpu_device_memory = _gauge("jobsup_job_gpu_device_memory_bytes",
+                                   "GPU memory of the job's process tree on one device "
+                                   "(gpu: the NVML index)", ["gpu"])
         stalled_jobs = {a.job_id for a in firing if a.rule == rules.STALLED}
         outputs: set[str] = set()
         for job in jobs:
@@ -121,9 +124,12 @@ class JobsCollector(Collector):
                     g[name].add_metric(labels, float(value))
             for name, value in p.metrics.items():
                 metric.add_metric([*labels, name], value)
+            for device in r.gpu_devices or ():
+                gpu_device_memory.add_metric([*labels, str(device.index)], device.memory_bytes)
         yield state
         yield from g.values()
         yield metric
+        yield gpu_device_memory
 
         free = GaugeMetricFamily("jobsup_filesystem_free_bytes",
                                  "Free bytes of a filesystem running jobs write to",

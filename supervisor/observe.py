@@ -14,9 +14,9 @@ from supervisor import forecast as fc
 from supervisor import progress as reports
 from supervisor.launcher import log_path, progress_path
 from supervisor.models import Sample
-from supervisor.sampler import Sampler, TreeReading, TreeTarget
+from supervisor.sampler import Sampler, TreeGpuMemory, TreeReading, TreeTarget
 from supervisor.scanner import OutputScanner
-from supervisor.spec import Forecast, JobSpec, Progress, Resources
+from supervisor.spec import Forecast, GpuDeviceUse, JobSpec, Progress, Resources
 from supervisor.timefmt import iso
 
 log = logging.getLogger(__name__)
@@ -210,7 +210,8 @@ class Observer:
         resources = Resources(
             status=tree.status, num_procs=tree.num_procs, num_threads=tree.num_threads,
             cpu_percent=round(tree.cpu_percent, 1), rss_bytes=tree.rss_bytes,
-            read_bytes=tree.read_bytes, gpu_memory_bytes=tree.gpu_memory_bytes)
+            read_bytes=tree.read_bytes, gpu_memory_bytes=tree.gpu_memory_bytes,
+            gpu_devices=gpu_device_uses(tree.gpu_devices))
         view = _with_forecast(
             JobView(progress=progress, resources=resources, cpu_time_s=tree.cpu_time_s,
                     read_bytes=tree.read_bytes, disk_device=device,
@@ -260,6 +261,15 @@ def _with_forecast(view: JobView, f: fc.Forecast) -> JobView:
         disk_free_bytes=f.disk_free_bytes, disk_full_in_s=f.disk_full_in_s,
         will_fit=f.will_fit)
     return replace(view, forecast=shown)
+
+
+def gpu_device_uses(
+        devices: Sequence[TreeGpuMemory] | None) -> list[GpuDeviceUse] | None:
+    if devices is None:
+        return None
+    return [GpuDeviceUse(index=d.device.index, name=d.device.name, uuid=d.device.uuid,
+                         memory_bytes=d.memory_bytes, device_used_bytes=d.device.used_bytes,
+                         device_total_bytes=d.device.total_bytes) for d in devices]
 
 
 def progress_json(view: JobView) -> str:

@@ -12,7 +12,7 @@ import os
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
-from supervisor.gpu import GpuReader
+from supervisor.gpu import GpuDevice, GpuReader
 from supervisor.procfs import start_ticks_to_time
 
 PAGE_SIZE = os.sysconf("SC_PAGE_SIZE")
@@ -117,6 +117,15 @@ class TreeTarget:
 
 
 @dataclass(frozen=True)
+class TreeGpuMemory:
+    """The tree's memory on one GPU, beside that GPU's own figures of the same pass."""
+
+    device: GpuDevice
+    memory_bytes: int
+    """Summed over the tree's live processes on this device."""
+
+
+@dataclass(frozen=True)
 class TreeReading:
     t: float
     status: str | None
@@ -133,6 +142,8 @@ class TreeReading:
     gpu_memory_bytes: int | None
     gpu_memory_fraction: float | None = None
     """How full (0..1) the fullest GPU the tree uses is; None without NVML."""
+    gpu_devices: tuple[TreeGpuMemory, ...] | None = None
+    """Per GPU the tree uses, by NVML index; () for a tree on no GPU, None without NVML."""
 
 
 @dataclass
@@ -182,20 +193,31 @@ class Sampler:
         worker = table.procs.get(target.worker_pid) if target.worker_pid else None
         if worker is None or worker not in procs:
             worker = root if same_root else None
-        gpu = gpu_fraction = None
+        gpu = gpu_fraction = gpu_devices = None
         if gpu_by_pid is not None:
             gpu = sum(gpu_by_pid.get(p.pid, 0) for p in live)
             fractions = [self.gpu.fraction_by_pid[p.pid] for p in live
                          if p.pid in self.gpu.fraction_by_pid]
             gpu_fraction = max(fractions, default=None)
+            gpu_devices = self._gpu_devices(live)
         return TreeReading(
             t=now, status=STATUS_NAMES.get(worker.state, worker.state) if worker else None,
             num_procs=len(live), num_threads=sum(p.num_threads for p in live),
             cpu_time_s=cpu_time_s, cpu_percent=self._cpu_percent(target.job_id, now, cpu_time_s),
             rss_bytes=sum(p.rss_pages for p in live) * PAGE_SIZE,
             read_bytes=read_bytes, write_bytes=write_bytes, gpu_memory_bytes=gpu,
-            gpu_memory_fraction=gpu_fraction,
+            gpu_memory_fraction=gpu_fraction, gpu_devices=gpu_devices,
         )
+
+    def _gpu_devices(self, live: Sequence[ProcStat]) -> tuple[TreeGpuMemory, ...]:
+        """The tree's memory per device: a job with one process per GPU, or one process
+        whose model is split over GPUs, is one job on several devices."""
+        by_index: dict[int, int] = {}
+        for proc in live:
+            for index, memory in self.gpu.device_memory_by_pid.get(proc.pid, {}).items():
+                by_index[index] = by_index.get(index, 0) + memory
+        return tuple(TreeGpuMemory(self.gpu.devices[index], memory)
+                     for index, memory in sorted(by_index.items()))
 
     def _cpu_percent(self, job_id: str, now: float, cpu_time_s: float) -> float:
         mark = self._cpu_marks.get(job_id)

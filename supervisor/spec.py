@@ -155,6 +155,18 @@ class Forecast(BaseModel):
     will_fit: bool | None = None
 
 
+class GpuDeviceUse(BaseModel):
+    """A job's share of one GPU. `index` is NVML's, which may differ from CUDA's order
+    (CUDA_VISIBLE_DEVICES, CUDA_DEVICE_ORDER); `uuid` names the device either way."""
+
+    index: int
+    name: str | None
+    uuid: str | None
+    memory_bytes: int = Field(description="the job's processes' memory on this device")
+    device_used_bytes: int = Field(description="memory in use on the device by all processes")
+    device_total_bytes: int
+
+
 class Resources(BaseModel):
     status: str | None = None
     num_procs: int = 0
@@ -163,6 +175,9 @@ class Resources(BaseModel):
     rss_bytes: int = 0
     read_bytes: int = 0
     gpu_memory_bytes: int | None = None
+    gpu_devices: list[GpuDeviceUse] | None = Field(
+        default=None, description="per GPU the job uses, by NVML index; [] when it uses "
+                                  "none, null when NVML is unavailable")
 
 
 class AlertOut(BaseModel):

@@ -41,6 +41,27 @@ def human_duration(seconds: float | None) -> str:
     return f"{hours // 24}d{hours % 24:02d}h"
 
 
+def gpu_memory_text(resources: dict[str, Any]) -> str:
+    """The job's GPU memory and its split over devices, each against the device's size:
+    `32.1 GB  (gpu0 16.0 GB of 143.8 GB, gpu1 16.1 GB of 143.8 GB)`. Device names are
+    NVML indexes, which need not match CUDA's numbering."""
+    text = human_bytes(resources["gpu_memory_bytes"])
+    devices = resources.get("gpu_devices") or []  # absent from a daemon older than the field
+    if devices:
+        split = ", ".join(f"gpu{d['index']} {human_bytes(d['memory_bytes'])} of "
+                          f"{human_bytes(d['device_total_bytes'])}" for d in devices)
+        text += f"  ({split})"
+    return text
+
+
+def gpu_cell(resources: dict[str, Any]) -> str:
+    """The job's GPU memory for a table column: the total, and how many GPUs it spans
+    when more than one (`32.1 GB (2 GPUs)`)."""
+    text = human_bytes(resources["gpu_memory_bytes"])
+    devices = resources.get("gpu_devices") or []
+    return f"{text} ({len(devices)} GPUs)" if len(devices) > 1 else text
+
+
 def state_text(state: str) -> Text:
     return Text(state, style=STATE_STYLE.get(state, ""))
 
@@ -102,7 +123,7 @@ def jobs_table(jobs: Sequence[dict[str, Any]], width: int | None = None) -> Tabl
             rate_text(f["rate_items_per_s"]), human_duration(f["eta_s"]), written,
             runway_text(f), f"{r['cpu_percent']:.0f}%" if running else "-",
             human_bytes(r["rss_bytes"]) if running else "-",
-            human_bytes(r["gpu_memory_bytes"]) if r["gpu_memory_bytes"] is not None else "-",
+            gpu_cell(r),
             Text(alerts, style="bold red") if alerts else "",
         )
     if width is not None and width < WIDE_COLUMNS_MIN:
