@@ -37,6 +37,25 @@ def submit(http: httpx.Client, name: str, out: Path, argv: list[str]) -> str:
     return str(response.json()["id"])
 
 
+def nvml_processes() -> str:
+    """What NVML itself lists per device (to tell an empty job view from an empty NVML
+    answer, e.g. in a sandbox that hides other processes' pids)."""
+    try:
+        import pynvml
+
+        pynvml.nvmlInit()
+        lines = []
+        for i in range(pynvml.nvmlDeviceGetCount()):
+            handle = pynvml.nvmlDeviceGetHandleByIndex(i)
+            procs = pynvml.nvmlDeviceGetComputeRunningProcesses(handle)
+            used = pynvml.nvmlDeviceGetMemoryInfo(handle).used
+            lines.append(f"gpu{i}: used {used / 1e9:.1f} GB, processes " + ", ".join(
+                f"{p.pid}:{(p.usedGpuMemory or 0) / 1e9:.1f} GB" for p in procs))
+        return "\n".join(lines)
+    except Exception as exc:  # a diagnostic only
+        return f"NVML: {exc!r}"
+
+
 def watch(http: httpx.Client, job_id: str, timeout: float,
           on_running: Any = None) -> tuple[dict[str, Any], dict[int, int]]:
     """Poll the job until it ends; returns its last view and the largest memory seen
@@ -99,7 +118,8 @@ def main() -> int:
             if not shown and (job["progress"]["items_done"] or 0) > 32:
                 shown.append(subprocess.run(
                     [sys.executable, "-m", "supervisor", "show", job["id"], "--url", URL],
-                    capture_output=True, text=True).stdout)
+                    capture_output=True, text=True, env={**os.environ, "COLUMNS": "120"}
+                ).stdout + "\nNVML at that moment:\n" + nvml_processes())
 
         split_id = submit(http, "extract-split", args.work / "job_split",
                           [*common, "--out", str(args.work / "job_split"), *split_flags])

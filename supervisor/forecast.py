@@ -360,11 +360,18 @@ def _rate(history: ProgressHistory) -> RateEstimate | None:
 
 
 def _bytes_per_item(history: ProgressHistory) -> float | None:
-    if not history.points:
+    """Bytes per item from the first counted item to the latest reading, so None
+    before two points. Not from the baseline: a worker's count lags its files (it reports
+    after a batch is written; a parent of ranks sums their reports a moment later), and
+    the files written before the first count would be charged to the first few items.
+    On a 2-GPU extraction that read 5x the true size for a second: a false
+    `disk_will_fill`."""
+    if len(history.points) < 2:
         return None
-    items = history.items_done - history.baseline.items_done
-    grown = history.latest.bytes_written - history.baseline.bytes_written
-    return grown / items if grown >= 0 else None
+    first = history.points[0]
+    items = history.items_done - first.items_done
+    grown = history.latest.bytes_written - first.bytes_written
+    return grown / items if grown >= 0 and items > 0 else None
 
 
 def _median_long_slope(points: Sequence[ProgressPoint]) -> float:

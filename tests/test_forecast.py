@@ -236,6 +236,25 @@ def test_bytes_per_item_and_single_job_disk_outlook() -> None:
     assert short.will_fit is False  # 9,360 items x 83 MB = 777 GB still to come
 
 
+def test_a_count_lagging_its_files_does_not_inflate_bytes_per_item() -> None:
+    """Seen on 2 x H200: ranks write files, then report; the parent sums the reports a
+    moment later. At the first count of 4 items, 20 files were on disk: charged to those
+    4 items, the job "needed" 121 GB of a 116.7 GB disk and disk_will_fill fired."""
+    lag_items, per_item = 16, 47_600_000
+    trace = [Observation(o.t, o.items_done, (o.items_done + lag_items) * per_item
+                         if o.items_done else 0)
+             for o in steady_trace(rate=33.0, until_items=512, load_s=20, burst=4)]
+    first_count = next(i for i, o in enumerate(trace) if o.items_done)
+    for end in range(first_count + 1, len(trace) + 1):
+        f = forecast_job(trace[:end], items_total=512, now=trace[end - 1].t,
+                         disk_free_bytes=int(116.7 * GB))
+        assert f.will_fit is not False, f"false alarm at {trace[end - 1].items_done} items"
+        if f.bytes_per_item is not None:
+            assert f.bytes_per_item == pytest.approx(per_item, rel=0.01)
+    assert forecast_job(trace[:first_count + 1], items_total=512, now=trace[first_count].t,
+                        disk_free_bytes=GB).bytes_per_item is None  # one count: no estimate
+
+
 def test_declared_bytes_per_item_until_measured() -> None:
     loading = steady_trace(rate=2.5, until_items=0, load_s=600)
     forecast = forecast_job(
