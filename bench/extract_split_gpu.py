@@ -27,6 +27,7 @@ from safetensors.torch import load_file
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from extract_gpu import make_samples  # noqa: E402
 from extract_multi_gpu import build  # noqa: E402
 
 BALLAST = """
@@ -70,16 +71,61 @@ def compare(a: Path, b: Path) -> tuple[int, int, float]:
     return len(files), identical, worst
 
 
+def forward_ceiling(model_dir: Path, devices: list[str], samples: int) -> float:
+    """Tokens/s of the worker's forward passes alone (capture, gather on the last
+    device, finite check; no copies to the host, no files): what compute allows."""
+    from workers.extract import Capture, Extractor, load_model, pack_batches
+
+    model, _ = load_model(model_dir, device=",".join(devices), dtype=torch.bfloat16)
+    extractor = Extractor(model, Path("/dev/null"), overlap=False)
+    batch = make_samples(samples, 1450, model.config.vocab_size)
+    batches = pack_batches(batch, extractor.batch_tokens)
+    capture = Capture(extractor.base, extractor.layer_ids)
+    with torch.inference_mode():
+        for warm in batches[:2]:
+            extractor._forward(warm, capture)
+        for d in devices:
+            torch.cuda.synchronize(d)
+        t0 = time.perf_counter()
+        for one in batches:
+            extractor._forward(one, capture)
+        for d in devices:
+            torch.cuda.synchronize(d)
+    capture.remove()
+    extractor.writers.shutdown()
+    return sum(len(s.input_ids) for s in batch) / (time.perf_counter() - t0)
+
+
+def diagnose(model: Path, data: Path, work: Path, n: int, samples: int) -> None:
+    """Where the split's time goes: compute alone, then the worker with more writers."""
+    one = forward_ceiling(model, ["cuda:0"], samples)
+    split = forward_ceiling(model, [f"cuda:{i}" for i in range(n)], samples)
+    print(f"\nforward only: 1 GPU {one:,.0f} tokens/s, split over {n} {split:,.0f} "
+          f"({split / one:.2f}x)", flush=True)
+    code, stderr = extract(model, data, work / "diag", "--gpus-per-model", str(n),
+                           "--writers", "8", "--queue-depth", "6")
+    rate, peaks = rate_and_peaks(stderr)
+    print(f"split worker, 8 writers, queue depth 6: exit {code}, {rate:,.0f} tokens/s",
+          flush=True)
+    shutil.rmtree(work / "diag", ignore_errors=True)
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--work", type=Path, default=Path("/tmp/split"))
     parser.add_argument("--samples", type=int, default=512)
     parser.add_argument("--free-gb", type=float, default=13.0)
+    parser.add_argument("--diagnose", action="store_true",
+                        help="only: forward-only tokens/s, 1 GPU vs split, and the split "
+                             "worker with more writers")
     args = parser.parse_args()
     n = torch.cuda.device_count()
     if n < 2:
         raise SystemExit("needs at least 2 GPUs")
     model, data = build(args.work, args.samples)
+    if args.diagnose:
+        diagnose(model, data, args.work, n, args.samples)
+        return 0
     print(f"{n} x {torch.cuda.get_device_name(0)}, {args.samples} samples", flush=True)
     runs = {"1 GPU": ["--gpus", "1"], f"split over {n}": ["--gpus-per-model", str(n)],
             f"data-parallel x{n}": ["--gpus", str(n)]}

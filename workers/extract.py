@@ -49,7 +49,7 @@ from workers.common import (
     tokenize_conversation,
 )
 from workers.ranks import rank_argv, run_ranks
-from workers.split import load_split, parse_devices
+from workers.split import load_split, parse_devices, to_device
 
 log = logging.getLogger("workers.extract")
 
@@ -212,10 +212,10 @@ class Extractor:
         self.base(input_ids=ids, attention_mask=attention, use_cache=False)
         # with a split model the captured layers live on several devices: gather them
         # on the last one (a no-op otherwise)
-        aux = torch.cat([capture.states[i].to(self.device, non_blocking=True)
-                         for i in self.layer_ids], dim=-1)
+        aux = torch.cat([to_device(capture.states[i], self.device) for i in self.layer_ids],
+                        dim=-1)
         final = capture.states["final"]
-        valid = attention.to(self.device, non_blocking=True).bool().unsqueeze(-1)
+        valid = to_device(attention, self.device).bool().unsqueeze(-1)
         finite = (torch.isfinite(aux) | ~valid).flatten(1).all(1) & \
                  (torch.isfinite(final) | ~valid).flatten(1).all(1)
         return aux, final, finite

@@ -1,6 +1,6 @@
 """Model split: one copy of a target that does not fit one GPU, its decoder layers
-placed across several devices (HF `device_map` placement; accelerate moves the
-activations from one device to the next).
+placed across several devices (HF `device_map` placement, then jobsup's own hooks to
+move the activations from one device to the next).
 
 The plan is contiguous and balanced by parameter bytes: the embedding and the first
 layers on the first device, the last layers, the final norm and the lm_head on the
@@ -8,9 +8,14 @@ last. Sizes come from the model built on the meta device, so planning reads the 
 alone, and the weights load straight onto their devices (host memory never holds the
 whole model).
 
-Kernels are queued without waiting for the host, so while the second device runs
-batch k's later layers the first can already run batch k+1's early ones: a split
-model is pipelined across batches, not only stored across devices.
+Why not accelerate's hooks, which `from_pretrained` installs: they move every layer's
+inputs (the rotary cos/sin, the attention mask) again for each layer, and a copy
+between GPUs in PyTorch is a two-way barrier between the current streams of both
+devices. The first GPU's stream then waits for the second GPU's queue at every layer,
+so the two never compute at the same time (measured on 2 x H200: a split forward pass
+only 1.26x one GPU). Here each tensor crosses once per device per forward pass, on side
+streams, so the barrier holds no compute: while the second GPU runs batch k's later
+layers, the first already runs batch k+1's early ones.
 """
 
 from __future__ import annotations
@@ -93,12 +98,76 @@ def device_bytes(model: torch.nn.Module) -> dict[str, int]:
 
 def load_split(path: Path, devices: Sequence[str], dtype: torch.dtype) -> Any:
     """The causal LM at `path` with its layers placed over `devices` (see module doc)."""
+    from accelerate.hooks import remove_hook_from_submodules
     from transformers import AutoConfig, AutoModelForCausalLM
 
     config = AutoConfig.from_pretrained(path)
     plan = plan_device_map(config, devices, dtype)
     model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, device_map=plan)
     model.eval()
+    remove_hook_from_submodules(model)
+    Transfers(getattr(model, model.base_model_prefix))
     placed = ", ".join(f"{d} {n / 1e9:.2f} GB" for d, n in sorted(device_bytes(model).items()))
     log.info("model split over %d devices: %s", len(devices), placed)
     return model
+
+
+_SIDE_STREAMS: dict[torch.device, Any] = {}
+
+
+def _side_stream(device: torch.device) -> Any:
+    if device not in _SIDE_STREAMS:
+        _SIDE_STREAMS[device] = torch.cuda.Stream(device=device)
+    return _SIDE_STREAMS[device]
+
+
+def to_device(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """`tensor` on `device`. Between two GPUs the copy runs on side streams of both,
+    ordered after the producer on the source and before any later use on the target,
+    so it never makes one GPU's compute wait for the other's queue."""
+    if tensor.device == device:
+        return tensor
+    if tensor.device.type != "cuda" or device.type != "cuda":
+        return tensor.to(device)
+    src_side, dst_side = _side_stream(tensor.device), _side_stream(device)
+    src_side.wait_stream(torch.cuda.current_stream(tensor.device))
+    with torch.cuda.stream(src_side), torch.cuda.stream(dst_side):
+        moved = tensor.to(device, non_blocking=True)
+    tensor.record_stream(src_side)  # not freed before the copy has read it
+    consumer = torch.cuda.current_stream(device)
+    consumer.wait_stream(src_side)
+    moved.record_stream(consumer)
+    return moved
+
+
+class Transfers:
+    """Pre-hooks that bring each layer's (and the final norm's) tensor inputs to its
+    device, each tensor once per device per forward pass: the layers of one device
+    share the copy of the rotary cos/sin and the mask made for the first of them."""
+
+    def __init__(self, base: torch.nn.Module):
+        self._cache: dict[tuple[int, torch.device], tuple[torch.Tensor, torch.Tensor]] = {}
+        base.register_forward_pre_hook(lambda *_: self._cache.clear())
+        for module in [*base.layers, base.norm]:  # type: ignore[union-attr]
+            device = next(module.parameters()).device
+            module.register_forward_pre_hook(self._hook(device), with_kwargs=True)
+
+    def _hook(self, device: torch.device) -> Any:
+        def hook(_module: Any, args: tuple[Any, ...],
+                 kwargs: dict[str, Any]) -> tuple[tuple[Any, ...], dict[str, Any]]:
+            return (tuple(self._move(a, device) for a in args),
+                    {k: self._move(v, device) for k, v in kwargs.items()})
+        return hook
+
+    def _move(self, value: Any, device: torch.device) -> Any:
+        if isinstance(value, torch.Tensor):
+            if value.device == device:
+                return value
+            key = (id(value), device)
+            hit = self._cache.get(key)
+            if hit is None or hit[0] is not value:  # an id can be reused after a free
+                hit = self._cache[key] = (value, to_device(value, device))
+            return hit[1]
+        if isinstance(value, tuple):
+            return tuple(self._move(v, device) for v in value)
+        return value
