@@ -310,6 +310,10 @@ def pipeline_run(
     ttt_steps: Annotated[int, typer.Option(help="Training-time-test steps.")] = 7,
     epochs: Annotated[int, typer.Option(help="Training epochs.")] = 1,
     device: Annotated[str | None, typer.Option(help="cuda | cpu (default: cuda if any).")] = None,
+    extract_gpus: Annotated[str | None, typer.Option(
+        help="Extraction on several GPUs: N | all (one process per GPU).")] = None,
+    gpus_per_model: Annotated[int, typer.Option(
+        help="Split the target over K GPUs during extraction (larger than one GPU).")] = 1,
     dtype: Annotated[str, typer.Option(help="bf16 | fp16 | fp32 (extraction).")] = "bf16",
     init: Annotated[Path | None, typer.Option(help="Pre-trained draft to finetune.")] = None,
     follow: Annotated[bool, typer.Option(help="Watch until every step has ended.")] = False,
@@ -323,6 +327,7 @@ def pipeline_run(
         "out": str(out.resolve()), "name": name, "serve": serve, "endpoint": endpoint,
         "port": port, "max_tokens": max_tokens, "draft_vocab_size": draft_vocab_size,
         "ttt_steps": ttt_steps, "epochs": epochs, "device": device, "dtype": dtype,
+        "extract_gpus": extract_gpus, "gpus_per_model": gpus_per_model,
         "init": str(init.resolve()) if init else None}
     try:
         c = client(url)

@@ -44,6 +44,12 @@ class Eagle3Pipeline(BaseModel):
     max_tokens: int | None = Field(default=None, ge=1)
     temperature: float | None = Field(default=None, ge=0)
     device: str | None = None
+    extract_gpus: str | None = Field(
+        default=None, pattern=r"^(all|[1-9][0-9]*)$",
+        description="extraction on several GPUs: N or `all` (workers.extract --gpus)")
+    gpus_per_model: int = Field(
+        default=1, ge=1, description="split the target over this many GPUs during "
+                                     "extraction (workers.extract --gpus-per-model)")
     dtype: Literal["bf16", "fp16", "fp32"] = "bf16"
     max_length: int = Field(default=4096, ge=1)
     draft_vocab_size: int = Field(default=32000, ge=1)
@@ -122,11 +128,16 @@ def eagle3_jobs(p: Eagle3Pipeline, *, resolve: Callable[[int], str]) -> Iterator
         yield job("serve", command=serve_command(p), stop_when_ended=[generate_id])
         steps += 1
 
+    extract_devices = device
+    if p.extract_gpus or p.gpus_per_model > 1:  # the worker picks the CUDA devices
+        extract_devices = ["--gpus-per-model", str(p.gpus_per_model)]
+        if p.extract_gpus:
+            extract_devices += ["--gpus", p.extract_gpus]
     yield job(
         "extract",
         command=[*py, "workers.extract", "--model", str(model), "--data", str(conversations),
                  "--out", str(hidden), "--dtype", p.dtype, "--max-length", str(p.max_length),
-                 *device],
+                 *extract_devices],
         depends_on=[generate_id], output_dir=str(hidden), pattern="rows_*/*.safetensors",
         expected_items=n_prompts)
     extract_id = resolve(steps)

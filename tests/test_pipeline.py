@@ -31,6 +31,8 @@ def test_bad_pipeline_requests(daemon: Daemon, tiny: Path, tmp_path: Path) -> No
         (body(tiny, tmp_path, serve="stub", endpoint="http://127.0.0.1:1/v1"), "either"),
         (body(tiny, tmp_path, serve="tgi"), "serve"),
         (body(tiny, tmp_path, draft_vocab_size=0), "draft_vocab_size"),
+        (body(tiny, tmp_path, extract_gpus="two"), "extract_gpus"),
+        (body(tiny, tmp_path, gpus_per_model=0), "gpus_per_model"),
     ]
     for request, word in cases:
         response = daemon.http.post("/api/v1/pipelines/eagle3", json=request)
@@ -58,6 +60,22 @@ def test_jobs_are_chained_and_labelled(daemon: Daemon, tiny: Path, tmp_path: Pat
     assert {j["spec"]["labels"]["step"] for j in response.json()} == {
         "generate", "serve", "extract", "vocab", "train"}
     for job in (generate, serve):
+        daemon.http.post(f"/api/v1/jobs/{job['id']}/stop")
+
+
+def test_extraction_on_several_gpus(daemon: Daemon, tiny: Path, tmp_path: Path) -> None:
+    """The GPU options reach workers.extract (and replace --device there only)."""
+    response = daemon.http.post("/api/v1/pipelines/eagle3", json=body(
+        tiny, tmp_path / "run", extract_gpus="all", gpus_per_model=2, name="multi"))
+    assert response.status_code == 201, response.text
+    jobs = {j["name"]: j for j in response.json()}
+    extract = jobs["multi-extract"]["spec"]["command"]
+    assert extract[extract.index("--gpus") + 1] == "all"
+    assert extract[extract.index("--gpus-per-model") + 1] == "2"
+    assert "--device" not in extract
+    train = jobs["multi-train"]["spec"]["command"]
+    assert train[train.index("--device") + 1] == "cpu"
+    for job in jobs.values():
         daemon.http.post(f"/api/v1/jobs/{job['id']}/stop")
 
 
