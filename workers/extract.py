@@ -13,6 +13,11 @@ into a pool of pinned host buffers with non-blocking copies on a side stream, an
 bounded pool of writer threads turns them into files while the next batch computes.
 `--no-overlap` runs the same work one step after the other (for comparison).
 
+Several GPUs: `--gpus N` runs one process per GPU, each taking every N-th sample into
+the same tree and manifest (workers/ranks.py); `--gpus-per-model K` splits the model's
+layers over K GPUs for a target larger than one (workers/split.py), N/K copies with
+`--gpus N`.
+
 Resume: samples whose file exists are skipped (their manifest line is restored if the
 crash came between the rename and the append). Samples with NaN/Inf hidden states are
 skipped and counted, never written. A full disk stops the run cleanly (exit 4), with
