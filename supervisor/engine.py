@@ -148,24 +148,22 @@ class Engine:
         with self.sessions() as session:
             running = store.jobs_in_states(session, JobState.RUNNING)
             for job in running:
-                with self._writing(session, "job state"):
+                with self._isolated(session, f"job {job.id}"), \
+                        self._writing(session, "job state"):
                     self._check_running(session, job, now)
-            # jobs that ended this tick get one last reading: their final output counts
-            observed = [self._observed(job, self._attempt(job)) for job in running]
-            self._store_samples(session, running, self.observer.observe(observed, now))
-            recorded: list[tuple[str, str]] = []
-            with self._writing(session, "alerts") as written:
-                self.alerting.record(session, running, now, recorded)
-            if written.ok:
-                self.alerting.forget_sent(recorded)
-            else:
-                self.alerting.send_unrecorded(session, running, now)
+            with self._isolated(session, "observation"):
+                # jobs that ended this tick get one last reading: their final output counts
+                observed = [self._observed(job, self._attempt(job)) for job in running]
+                self._store_samples(session, running, self.observer.observe(observed, now))
+            with self._isolated(session, "alerts"):
+                self._alert(session, running, now)
             for job in running:
                 if JobState(job.state) is not JobState.RUNNING:
                     self.observer.forget(job.id)
             self.notifier.wake()
             for job in store.jobs_in_states(session, JobState.PENDING):
-                with self._writing(session, "job start"):
+                with self._isolated(session, f"job {job.id}"), \
+                        self._writing(session, "job start"):
                     self._check_pending(session, job, now)
             if now >= self._next_compact_at:
                 self._next_compact_at = now + COMPACT_EVERY_S
@@ -173,6 +171,26 @@ class Engine:
                     deleted = store.compact_samples(session, now=now)
                     if deleted:
                         log.info("downsampled old samples: %d rows removed", deleted)
+
+    def _alert(self, session: Session, running: Sequence[Job], now: float) -> None:
+        recorded: list[tuple[str, str]] = []
+        with self._writing(session, "alerts") as written:
+            self.alerting.record(session, running, now, recorded)
+        if written.ok:
+            self.alerting.forget_sent(recorded)
+        else:
+            self.alerting.send_unrecorded(session, running, now)
+
+    @contextmanager
+    def _isolated(self, session: Session, what: str) -> Iterator[None]:
+        """One step of the tick whose unexpected failure is logged and rolled back, so
+        the steps after it still run: a bug in reading one job's output must not keep
+        the pending jobs from starting, nor the other jobs from being watched."""
+        try:
+            yield
+        except Exception:
+            session.rollback()
+            log.exception("tick step failed (%s); the rest of the tick goes on", what)
 
     @contextmanager
     def _writing(self, session: Session, what: str) -> Iterator[Written]:
