@@ -71,6 +71,9 @@ class Engine:
         self._killed: set[tuple[str, int]] = set()
         self.observer = Observer(settings.jobs_dir)
         self._next_compact_at = 0.0
+        self._compacted_until: dict[float, float] | None = None
+        """Per sample tier, the cutoff of the last downsampling pass (None: none yet in
+        this daemon; the first pass starts from `store.compaction_resume_point`)."""
         self.database_full = False
         """The last write failed for lack of disk space (SQLITE_FULL)."""
         self._unsaved_samples: list[Sample] = []
@@ -167,10 +170,14 @@ class Engine:
                     self._check_pending(session, job, now)
             if now >= self._next_compact_at:
                 self._next_compact_at = now + COMPACT_EVERY_S
-                with self._writing(session, "sample downsampling"):
-                    deleted = store.compact_samples(session, now=now)
+                with self._writing(session, "sample downsampling") as written:
+                    since = (self._compacted_until if self._compacted_until is not None
+                             else store.compaction_resume_point(session))
+                    deleted = store.compact_samples(session, now=now, since=since)
                     if deleted:
                         log.info("downsampled old samples: %d rows removed", deleted)
+                if written.ok:
+                    self._compacted_until = store.compaction_cutoffs(now)
 
     def _alert(self, session: Session, running: Sequence[Job], now: float) -> None:
         recorded: list[tuple[str, str]] = []

@@ -63,7 +63,7 @@ class Sample(Base):
     """One reading of one job at one tick (downsampled with age, see store.compact_samples)."""
 
     __tablename__ = "samples"
-    __table_args__ = (Index("ix_samples_job_t", "job_id", "t"),)
+    __table_args__ = (Index("ix_samples_job_t", "job_id", "t"), Index("ix_samples_t", "t"))
 
     id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
     job_id: Mapped[str] = mapped_column(ForeignKey("jobs.id", ondelete="CASCADE"))

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import logging
 import secrets
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 from sqlalchemy import Integer, cast, delete, func, select, update
 from sqlalchemy.orm import Session
@@ -135,22 +135,43 @@ def latest_sample(session: Session, job_id: str) -> Sample | None:
     ).first()
 
 
-def compact_samples(session: Session, *, now: float) -> int:
+def compact_samples(session: Session, *, now: float,
+                    since: Mapping[float, float] | None = None) -> int:
     """Downsample old samples per SAMPLE_TIERS (keep the newest row of each bucket);
-    returns how many rows were deleted."""
+    returns how many rows were deleted. `since` maps a tier's age to the cutoff of its
+    last pass: only rows that aged into the tier after it are read (from the start of
+    the bucket holding it, which that pass saw only in part). Without it, all of them."""
     deleted = 0
     for age_s, bucket_s in SAMPLE_TIERS:
-        cutoff = now - age_s
+        window = [Sample.t < now - age_s]
+        previous = (since or {}).get(age_s)
+        if previous is not None:
+            window.append(Sample.t >= previous // bucket_s * bucket_s)
         keep = (
             select(func.max(Sample.id))
-            .where(Sample.t < cutoff)
+            .where(*window)
             .group_by(Sample.job_id, cast(Sample.t / bucket_s, Integer))
         )
-        result = session.execute(
-            delete(Sample).where(Sample.t < cutoff, Sample.id.not_in(keep))
-        )
+        result = session.execute(delete(Sample).where(*window, Sample.id.not_in(keep)))
         deleted += result.rowcount or 0  # type: ignore[attr-defined]
     return deleted
+
+
+def compaction_cutoffs(now: float) -> dict[float, float]:
+    """What a pass at `now` covered, for the next pass's `since`."""
+    return {age_s: now - age_s for age_s, _ in SAMPLE_TIERS}
+
+
+COMPACTION_RESUME_MARGIN_S = 86_400.0
+
+
+def compaction_resume_point(session: Session) -> dict[float, float] | None:
+    """`since` for a daemon's first pass: every daemon runs a pass at its first tick and
+    then every 5 minutes, so the last daemon's last pass came at most minutes before its
+    newest sample. A day of margin covers passes lost to a full disk; None (read
+    everything) for an empty table."""
+    newest = session.scalar(select(func.max(Sample.t)))
+    return None if newest is None else compaction_cutoffs(newest - COMPACTION_RESUME_MARGIN_S)
 
 
 def learned_bytes_per_item(session: Session, name: str) -> float | None:

@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import time
 from pathlib import Path
+from typing import Any
 
-from sqlalchemy import insert, select
+from sqlalchemy import event, insert, select
 
 from supervisor import store
 from supervisor.db import make_engine, make_sessionmaker, upgrade
@@ -142,3 +143,79 @@ def test_samples_are_downsampled_with_age(tmp_path: Path) -> None:
     day_old = [t for t in kept if now - 30 * 3600 <= t < now - 29 * 3600]
     assert 55 <= len(day_old) <= 61  # one per minute
     engine.dispose()
+
+
+def _samples_db(tmp_path: Path, name: str, start: float, seconds: int) -> tuple[Any, Any]:
+    engine = make_engine(f"sqlite:///{tmp_path / name}")
+    upgrade(engine)
+    sessions = make_sessionmaker(engine)
+    with sessions() as session:
+        session.add(Job(id="j1", name="long", spec_json="{}", state="running",
+                        created_at=start, attempt=1, restarts=0))
+        session.commit()
+        session.execute(insert(Sample), [
+            {"job_id": "j1", "t": start + i * 2.0, "items_done": i, "files": i,
+             "bytes_written": i * 10} for i in range(seconds // 2)])
+        session.commit()
+    return engine, sessions
+
+
+def test_incremental_downsampling_keeps_what_a_full_pass_keeps(tmp_path: Path) -> None:
+    """Passes every 5 minutes that read only the newly aged rows end where one pass over
+    everything ends; the windowed deletes are searched through the index on `t`."""
+    start = 1_800_000_000.0
+    now = start + 4 * 86400 + 7.0
+    full_db, full = _samples_db(tmp_path, "full.sqlite", start, 4 * 86400)
+    step_db, step = _samples_db(tmp_path, "step.sqlite", start, 4 * 86400)
+    with full() as session:
+        store.compact_samples(session, now=now)
+        session.commit()
+        expected = session.scalars(select(Sample.t).order_by(Sample.t)).all()
+
+    plans: list[str] = []
+
+    def explain(conn: Any, _cursor: Any, statement: str, parameters: Any, *_: Any) -> None:
+        if statement.startswith("DELETE FROM samples") and "t >=" in statement:
+            rows = conn.exec_driver_sql(f"EXPLAIN QUERY PLAN {statement}", parameters)
+            plans.append(" | ".join(str(r[-1]) for r in rows))
+
+    first = now - 3 * 3600
+    with step() as session:
+        store.compact_samples(session, now=first)  # a daemon's first pass: everything
+        session.commit()
+        since = store.compaction_cutoffs(first)
+        event.listen(step_db, "before_cursor_execute", explain)
+        for t in (first + 300, now - 600, now):
+            store.compact_samples(session, now=t, since=since)
+            session.commit()
+            since = store.compaction_cutoffs(t)
+        event.remove(step_db, "before_cursor_execute", explain)
+        kept = session.scalars(select(Sample.t).order_by(Sample.t)).all()
+    assert kept == expected and 12_000 < len(kept) < 16_000  # 6 h at 2 s, then thinner
+    assert plans and all("ix_samples_t" in plan for plan in plans), plans
+    full_db.dispose()
+    step_db.dispose()
+
+
+def test_a_restarted_daemon_resumes_downsampling_where_the_last_one_was(
+        tmp_path: Path) -> None:
+    """A new daemon's first pass reads from a day before the newest sample, not the whole
+    table, and ends where a full pass ends: the old daemon had compacted the rest."""
+    start = 1_800_000_000.0
+    stop = start + 4 * 86400
+    dbs = [_samples_db(tmp_path, f"{name}.sqlite", start, 4 * 86400) for name in ("a", "b")]
+    kept = []
+    for (db, sessions), resume in zip(dbs, (False, True), strict=True):
+        with sessions() as session:
+            store.compact_samples(session, now=stop)  # the old daemon's last pass
+            session.add_all(Sample(job_id="j1", t=stop + i * 2.0, items_done=0, files=0,
+                                   bytes_written=0) for i in range(150))  # then 5 min more
+            session.commit()
+            since = store.compaction_resume_point(session) if resume else None
+            if resume:
+                assert since == store.compaction_cutoffs(stop + 298.0 - 86_400)
+            store.compact_samples(session, now=stop + 3600, since=since)  # the new daemon
+            session.commit()
+            kept.append(session.scalars(select(Sample.t).order_by(Sample.t)).all())
+        db.dispose()
+    assert kept[0] == kept[1]
