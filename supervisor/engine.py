@@ -28,8 +28,9 @@ from supervisor.spec import ExitReason, JobSpec, JobState, Progress, RestartPoli
 log = logging.getLogger(__name__)
 
 LAUNCH_CONFIRM_S = 10.0
-"""A launch recorded in the DB whose shim left no trace after this many seconds never
-started (the daemon died between the two); it is launched again."""
+"""A launch recorded in the DB whose shim left no trace after this many seconds is
+settled through the attempt's claim file (`Backend.settle_launch`): launched again if
+the daemon can claim it, else waited for (its shim is starting) or lost."""
 
 STOP_BACKSTOP_S = 5.0
 """Seconds past a job's stop grace after which the daemon SIGKILLs the job itself."""
@@ -283,8 +284,14 @@ class Engine:
             self._finish(session, job, status, now)
         elif attempt.shim_pid is None and worker is None:
             if now - (job.started_at or now) > LAUNCH_CONFIRM_S:
-                store.transition(session, job, JobState.PENDING, now=now,
-                                 reason="the daemon died while launching; launching again")
+                fate = self.backend.settle_launch(attempt)
+                if fate == "abandoned":
+                    store.transition(session, job, JobState.PENDING, now=now,
+                                     reason="the daemon died while launching; launching again")
+                elif fate == "dead":
+                    job.exit_reason = ExitReason.LOST.value
+                    store.transition(session, job, JobState.LOST, now=now,
+                                     reason="its shim died while starting the job")
         elif job.stop_requested_at is not None:  # what the user asked for, exit unknown
             job.exit_reason = ExitReason.STOPPED.value
             store.transition(session, job, JobState.STOPPED, now=now,

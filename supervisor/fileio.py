@@ -20,6 +20,25 @@ def atomic_write_json(path: str | os.PathLike[str], data: Any) -> None:
     os.replace(tmp, target)
 
 
+def create_json_exclusive(path: str | os.PathLike[str], data: Any) -> bool:
+    """Create `path` holding `data` unless it exists; True if this call created it.
+    The content is written to a temp file first and hard-linked into place, so the
+    file is never seen empty or half-written, and of two racing callers one wins."""
+    target = Path(path)
+    tmp = target.with_name(f".{target.name}.{os.getpid()}.tmp")
+    with open(tmp, "w", encoding="utf-8") as f:
+        json.dump(data, f)
+        f.flush()
+        os.fsync(f.fileno())
+    try:
+        os.link(tmp, target)
+    except FileExistsError:
+        return False
+    finally:
+        tmp.unlink(missing_ok=True)
+    return True
+
+
 def read_json(path: str | os.PathLike[str]) -> Any | None:
     """The parsed file, or None when it is missing or not (yet) valid JSON."""
     try:

@@ -19,11 +19,12 @@ import threading
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Protocol
+from typing import Literal, Protocol
 
 from supervisor.errors import InvalidSpec
-from supervisor.fileio import atomic_write_json, read_json
+from supervisor.fileio import atomic_write_json, create_json_exclusive, read_json
 from supervisor.procfs import all_stats, create_time, is_same_process, signal_group
+from supervisor.shim import CLAIM_FILE
 from supervisor.spec import JobSpec
 
 log = logging.getLogger(__name__)
@@ -95,6 +96,13 @@ def job_environment(base: Mapping[str, str], spec: JobSpec, job_id: str, number:
     return env
 
 
+LaunchFate = Literal["abandoned", "starting", "dead"]
+"""What became of a launch whose shim left no trace in time: `abandoned` (the daemon
+now owns the attempt; a late shim will not start the job: launch it again),
+`starting` (a live shim owns it and is still starting: wait), `dead` (a shim owned it
+and died before recording anything: the job is lost)."""
+
+
 class Backend(Protocol):
     def start(self, job_id: str, number: int, spec: JobSpec, *, cwd: str,
               stop_grace_s: float) -> Attempt: ...
@@ -118,6 +126,7 @@ class Backend(Protocol):
                         os.kill(pid, signal.SIGKILL)
 
     def watch(self, attempt: Attempt, worker: WorkerInfo | None) -> None: ...
+    def settle_launch(self, attempt: Attempt) -> LaunchFate: ...
     def forget(self, attempt: Attempt) -> None: ...
     def reap(self) -> None: ...
     def close(self) -> None: ...
@@ -164,6 +173,19 @@ class LocalBackend:
             if isinstance(data, dict) and isinstance(data.get("pid"), int):
                 shim_pid, shim_create_time = data["pid"], data.get("create_time")
         return Attempt(job_id, number, adir, shim_pid, shim_create_time)
+
+    def settle_launch(self, attempt: Attempt) -> LaunchFate:
+        """Claim an attempt whose shim left no trace (see `LaunchFate`)."""
+        attempt.dir.mkdir(parents=True, exist_ok=True)
+        if create_json_exclusive(attempt.dir / CLAIM_FILE, {"by": "daemon", "pid": os.getpid()}):
+            return "abandoned"
+        claim = read_json(attempt.dir / CLAIM_FILE)
+        if isinstance(claim, dict) and claim.get("by") == "daemon":
+            return "abandoned"  # claimed by an earlier daemon that died before relaunching
+        if isinstance(claim, dict) and is_same_process(claim.get("pid"),
+                                                       claim.get("create_time")):
+            return "starting"
+        return "dead"
 
     def worker_alive(self, worker: WorkerInfo) -> bool:
         """The worker, or what it left in its process group, still runs."""

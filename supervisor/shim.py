@@ -30,10 +30,14 @@ from pathlib import Path
 from types import FrameType
 from typing import Any
 
-from supervisor.fileio import atomic_write_json, read_json
+from supervisor.fileio import atomic_write_json, create_json_exclusive, read_json
 from supervisor.procfs import all_stats, create_time, group_alive, signal_group
 
 PR_SET_CHILD_SUBREAPER = 36
+CLAIM_FILE = "claim.json"
+"""Created once per attempt, by the shim before it starts the worker or by a daemon that
+gave the launch up (the shim left no trace in time): whoever creates it owns the
+attempt, so a shim that starts late never runs a job the daemon launched again."""
 LEFTOVER_GRACE_S = 2.0
 """Seconds leftover descendants get between SIGTERM and SIGKILL once the worker ended."""
 
@@ -124,8 +128,12 @@ class Shim:
         signal.signal(signal.SIGALRM, self._on_grace_over)
         _become_subreaper()
         me = os.getpid()
-        atomic_write_json(self.attempt_dir / "shim.json",
-                          {"pid": me, "create_time": create_time(me)})
+        identity = {"pid": me, "create_time": create_time(me)}
+        if not create_json_exclusive(self.attempt_dir / CLAIM_FILE, {"by": "shim", **identity}):
+            print("jobsup shim: the daemon gave this launch up (the shim started too late); "
+                  "not starting the job", file=sys.stderr)
+            return 0
+        atomic_write_json(self.attempt_dir / "shim.json", identity)
 
         self.oom_kills_at_start = oom_kill_count()
         log_path = self.launch["log_path"]
