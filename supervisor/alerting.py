@@ -118,9 +118,13 @@ class AlertRecorder:
             session.add(alert)
             session.flush()
             self._enqueue(session, "resolved", jobs[key[0]], alert, now)
-        if self.settings.notify_on_success:
-            for job in running:
-                if job.state == JobState.SUCCEEDED.value:
+        if self.settings.notify_on_success and self.notifier.destinations:
+            # this tick's and recent successes not yet in the outbox: a daemon that died
+            # between recording the end and this step left theirs unsent
+            succeeded = [job for job in jobs.values() if job.state == JobState.SUCCEEDED.value]
+            told = store.jobs_notified(session, "succeeded", [job.id for job in succeeded])
+            for job in succeeded:
+                if job.id not in told:
                     self._enqueue(session, "succeeded", job, None, now)
 
     def facts(self, job: Job, now: float) -> alerts.JobFacts:

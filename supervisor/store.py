@@ -10,7 +10,7 @@ from sqlalchemy import Integer, cast, delete, func, select, update
 from sqlalchemy.orm import Session
 
 from supervisor.errors import JobNotFound
-from supervisor.models import Alert, Job, JobEvent, Sample
+from supervisor.models import Alert, Job, JobEvent, Notification, Sample
 from supervisor.spec import AlertState, JobSpec, JobState
 
 log = logging.getLogger(__name__)
@@ -57,6 +57,15 @@ def jobs_in_states(session: Session, *states: JobState) -> Sequence[Job]:
 def jobs_ended_since(session: Session, since: float) -> Sequence[Job]:
     return session.scalars(select(Job).where(Job.ended_at >= since)
                            .order_by(Job.ended_at, Job.id)).all()
+
+
+def jobs_notified(session: Session, kind: str, job_ids: Sequence[str]) -> set[str]:
+    """Which of these jobs already have a message of this kind in the outbox."""
+    if not job_ids:
+        return set()
+    rows = session.scalars(select(Notification.job_id).where(
+        Notification.kind == kind, Notification.job_id.in_(list(job_ids))))
+    return {job_id for job_id in rows if job_id is not None}
 
 
 def existing_ids(session: Session, ids: Sequence[str]) -> set[str]:

@@ -172,27 +172,48 @@ def test_metrics_names_and_retention(make_daemon) -> None:
              what="the ended job's series to disappear")
 
 
+def end_recorded_then_daemon_died(daemon: Daemon, job_id: str, state: str,
+                                  exit_code: int) -> None:
+    """What a daemon killed right after committing a job's end leaves: the end in the
+    database, no alert step run, the job's processes gone."""
+    import json
+    import sqlite3
+
+    wait_for(lambda: daemon.job(job_id)["pid"], 10, what="the worker's pid")
+    daemon.kill()
+    db = sqlite3.connect(daemon.data_dir / "jobsup.db")
+    db.execute("UPDATE jobs SET state=?, exit_code=?, exit_reason='exit', "
+               "reason=?, ended_at=? WHERE id=?",
+               (state, exit_code, f"exited with code {exit_code}", time.time(), job_id))
+    db.commit()
+    db.close()
+    attempt = daemon.data_dir / "jobs" / job_id / "attempt-1"
+    os.kill(json.loads((attempt / "shim.json").read_text())["pid"], 9)
+    os.killpg(json.loads((attempt / "worker.json").read_text())["pid"], 9)
+
+
 def test_crash_recorded_by_a_daemon_that_died_before_alerting(make_daemon,
                                                                receiver: Receiver) -> None:
     """The job's end was committed but the daemon died before its alert step: the next
     daemon still opens `crashed` and sends it, once."""
-    import json
-    import sqlite3
-
     daemon = slack_daemon(make_daemon, receiver)
     job = daemon.submit(python_job("import time; time.sleep(600)"), name="orphaned")
-    wait_for(lambda: daemon.job(job["id"])["pid"], 10, what="the worker's pid")
-    daemon.kill()
-    db = sqlite3.connect(daemon.data_dir / "jobsup.db")
-    db.execute("UPDATE jobs SET state='failed', exit_code=1, exit_reason='exit', "
-               "reason='exited with code 1', ended_at=? WHERE id=?", (time.time(), job["id"]))
-    db.commit()
-    db.close()
-    attempt = daemon.data_dir / "jobs" / job["id"] / "attempt-1"
-    os.kill(json.loads((attempt / "shim.json").read_text())["pid"], 9)
-    os.killpg(json.loads((attempt / "worker.json").read_text())["pid"], 9)
+    end_recorded_then_daemon_died(daemon, job["id"], "failed", 1)
     daemon.start()
     wait_for(lambda: receiver.posts, 10, what="the crash message from the new daemon")
     time.sleep(2)
     assert len(receiver.posts) == 1 and "orphaned" in receiver.texts()[0]
     assert [a["rule"] for a in daemon.job(job["id"])["alerts"]] == ["crashed"]
+
+
+def test_success_recorded_by_a_daemon_that_died_before_telling(make_daemon,
+                                                               receiver: Receiver) -> None:
+    """The same for a success: the next daemon sends its message, once."""
+    daemon = slack_daemon(make_daemon, receiver, JOBSUP_NOTIFY_ON_SUCCESS="true")
+    job = daemon.submit(python_job("import time; time.sleep(600)"), name="quietly-done")
+    end_recorded_then_daemon_died(daemon, job["id"], "succeeded", 0)
+    daemon.start()
+    wait_for(lambda: receiver.posts, 10, what="the success message from the new daemon")
+    time.sleep(2)  # two more ticks: not sent again
+    assert len(receiver.posts) == 1
+    assert "quietly-done" in receiver.texts()[0] and "succeeded" in receiver.texts()[0]
