@@ -14,6 +14,7 @@ side by side in one run with one GPU and with data parallelism:
 from __future__ import annotations
 
 import argparse
+import os
 import re
 import shutil
 import subprocess
@@ -115,6 +116,8 @@ def main() -> int:
     parser.add_argument("--work", type=Path, default=Path("/tmp/split"))
     parser.add_argument("--samples", type=int, default=512)
     parser.add_argument("--free-gb", type=float, default=13.0)
+    parser.add_argument("--no-capacity", action="store_true",
+                        help="skip the capacity check (ballast on each GPU)")
     parser.add_argument("--diagnose", action="store_true",
                         help="only: forward-only tokens/s, 1 GPU vs split, and the split "
                              "worker with more writers")
@@ -131,6 +134,9 @@ def main() -> int:
             f"data-parallel x{n}": ["--gpus", str(n)]}
     rows = []
     for label, options in runs.items():
+        t0 = time.perf_counter()
+        os.sync()  # each run starts with no dirty pages of the one before
+        print(f"sync before {label}: {time.perf_counter() - t0:.1f} s", flush=True)
         t0 = time.perf_counter()
         code, stderr = extract(model, data, args.work / label.replace(" ", "_"), *options)
         if code != 0:
@@ -149,6 +155,8 @@ def main() -> int:
     for label, *_ in rows:
         shutil.rmtree(args.work / label.replace(" ", "_"), ignore_errors=True)
 
+    if args.no_capacity:
+        return 0
     ballast = subprocess.Popen([sys.executable, "-c", BALLAST, str(args.free_gb)],
                                stdout=subprocess.PIPE, text=True)
     try:
