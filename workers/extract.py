@@ -27,7 +27,6 @@ no partial file left behind.
 from __future__ import annotations
 
 import argparse
-import errno
 import json
 import logging
 import os
@@ -42,7 +41,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors import safe_open
 
 from workers.common import (
     JsonlStats,
@@ -53,13 +51,21 @@ from workers.common import (
     setup_logging,
     tokenize_conversation,
 )
+from workers.hidden_files import (
+    DiskFull,
+    append_manifest,
+    existing_indexes,
+    merge_summaries,
+    restore_manifest,
+    safetensors_parts,
+    sample_path,
+    write_atomically,
+)
 from workers.ranks import rank_argv, run_ranks
 from workers.split import load_split, parse_devices, to_device
 
 log = logging.getLogger("workers.extract")
 
-SHARD_SIZE = 2000
-"""Samples per sub-directory: no directory holds 100k entries."""
 EXIT_DISK_FULL = 4
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
@@ -67,11 +73,6 @@ DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 def capture_layers(num_layers: int) -> list[int]:
     """EAGLE-3's auxiliary layers: [2, N//2, N-3] (for N = 61: [2, 30, 58])."""
     return [2, num_layers // 2, num_layers - 3]
-
-
-def sample_path(out: Path, index: int) -> Path:
-    start = index // SHARD_SIZE * SHARD_SIZE
-    return out / f"rows_{start}-{start + SHARD_SIZE}" / f"{index:08d}.safetensors"
 
 
 @dataclass(frozen=True)
@@ -94,10 +95,6 @@ class Stats:
     truncated: int = 0
     empty: list[str] = field(default_factory=list)
     malformed_lines: list[int] = field(default_factory=list)
-
-
-class DiskFull(Exception):
-    pass
 
 
 def pack_batches(samples: Sequence[Sample], batch_tokens: int) -> list[list[Sample]]:
@@ -317,104 +314,6 @@ class Extractor:
         }, force=force)
 
 
-SAFETENSORS_DTYPES = {torch.bfloat16: "BF16", torch.float16: "F16", torch.float32: "F32",
-                      torch.int64: "I64", torch.uint8: "U8"}
-
-
-def safetensors_parts(tensors: dict[str, torch.Tensor],
-                      metadata: dict[str, str]) -> list[memoryview]:
-    """The safetensors file as a list of buffers: the header, then each tensor's bytes
-    straight from its (CPU, contiguous) memory. Written with `write`, which releases the
-    GIL, this avoids `safetensors.save`'s copy of every sample into one bytes object."""
-    header: dict[str, Any] = {"__metadata__": metadata}
-    parts: list[memoryview] = []
-    offset = 0
-    for name, tensor in tensors.items():
-        tensor = tensor.contiguous()
-        size = tensor.numel() * tensor.element_size()
-        header[name] = {"dtype": SAFETENSORS_DTYPES[tensor.dtype], "shape": list(tensor.shape),
-                        "data_offsets": [offset, offset + size]}
-        flat = tensor.reshape(-1).view(torch.uint8)  # 1-D: len() of the view is its bytes
-        parts.append(memoryview(flat.numpy()) if size else memoryview(b""))
-        offset += size
-    encoded = json.dumps(header, separators=(",", ":")).encode()
-    encoded += b" " * (-len(encoded) % 8)  # the data starts 8-byte aligned
-    return [memoryview(len(encoded).to_bytes(8, "little") + encoded), *parts]
-
-
-def write_atomically(path: Path, parts: Sequence[memoryview | bytes], *, fsync: bool) -> None:
-    """Write to `.name.tmp` beside it, then rename: the final name only ever holds a
-    whole file. On ENOSPC the temp file is removed and DiskFull raised."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp")
-    try:
-        with open(tmp, "wb", buffering=0) as f:
-            for part in parts:
-                view = memoryview(part).cast("B")
-                while view:  # a raw write may be short
-                    written = f.write(view)
-                    view = view[written:]
-            if fsync:
-                f.flush()
-                os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except OSError as exc:
-        tmp.unlink(missing_ok=True)
-        if exc.errno in (errno.ENOSPC, errno.EDQUOT):
-            raise DiskFull(f"disk full while writing {path}") from exc
-        raise
-
-
-def append_manifest(out: Path, entry: dict[str, Any]) -> None:
-    with open(out / "manifest.jsonl", "a", encoding="utf-8") as f:
-        f.write(json.dumps(entry) + "\n")
-
-
-def truncate_torn_line(path: Path) -> None:
-    """Drop a last line without its newline (a kill in the middle of an append), so
-    the next append starts a line of its own."""
-    if not path.exists():
-        return
-    with open(path, "rb+") as f:
-        data = f.read()
-        if data and not data.endswith(b"\n"):
-            f.truncate(data.rfind(b"\n") + 1)
-
-
-def existing_indexes(out: Path) -> set[int]:
-    """Indexes whose file exists (a rank's view; the parent settled the manifest)."""
-    found = set()
-    for path in out.glob("rows_*/*.safetensors"):
-        if not path.name.startswith("."):
-            try:
-                found.add(int(path.stem))
-            except ValueError:
-                continue
-    return found
-
-
-def restore_manifest(out: Path) -> set[int]:
-    """Indexes whose file exists; manifest lines missing for existing files (a crash
-    between rename and append) are added back."""
-    listed: set[int] = set()
-    manifest = out / "manifest.jsonl"
-    truncate_torn_line(manifest)
-    if manifest.exists():
-        for _, entry in read_jsonl(manifest, required=("index",)):
-            listed.add(int(entry["index"]))
-    present = existing_indexes(out)
-    for index in sorted(present - listed):
-        path = sample_path(out, index)
-        with safe_open(path, framework="pt") as f:
-            meta = f.metadata() or {}
-            length = f.get_slice("input_ids").get_shape()[0]
-            loss = int(f.get_tensor("loss_mask").sum())
-        append_manifest(out, {"index": index, "id": meta.get("id", ""),
-                              "file": str(path.relative_to(out)), "seq_len": length,
-                              "bytes": path.stat().st_size, "loss_tokens": loss})
-    return present
-
-
 def load_samples(data: Path, tokenizer: Any, *, max_length: int | None, on_too_long: str,
                  stats: Stats, limit: int | None) -> Iterator[Sample]:
     """Tokenized samples in file order; the index is the record's ordinal among valid
@@ -611,24 +510,6 @@ def write_summary(out: Path, stats: Stats, name: str = "extract_summary.json") -
     tmp = target.with_name(f".{target.name}.tmp")
     tmp.write_text(json.dumps(summary, indent=2) + "\n")
     os.replace(tmp, target)
-
-
-def merge_summaries(out: Path, world_size: int) -> None:
-    """One extract_summary.json from the ranks' own: counts summed, lists joined."""
-    merged: dict[str, Any] = {}
-    for rank in range(world_size):
-        path = out / ".ranks" / f"extract_summary.rank{rank}.json"
-        if not path.exists():
-            continue
-        for key, value in json.loads(path.read_text()).items():
-            if isinstance(value, list):
-                merged[key] = sorted({*merged.get(key, []), *value}, key=str)
-            else:
-                merged[key] = merged.get(key, 0) + value
-    if merged:
-        tmp = out / ".extract_summary.json.tmp"
-        tmp.write_text(json.dumps(merged, indent=2) + "\n")
-        os.replace(tmp, out / "extract_summary.json")
 
 
 if __name__ == "__main__":

@@ -62,7 +62,7 @@ from workers.draft import (
     ttt_losses,
     write_draft,
 )
-from workers.extract import truncate_torn_line
+from workers.hidden_files import truncate_torn_line
 
 log = logging.getLogger("workers.train")
 
