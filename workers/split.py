@@ -147,7 +147,9 @@ class Transfers:
 
     def __init__(self, base: torch.nn.Module):
         self._cache: dict[tuple[int, torch.device], tuple[torch.Tensor, torch.Tensor]] = {}
+        # one pass's copies: dropped when it ends (a boundary's activations are large)
         base.register_forward_pre_hook(lambda *_: self._cache.clear())
+        base.register_forward_hook(lambda *_: self._cache.clear())
         for module in [*base.layers, base.norm]:  # type: ignore[union-attr]
             device = next(module.parameters()).device
             module.register_forward_pre_hook(self._hook(device), with_kwargs=True)
