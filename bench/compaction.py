@@ -1,6 +1,7 @@
 """Cost of one sample-downsampling pass (every 5 minutes, under the write lock) on a
 database holding months of history: a full pass (what every pass did before the
-`since` window; now only the first after a start) against an incremental one.
+`since` window), the first pass of a restarted daemon (from a day before the newest
+sample) and an incremental pass.
 
 `python bench/compaction.py --jobs 100 --rows-per-job 15000`"""
 

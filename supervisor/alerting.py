@@ -121,7 +121,8 @@ class AlertRecorder:
         if self.settings.notify_on_success and self.notifier.destinations:
             # this tick's and recent successes not yet in the outbox: a daemon that died
             # between recording the end and this step left theirs unsent
-            succeeded = [job for job in jobs.values() if job.state == JobState.SUCCEEDED.value]
+            succeeded = [job for job in jobs.values() if job.state == JobState.SUCCEEDED.value
+                         and (job.ended_at or now) >= now - RECENTLY_ENDED_S]
             told = store.jobs_notified(session, "succeeded", [job.id for job in succeeded])
             for job in succeeded:
                 if job.id not in told:

@@ -19,7 +19,14 @@ from supervisor import alerts, store
 from supervisor.alerting import AlertRecorder
 from supervisor.config import Settings
 from supervisor.fileio import tail_lines
-from supervisor.launcher import Attempt, Backend, ExitStatus, LocalBackend, log_path
+from supervisor.launcher import (
+    Attempt,
+    Backend,
+    ExitStatus,
+    LaunchFate,
+    LocalBackend,
+    log_path,
+)
 from supervisor.models import Job, Sample
 from supervisor.notify import Destination, Notifier
 from supervisor.observe import ObservedJob, Observer
@@ -171,7 +178,8 @@ class Engine:
                     self._check_pending(session, job, now)
             if now >= self._next_compact_at:
                 self._next_compact_at = now + COMPACT_EVERY_S
-                with self._writing(session, "sample downsampling") as written:
+                with self._isolated(session, "sample downsampling"), \
+                        self._writing(session, "sample downsampling") as written:
                     since = (self._compacted_until if self._compacted_until is not None
                              else store.compaction_resume_point(session))
                     deleted = store.compact_samples(session, now=now, since=since)
@@ -285,10 +293,10 @@ class Engine:
         elif attempt.shim_pid is None and worker is None:
             if now - (job.started_at or now) > LAUNCH_CONFIRM_S:
                 fate = self.backend.settle_launch(attempt)
-                if fate == "abandoned":
+                if fate is LaunchFate.ABANDONED:
                     store.transition(session, job, JobState.PENDING, now=now,
                                      reason="the daemon died while launching; launching again")
-                elif fate == "dead":
+                elif fate is LaunchFate.DEAD:
                     job.exit_reason = ExitReason.LOST.value
                     store.transition(session, job, JobState.LOST, now=now,
                                      reason="its shim died while starting the job")

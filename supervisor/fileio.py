@@ -26,16 +26,16 @@ def create_json_exclusive(path: str | os.PathLike[str], data: Any) -> bool:
     file is never seen empty or half-written, and of two racing callers one wins."""
     target = Path(path)
     tmp = target.with_name(f".{target.name}.{os.getpid()}.tmp")
-    with open(tmp, "w", encoding="utf-8") as f:
-        json.dump(data, f)
-        f.flush()
-        os.fsync(f.fileno())
     try:
+        with open(tmp, "w", encoding="utf-8") as f:
+            json.dump(data, f)
+            f.flush()
+            os.fsync(f.fileno())
         os.link(tmp, target)
     except FileExistsError:
         return False
     finally:
-        tmp.unlink(missing_ok=True)
+        tmp.unlink(missing_ok=True)  # also after a failed write (a full disk)
     return True
 
 

@@ -200,12 +200,14 @@ def rate_from_points(
 
 
 def estimate_bytes_per_item(observations: Sequence[Observation]) -> float | None:
-    """Bytes per item from the growth of bytes vs items since the warm-up ended.
+    """Bytes per item from the growth of bytes vs items since the first counted item.
 
     A ratio of totals, not a median of per-burst ratios: item sizes are skewed (sequence
-    lengths), and the disk fills with the sum, not the typical item. Bytes already there
-    before the first item (a resumed job's earlier output, a config dump) are left out.
-    None when no item has arrived, or bytes went down (the job deleted output).
+    lengths), and the disk fills with the sum, not the typical item. Bytes there at the
+    first count (a resumed job's earlier output, a config dump, files the count lags
+    behind) are left out. None before two counts (a job whose items come hours apart
+    relies on the declared or learned size until then), or when bytes went down (the
+    job deleted output).
     """
     history = progress_history(observations)
     return _bytes_per_item(history) if history else None

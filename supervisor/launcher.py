@@ -18,8 +18,9 @@ import sys
 import threading
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
+from enum import StrEnum
 from pathlib import Path
-from typing import Literal, Protocol
+from typing import Protocol
 
 from supervisor.errors import InvalidSpec
 from supervisor.fileio import atomic_write_json, create_json_exclusive, read_json
@@ -96,11 +97,17 @@ def job_environment(base: Mapping[str, str], spec: JobSpec, job_id: str, number:
     return env
 
 
-LaunchFate = Literal["abandoned", "starting", "dead"]
-"""What became of a launch whose shim left no trace in time: `abandoned` (the daemon
-now owns the attempt; a late shim will not start the job: launch it again),
-`starting` (a live shim owns it and is still starting: wait), `dead` (a shim owned it
-and died before recording anything: the job is lost)."""
+class LaunchFate(StrEnum):
+    """What became of a launch whose shim left no trace in time."""
+
+    ABANDONED = "abandoned"
+    """The daemon now owns the attempt; a late shim will not start the job: launch it
+    again."""
+    WAIT = "wait"
+    """A live shim owns it and is still starting, or the claim cannot be written (a
+    full disk): ask again next tick."""
+    DEAD = "dead"
+    """A shim owned it and died before recording anything: the job is lost."""
 
 
 class Backend(Protocol):
@@ -176,16 +183,23 @@ class LocalBackend:
 
     def settle_launch(self, attempt: Attempt) -> LaunchFate:
         """Claim an attempt whose shim left no trace (see `LaunchFate`)."""
-        attempt.dir.mkdir(parents=True, exist_ok=True)
-        if create_json_exclusive(attempt.dir / CLAIM_FILE, {"by": "daemon", "pid": os.getpid()}):
-            return "abandoned"
+        try:
+            attempt.dir.mkdir(parents=True, exist_ok=True)
+            claimed = create_json_exclusive(attempt.dir / CLAIM_FILE,
+                                            {"by": "daemon", "pid": os.getpid()})
+        except OSError as exc:
+            log.warning("job %s: cannot claim attempt %d's launch (%s); asking again next "
+                        "tick", attempt.job_id, attempt.number, exc)
+            return LaunchFate.WAIT
+        if claimed:
+            return LaunchFate.ABANDONED
         claim = read_json(attempt.dir / CLAIM_FILE)
         if isinstance(claim, dict) and claim.get("by") == "daemon":
-            return "abandoned"  # claimed by an earlier daemon that died before relaunching
+            return LaunchFate.ABANDONED  # by an earlier daemon that died before relaunching
         if isinstance(claim, dict) and is_same_process(claim.get("pid"),
                                                        claim.get("create_time")):
-            return "starting"
-        return "dead"
+            return LaunchFate.WAIT
+        return LaunchFate.DEAD
 
     def worker_alive(self, worker: WorkerInfo) -> bool:
         """The worker, or what it left in its process group, still runs."""

@@ -129,7 +129,14 @@ class Shim:
         _become_subreaper()
         me = os.getpid()
         identity = {"pid": me, "create_time": create_time(me)}
-        if not create_json_exclusive(self.attempt_dir / CLAIM_FILE, {"by": "shim", **identity}):
+        try:
+            claimed = create_json_exclusive(self.attempt_dir / CLAIM_FILE,
+                                            {"by": "shim", **identity})
+        except OSError as exc:  # a full disk: the daemon settles the launch later
+            print(f"jobsup shim: cannot claim the launch ({exc}); not starting the job",
+                  file=sys.stderr)
+            return 1
+        if not claimed:
             print("jobsup shim: the daemon gave this launch up (the shim started too late); "
                   "not starting the job", file=sys.stderr)
             return 0

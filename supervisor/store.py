@@ -172,6 +172,8 @@ def compaction_cutoffs(now: float) -> dict[float, float]:
 
 
 COMPACTION_RESUME_MARGIN_S = 86_400.0
+"""How far before the newest sample a restarted daemon's first downsampling pass reads:
+rows older than that were thinned by an earlier daemon."""
 
 
 def compaction_resume_point(session: Session) -> dict[float, float] | None:

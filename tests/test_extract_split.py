@@ -98,6 +98,7 @@ def test_split_run_writes_what_a_single_device_run_writes(tiny: Path, tmp_path: 
     (["--gpus", "two"], "--gpus takes a number or 'all'"),
     (["--gpus-per-model", "0"], "--gpus-per-model must be >= 1"),
     (["--gpus-per-model", "2", "--ranks", "2"], "not --ranks"),
+    (["--gpus", "2", "--device", "cuda:2"], "give --device cuda:2,cuda:3 alone"),
 ])
 def test_wrong_split_options_say_why(tiny: Path, tmp_path: Path, args: list[str],
                                      message: str) -> None:
@@ -105,3 +106,48 @@ def test_wrong_split_options_say_why(tiny: Path, tmp_path: Path, args: list[str]
     result = run("--model", tiny, "--data", data, "--out", tmp_path / "out", *args)
     assert result.returncode != 0
     assert message in result.stderr
+
+
+class _Layer(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = torch.nn.Linear(4, 4)
+
+    def forward(self, hidden: torch.Tensor, *, shared: tuple[torch.Tensor, ...]) -> torch.Tensor:
+        return self.proj(hidden) + shared[0]
+
+
+class _Decoder(torch.nn.Module):
+    """Two "devices": cpu, then meta (shape-only tensors), like a decoder split in two."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = torch.nn.ModuleList([_Layer(), _Layer().to("meta"), _Layer().to("meta")])
+        self.norm = torch.nn.LayerNorm(4).to("meta")
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        shared = (torch.ones(4),)  # like the rotary cos/sin: made once, given to every layer
+        for layer in self.layers:
+            hidden = layer(hidden, shared=shared)
+        return self.norm(hidden)
+
+
+def test_transfers_move_each_tensor_once_per_device_per_pass(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    import workers.split as split
+
+    moves: list[tuple[tuple[int, ...], str]] = []
+
+    def counting(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
+        moves.append((tuple(tensor.shape), str(device)))
+        return tensor.to(device)
+
+    monkeypatch.setattr(split, "to_device", counting)
+    base = _Decoder()
+    transfers = split.Transfers(base)
+    for passes in (1, 2):
+        out = base(torch.zeros(3, 4))
+        assert out.device.type == "meta" and out.shape == (3, 4)
+        # the boundary's activation and the shared tensor, once each, not once per layer
+        assert moves == [((3, 4), "meta"), ((4,), "meta")] * passes
+        assert transfers._cache == {}  # a pass's copies are dropped when it ends

@@ -2,7 +2,9 @@
 process tree, the job view, the Prometheus series and the CLI's text.
 
 This machine has no GPU, so NVML itself is replaced by `FakeNvml`, put in
-`sys.modules["pynvml"]` where `GpuReader` imports it. Everything else is real: the process
+`sys.modules["pynvml"]` where `GpuReader` imports it (STYLE.md rule 9: fake what the
+machine lacks; NVML absent is tested as the real state it is elsewhere, and the real
+NVML path ran on 2 x H200, bench/gpu_job_view.py). Everything else is real: the process
 trees are started here, the collector reads a real SQLite database and the daemon runs."""
 
 from __future__ import annotations

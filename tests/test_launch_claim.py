@@ -5,7 +5,9 @@ shims and workers."""
 
 from __future__ import annotations
 
+import errno
 import json
+import os
 import subprocess
 import sys
 import time
@@ -18,6 +20,7 @@ from sqlalchemy.orm import Session, sessionmaker
 from supervisor.config import Settings
 from supervisor.db import make_engine, make_sessionmaker, upgrade
 from supervisor.engine import LAUNCH_CONFIRM_S, Engine
+from supervisor.fileio import create_json_exclusive
 from supervisor.launcher import attempt_dir
 from supervisor.models import Job
 from supervisor.procfs import create_time
@@ -133,3 +136,42 @@ def test_a_starting_shim_is_waited_for_and_a_dead_one_is_lost(
     job = job_row(sessions, job_id)
     assert (job.state, job.attempt) == ("lost", 1)
     assert job.reason == "its shim died while starting the job"
+
+
+def test_a_claim_is_created_once_and_never_half_written(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    claim = tmp_path / CLAIM_FILE
+    assert create_json_exclusive(claim, {"by": "shim", "pid": 1})
+    assert not create_json_exclusive(claim, {"by": "daemon", "pid": 2})
+    assert json.loads(claim.read_text()) == {"by": "shim", "pid": 1}
+
+    def disk_full(_fd: int) -> None:
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(os, "fsync", disk_full)
+    with pytest.raises(OSError):
+        create_json_exclusive(tmp_path / "other.json", {"by": "daemon"})
+    assert [p.name for p in tmp_path.iterdir()] == [CLAIM_FILE]  # no temp file left
+
+
+def test_a_claim_left_by_an_earlier_daemon_still_relaunches(
+        setup: tuple[Engine, sessionmaker[Session], Clock, Settings],
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """That daemon claimed the attempt and died before recording the relaunch."""
+    eng, sessions, clock, settings = setup
+    job_id = submit(sessions, [sys.executable, "-c", "pass"])
+    real_start = eng.backend.start
+
+    def claimed_by_a_daemon_then_died(job: str, number: int, *_a: object, **_k: object) -> None:
+        adir = attempt_dir(settings.jobs_dir, job, number)
+        adir.mkdir(parents=True)
+        (adir / CLAIM_FILE).write_text(json.dumps({"by": "daemon", "pid": 1}))
+        raise RuntimeError("the daemon dies here")
+
+    monkeypatch.setattr(eng.backend, "start", claimed_by_a_daemon_then_died)
+    eng.tick()
+    monkeypatch.setattr(eng.backend, "start", real_start)
+    clock.now += 2 * LAUNCH_CONFIRM_S
+    eng.tick()
+    job = job_row(sessions, job_id)
+    assert (job.state, job.attempt) == ("running", 2)

@@ -363,9 +363,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--model", required=True, type=Path, help="target model directory")
     parser.add_argument("--data", required=True, type=Path, help="conversations JSONL")
     parser.add_argument("--out", required=True, type=Path, help="output directory")
-    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu",
-                        help="device, or a comma-separated list to split the model over "
-                             "(e.g. cuda:0,cuda:1)")
+    parser.add_argument("--device", default=None,
+                        help="device (default cuda if any, else cpu), or a comma-separated "
+                             "list to split the model over (e.g. cuda:2,cuda:3)")
     parser.add_argument("--dtype", choices=sorted(DTYPES), default="bf16")
     parser.add_argument("--max-length", type=int, default=4096,
                         help="longest sample in tokens (default 4096)")
@@ -398,6 +398,11 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         parser.error("--gpus-per-model goes with --gpus (CUDA devices), not --ranks")
     if args.gpus is not None and args.gpus != "all" and not args.gpus.isdigit():
         parser.error(f"--gpus takes a number or 'all', not {args.gpus!r}")
+    if args.device is not None and (args.gpus is not None or args.gpus_per_model > 1):
+        parser.error("--gpus and --gpus-per-model pick the CUDA devices (from cuda:0); "
+                     "to choose them, give --device cuda:2,cuda:3 alone")
+    if args.device is None:
+        args.device = "cuda" if torch.cuda.is_available() else "cpu"
     return args
 
 
@@ -440,6 +445,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         merge_summaries(args.out, len(devices))
         return code
     args.device = devices[0]
+    first = torch.device(parse_devices(args.device)[0])
+    if first.type == "cuda" and first.index is not None:
+        torch.cuda.set_device(first)  # else CUDA puts a context on GPU 0 for every rank
     progress = ProgressReporter(None, "sample")
     progress.update(0, force=True)  # the model load can take minutes: say we are alive
     t0 = time.monotonic()

@@ -8,6 +8,9 @@ last. Sizes come from the model built on the meta device, so planning reads the 
 alone, and the weights load straight onto their devices (host memory never holds the
 whole model).
 
+Only the decoder (`model.model`) gets these hooks: the extraction never calls the
+lm_head, which sits on the last device (or, tied to the embedding, on the first).
+
 Why not accelerate's hooks, which `from_pretrained` installs: they move every layer's
 inputs (the rotary cos/sin, the attention mask) again for each layer, and a copy
 between GPUs in PyTorch is a two-way barrier between the current streams of both
@@ -165,11 +168,10 @@ class Transfers:
         if isinstance(value, torch.Tensor):
             if value.device == device:
                 return value
-            key = (id(value), device)
-            hit = self._cache.get(key)
-            if hit is None or hit[0] is not value:  # an id can be reused after a free
-                hit = self._cache[key] = (value, to_device(value, device))
-            return hit[1]
+            key = (id(value), device)  # the cache holds `value`: its id stays its own
+            if key not in self._cache:
+                self._cache[key] = (value, to_device(value, device))
+            return self._cache[key][1]
         if isinstance(value, tuple):
             return tuple(self._move(v, device) for v in value)
         return value
