@@ -47,7 +47,8 @@ CONTRACT_METRICS = frozenset({
     "jobsup_tick_duration_seconds_sum",
     # also exported by supervisor/metrics.py
     "jobsup_job_projected_total_bytes", "jobsup_job_will_fit", "jobsup_job_stalled",
-    "jobsup_job_exit_code", "jobsup_job_restarts", "jobsup_notifications_sent_total",
+    "jobsup_job_exit_code", "jobsup_job_restarts", "jobsup_job_gpu_device_memory_bytes",
+    "jobsup_notifications_sent_total",
     "jobsup_notifications_failed_total", "jobsup_notifications_retries_total",
 })
 """Series names users script against: a typo here would be a panel or alert that is
