@@ -91,7 +91,9 @@ def test_live_scrape_rules_and_every_dashboard_query(make_daemon, receiver: Rece
             return answer["data"]["result"]
 
         def scraped() -> bool:
-            try:
+            try:  # 503 "Service Unavailable" until Prometheus has opened its storage
+                if http.get("/-/ready").status_code != 200:
+                    return False
                 return bool(query('up{job="jobsup"} == 1'))
             except httpx.TransportError:
                 return False
