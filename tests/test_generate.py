@@ -16,7 +16,7 @@ import httpx
 import pytest
 
 from tests.conftest import PY, REPO, free_port, wait_for
-from workers.generate import backoff_s, parse_answer, parse_retry_after
+from workers.openai_backend import backoff_s, parse_answer, parse_retry_after
 from workers.tiny import build_tiny_llama
 
 

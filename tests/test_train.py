@@ -25,14 +25,13 @@ from tests.workers_util import make_conversations, make_model
 from workers import extract, vocab
 from workers.draft import DraftConfig, Eagle3Draft, ttt_losses
 from workers.train import (
-    ExtractedData,
     build_model,
     build_optimizer,
     build_scheduler,
-    load_batch,
     parse_args,
     train_step,
 )
+from workers.train_data import ExtractedData, load_batch
 
 REPO = Path(__file__).resolve().parent.parent
 ENV = {**os.environ, "OMP_NUM_THREADS": "1"}

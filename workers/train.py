@@ -31,28 +31,23 @@ The result is out/draft/ (config.json + model.safetensors with SGLang names).
 from __future__ import annotations
 
 import argparse
-import base64
 import contextlib
 import json
 import logging
 import math
-import os
-import random
 import shutil
 import signal
 import sys
 import time
-from collections.abc import Callable, Iterator, Sequence
-from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
 import torch
 from safetensors import safe_open
-from safetensors.torch import save_file
 
-from workers.common import ProgressReporter, fail, read_jsonl, require_file, setup_logging
+from workers.checkpoints import latest_checkpoint, rng_state, save_checkpoint, set_rng_state
+from workers.common import ProgressReporter, fail, require_file, setup_logging
 from workers.draft import (
     DraftConfig,
     DraftFileError,
@@ -63,112 +58,16 @@ from workers.draft import (
     write_draft,
 )
 from workers.hidden_files import truncate_torn_line
+from workers.train_data import Batch, ExtractedData, Sample, TrainError, load_batch, prefetched
 
 log = logging.getLogger("workers.train")
 
 STEP_WEIGHT = 0.8
 """TTT step i's loss is weighted STEP_WEIGHT ** i."""
-SORT_WINDOW = 1024
-"""Samples of the epoch's permutation sorted by length together before packing."""
-KEEP_CHECKPOINTS = 2
 EXIT_TERMINATED = 143
 
 
-class TrainError(Exception):
-    """A user mistake or unusable input: `error: ...`, exit 2."""
-
-
 # -- inputs ----------------------------------------------------------------------------
-
-@dataclass(frozen=True)
-class Sample:
-    index: int
-    file: str
-    seq_len: int
-
-
-class ExtractedData:
-    def __init__(self, root: Path):
-        self.root = root
-        manifest, config = root / "manifest.jsonl", root / "extract_config.json"
-        for path in (manifest, config):
-            if not path.is_file():
-                raise TrainError(f"{path} does not exist: is --data a workers.extract output?")
-        self.config = json.loads(config.read_text(encoding="utf-8"))
-        entries = {}
-        for _, record in read_jsonl(manifest, required=("index", "file", "seq_len")):
-            entries[int(record["index"])] = Sample(int(record["index"]), str(record["file"]),
-                                                   int(record["seq_len"]))
-        self.samples = [entries[i] for i in sorted(entries)]
-        if not self.samples:
-            raise TrainError(f"{manifest}: no samples")
-
-    def plan_epoch(self, epoch: int, seed: int, batch_tokens: int) -> list[list[Sample]]:
-        """The epoch's batches, a pure function of (samples, epoch, seed, batch_tokens):
-        a resumed run recomputes the same plan."""
-        generator = torch.Generator().manual_seed(seed * 1_000_003 + epoch)
-        order = torch.randperm(len(self.samples), generator=generator).tolist()
-        plan: list[list[Sample]] = []
-        for start in range(0, len(order), SORT_WINDOW):
-            window = sorted((self.samples[i] for i in order[start:start + SORT_WINDOW]),
-                            key=lambda s: s.seq_len)
-            batches: list[list[Sample]] = []
-            for sample in window:
-                longest = -(-min(sample.seq_len, batch_tokens) // 8) * 8  # padded as loaded
-                if batches and (len(batches[-1]) + 1) * longest <= batch_tokens:
-                    batches[-1].append(sample)
-                else:
-                    batches.append([sample])
-            shuffle = torch.randperm(len(batches), generator=generator).tolist()
-            plan.extend(batches[i] for i in shuffle)
-        return plan
-
-
-@dataclass
-class Batch:
-    aux: torch.Tensor  # [B, L, 3H]
-    hidden: torch.Tensor  # [B, L, H], the target's final (normed) hidden state
-    input_ids: torch.Tensor  # [B, L] int64
-    loss_mask: torch.Tensor  # [B, L] bool, False on padding
-    indices: list[int]
-    tokens: int  # real (unpadded) tokens
-
-    def to(self, device: torch.device) -> Batch:
-        moved = [t.to(device, non_blocking=True) for t in (self.aux, self.hidden,
-                                                           self.input_ids, self.loss_mask)]
-        return Batch(*moved, indices=self.indices, tokens=self.tokens)
-
-
-def load_batch(root: Path, samples: Sequence[Sample], hidden_size: int, max_length: int,
-               pin: bool = False) -> Batch:
-    """Reads only the rows needed (memory-mapped slices), right-padded to a multiple of 8."""
-    lengths = [min(s.seq_len, max_length) for s in samples]
-    padded = -(-max(lengths) // 8) * 8
-    out: dict[str, torch.Tensor] = {}
-    widths = {"aux_hidden_states": 3 * hidden_size, "hidden_state": hidden_size}
-    for row, (sample, length) in enumerate(zip(samples, lengths, strict=True)):
-        path = root / sample.file
-        try:
-            with safe_open(str(path), framework="pt") as f:
-                for name in ("aux_hidden_states", "hidden_state", "input_ids", "loss_mask"):
-                    part = f.get_slice(name)
-                    shape = part.get_shape()
-                    if name in widths and (len(shape) != 2 or shape[1] != widths[name]):
-                        raise TrainError(f"{path}: {name} is {shape}, expected "
-                                         f"[S, {widths[name]}]: extracted from another model?")
-                    tensor = part[:length]
-                    if name not in out:
-                        out[name] = torch.zeros((len(samples), padded, *tensor.shape[1:]),
-                                                dtype=tensor.dtype, pin_memory=pin)
-                    out[name][row, :tensor.shape[0]] = tensor
-        except TrainError:
-            raise
-        except Exception as exc:  # a torn or foreign file (safetensors' own error type)
-            raise TrainError(f"{path}: unreadable sample: {exc}") from exc
-    mask = out["loss_mask"].bool()
-    return Batch(out["aux_hidden_states"], out["hidden_state"], out["input_ids"].long(), mask,
-                 [s.index for s in samples], sum(lengths))
-
 
 def _tensor_files(model_dir: Path) -> dict[str, Path]:
     index = model_dir / "model.safetensors.index.json"
@@ -275,102 +174,7 @@ def build_scheduler(optimizer: torch.optim.Optimizer, warmup_steps: int,
     return torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
 
 
-# -- checkpoints -----------------------------------------------------------------------
-
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def _write_text_atomically(path: Path, text: str) -> None:
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    with open(tmp, "w", encoding="utf-8") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-
-
-def _rng_state() -> dict[str, Any]:
-    encode = lambda t: base64.b64encode(t.numpy().tobytes()).decode()  # noqa: E731
-    cuda = [encode(s) for s in torch.cuda.get_rng_state_all()] if torch.cuda.is_available() \
-        else []
-    return {"torch": encode(torch.get_rng_state()), "cuda": cuda,
-            "python": json.loads(json.dumps(random.getstate()))}
-
-
-def _set_rng_state(state: dict[str, Any]) -> None:
-    decode = lambda s: torch.frombuffer(bytearray(base64.b64decode(s)),  # noqa: E731
-                                        dtype=torch.uint8)
-    torch.set_rng_state(decode(state["torch"]))
-    if state.get("cuda") and torch.cuda.is_available() \
-            and len(state["cuda"]) == torch.cuda.device_count():
-        torch.cuda.set_rng_state_all([decode(s) for s in state["cuda"]])
-    version, internal, gauss = state["python"]
-    random.setstate((version, tuple(internal), gauss))
-
-
-def save_checkpoint(out: Path, model: Eagle3Draft, optimizer: torch.optim.Optimizer,
-                    scheduler: Any, state: dict[str, Any]) -> Path:
-    """out/checkpoints/step_NNNNNNN, complete or absent: written under a temp name,
-    fsynced, renamed; then `latest` is replaced and all but the last two removed."""
-    root = out / "checkpoints"
-    name = f"step_{state['step']:07d}"
-    tmp = root / f".tmp-{name}-{os.getpid()}"
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
-    tensors = {n: p.detach().float().cpu().contiguous() for n, p in model.trainable().items()}
-    tensors.update(d2t=model.d2t.cpu(), t2d=model.t2d.cpu())
-    save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt"})
-    torch.save(optimizer.state_dict(), tmp / "optimizer.pt")
-    torch.save(scheduler.state_dict(), tmp / "scheduler.pt")
-    (tmp / "trainer_state.json").write_text(json.dumps(state, indent=1) + "\n")
-    for file in tmp.iterdir():
-        with open(file, "rb") as f:
-            os.fsync(f.fileno())
-    final = root / name
-    if final.exists():  # written by a run killed before `latest` moved past it
-        shutil.rmtree(final)
-    os.rename(tmp, final)
-    _fsync_dir(root)
-    _write_text_atomically(root / "latest", name + "\n")
-    steps = sorted(p for p in root.glob("step_*") if p.is_dir())
-    keep = [p for p in steps if p.name <= name][-KEEP_CHECKPOINTS:]
-    for path in steps:
-        if path not in keep:
-            shutil.rmtree(path, ignore_errors=True)
-    return final
-
-
-def latest_checkpoint(out: Path) -> Path | None:
-    root = out / "checkpoints"
-    pointer = root / "latest"
-    if pointer.is_file():
-        path = root / pointer.read_text(encoding="utf-8").strip()
-        if (path / "trainer_state.json").is_file():
-            return path
-        log.warning("%s points to %s, which is incomplete; using the newest complete one",
-                    pointer, path.name)
-    complete = sorted(p for p in root.glob("step_*") if (p / "trainer_state.json").is_file())
-    return complete[-1] if complete else None
-
-
 # -- the run ---------------------------------------------------------------------------
-
-def prefetched(load: Callable[[list[Sample]], Batch],
-               batches: Sequence[list[Sample]]) -> Iterator[Batch]:
-    """Loads batch k+1 on a thread while batch k trains."""
-    with ThreadPoolExecutor(max_workers=1, thread_name_prefix="prefetch") as pool:
-        pending = pool.submit(load, batches[0]) if batches else None
-        for k in range(len(batches)):
-            assert pending is not None
-            current = pending
-            pending = pool.submit(load, batches[k + 1]) if k + 1 < len(batches) else None
-            yield current.result()
-
 
 def choose_vocab(args: argparse.Namespace) -> tuple[torch.Tensor, torch.Tensor]:
     """--vocab, or the --init draft's own d2t/t2d, which --vocab must then equal."""
@@ -456,7 +260,7 @@ def train(args: argparse.Namespace, progress: ProgressReporter,
             else 0
         return {"step": step, "epoch": next_epoch, "batch_in_epoch": next_batch,
                 "position": position, "num_samples": len(data.samples), "seed": args.seed,
-                "total_steps": total, "rng": _rng_state(),
+                "total_steps": total, "rng": rng_state(),
                 "args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()}}
 
     started, tokens_seen, saved_at, position = time.monotonic(), 0, step, (epoch, batch_in_epoch)
@@ -527,7 +331,7 @@ def resume(checkpoint: Path, args: argparse.Namespace, data: ExtractedData,
     optimizer.load_state_dict(torch.load(checkpoint / "optimizer.pt", map_location=device,
                                          weights_only=True))
     scheduler.load_state_dict(torch.load(checkpoint / "scheduler.pt", weights_only=True))
-    _set_rng_state(state["rng"])
+    set_rng_state(state["rng"])
     epoch, batch = int(state["epoch"]), int(state["batch_in_epoch"])
     if epoch < len(plans) and sum(len(b) for b in plans[epoch][:batch]) != state["position"]:
         raise TrainError(f"{checkpoint}: its position in epoch {epoch} does not fall on a "

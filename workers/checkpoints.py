@@ -1,0 +1,107 @@
+"""Training checkpoints under out/checkpoints/: step_NNNNNNN/ (model.safetensors,
+optimizer.pt, scheduler.pt, trainer_state.json with the RNG state), each written to a
+temp directory, fsynced and renamed so it is complete or absent, then `latest` replaced
+atomically and all but the last KEEP_CHECKPOINTS removed. Kept apart from
+`workers.train` because crash safety is its own concern: a kill at any point leaves
+the last complete checkpoint for a rerun of the same command to resume from."""
+
+from __future__ import annotations
+
+import base64
+import json
+import logging
+import os
+import random
+import shutil
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import save_file
+
+from workers.draft import Eagle3Draft
+
+log = logging.getLogger("workers.checkpoints")
+
+KEEP_CHECKPOINTS = 2
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _write_text_atomically(path: Path, text: str) -> None:
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    with open(tmp, "w", encoding="utf-8") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def rng_state() -> dict[str, Any]:
+    encode = lambda t: base64.b64encode(t.numpy().tobytes()).decode()  # noqa: E731
+    cuda = [encode(s) for s in torch.cuda.get_rng_state_all()] if torch.cuda.is_available() \
+        else []
+    return {"torch": encode(torch.get_rng_state()), "cuda": cuda,
+            "python": json.loads(json.dumps(random.getstate()))}
+
+
+def set_rng_state(state: dict[str, Any]) -> None:
+    decode = lambda s: torch.frombuffer(bytearray(base64.b64decode(s)),  # noqa: E731
+                                        dtype=torch.uint8)
+    torch.set_rng_state(decode(state["torch"]))
+    if state.get("cuda") and torch.cuda.is_available() \
+            and len(state["cuda"]) == torch.cuda.device_count():
+        torch.cuda.set_rng_state_all([decode(s) for s in state["cuda"]])
+    version, internal, gauss = state["python"]
+    random.setstate((version, tuple(internal), gauss))
+
+
+def save_checkpoint(out: Path, model: Eagle3Draft, optimizer: torch.optim.Optimizer,
+                    scheduler: Any, state: dict[str, Any]) -> Path:
+    """out/checkpoints/step_NNNNNNN, complete or absent: written under a temp name,
+    fsynced, renamed; then `latest` is replaced and all but the last two removed."""
+    root = out / "checkpoints"
+    name = f"step_{state['step']:07d}"
+    tmp = root / f".tmp-{name}-{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    tensors = {n: p.detach().float().cpu().contiguous() for n, p in model.trainable().items()}
+    tensors.update(d2t=model.d2t.cpu(), t2d=model.t2d.cpu())
+    save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+    torch.save(optimizer.state_dict(), tmp / "optimizer.pt")
+    torch.save(scheduler.state_dict(), tmp / "scheduler.pt")
+    (tmp / "trainer_state.json").write_text(json.dumps(state, indent=1) + "\n")
+    for file in tmp.iterdir():
+        with open(file, "rb") as f:
+            os.fsync(f.fileno())
+    final = root / name
+    if final.exists():  # written by a run killed before `latest` moved past it
+        shutil.rmtree(final)
+    os.rename(tmp, final)
+    _fsync_dir(root)
+    _write_text_atomically(root / "latest", name + "\n")
+    steps = sorted(p for p in root.glob("step_*") if p.is_dir())
+    keep = [p for p in steps if p.name <= name][-KEEP_CHECKPOINTS:]
+    for path in steps:
+        if path not in keep:
+            shutil.rmtree(path, ignore_errors=True)
+    return final
+
+
+def latest_checkpoint(out: Path) -> Path | None:
+    root = out / "checkpoints"
+    pointer = root / "latest"
+    if pointer.is_file():
+        path = root / pointer.read_text(encoding="utf-8").strip()
+        if (path / "trainer_state.json").is_file():
+            return path
+        log.warning("%s points to %s, which is incomplete; using the newest complete one",
+                    pointer, path.name)
+    complete = sorted(p for p in root.glob("step_*") if (p / "trainer_state.json").is_file())
+    return complete[-1] if complete else None
