@@ -33,7 +33,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from workers.extract import Capture, Extractor, Sample, Stats, pack_batches  # noqa: E402
+from workers.extractor import Capture, Extractor, Sample, Stats, pack_batches  # noqa: E402
 
 
 def build_model(tiny: bool, device: str) -> torch.nn.Module:

@@ -19,7 +19,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from tests.conftest import wait_for
 from tests.workers_util import make_conversations, make_model
 from workers.common import tokenize_conversation
-from workers.extract import capture_layers, pack_batches
+from workers.extractor import capture_layers, pack_batches
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -196,7 +196,7 @@ def test_full_disk_stops_cleanly(tiny: Path, tmp_path: Path) -> None:
 
 
 def test_pack_batches_respects_the_token_budget() -> None:
-    from workers.extract import Sample
+    from workers.extractor import Sample
 
     samples = [Sample(i, str(i), [1] * n, [0] * n) for i, n in enumerate([5, 50, 7, 30, 8, 100])]
     batches = pack_batches(samples, 64)
