@@ -8,11 +8,8 @@ import logging
 import signal as signals
 import threading
 import time
-from collections.abc import Callable, Iterator, Sequence
-from contextlib import contextmanager
-from dataclasses import dataclass
+from collections.abc import Callable, Sequence
 
-from sqlalchemy.exc import OperationalError
 from sqlalchemy.orm import Session, sessionmaker
 
 from supervisor import alerts, store
@@ -31,6 +28,7 @@ from supervisor.models import Job, Sample
 from supervisor.notify import Destination, Notifier
 from supervisor.observe import ObservedJob, Observer
 from supervisor.spec import ExitReason, JobSpec, JobState, Progress, RestartPolicy
+from supervisor.steps import TickSteps
 
 log = logging.getLogger(__name__)
 
@@ -50,12 +48,6 @@ UNSAVED_SAMPLES_MAX = 200_000
 
 LOG_TAIL_LINES = 20
 """Log lines searched for known crash causes."""
-
-
-@dataclass
-class Written:
-    ok: bool = False
-    """The block's writes were committed."""
 
 
 def signal_name(sig: int) -> str:
@@ -82,8 +74,7 @@ class Engine:
         self._compacted_until: dict[float, float] | None = None
         """Per sample tier, the cutoff of the last downsampling pass (None: none yet in
         this daemon; the first pass starts from `store.compaction_resume_point`)."""
-        self.database_full = False
-        """The last write failed for lack of disk space (SQLITE_FULL)."""
+        self.steps = TickSteps()
         self._unsaved_samples: list[Sample] = []
         destinations = [Destination(name, url) for name, url in (
             ("slack", settings.slack_webhook_url), ("webhook", settings.webhook_url)) if url]
@@ -159,27 +150,27 @@ class Engine:
         with self.sessions() as session:
             running = store.jobs_in_states(session, JobState.RUNNING)
             for job in running:
-                with self._isolated(session, f"job {job.id}"), \
-                        self._writing(session, "job state"):
+                with self.steps.isolated(session, f"job {job.id}"), \
+                        self.steps.writing(session, "job state"):
                     self._check_running(session, job, now)
-            with self._isolated(session, "observation"):
+            with self.steps.isolated(session, "observation"):
                 # jobs that ended this tick get one last reading: their final output counts
                 observed = [self._observed(job, self._attempt(job)) for job in running]
                 self._store_samples(session, running, self.observer.observe(observed, now))
-            with self._isolated(session, "alerts"):
+            with self.steps.isolated(session, "alerts"):
                 self._alert(session, running, now)
             for job in running:
                 if JobState(job.state) is not JobState.RUNNING:
                     self.observer.forget(job.id)
             self.notifier.wake()
             for job in store.jobs_in_states(session, JobState.PENDING):
-                with self._isolated(session, f"job {job.id}"), \
-                        self._writing(session, "job start"):
+                with self.steps.isolated(session, f"job {job.id}"), \
+                        self.steps.writing(session, "job start"):
                     self._check_pending(session, job, now)
             if now >= self._next_compact_at:
                 self._next_compact_at = now + COMPACT_EVERY_S
-                with self._isolated(session, "sample downsampling"), \
-                        self._writing(session, "sample downsampling") as written:
+                with self.steps.isolated(session, "sample downsampling"), \
+                        self.steps.writing(session, "sample downsampling") as written:
                     since = (self._compacted_until if self._compacted_until is not None
                              else store.compaction_resume_point(session))
                     deleted = store.compact_samples(session, now=now, since=since)
@@ -190,52 +181,18 @@ class Engine:
 
     def _alert(self, session: Session, running: Sequence[Job], now: float) -> None:
         recorded: list[tuple[str, str]] = []
-        with self._writing(session, "alerts") as written:
+        with self.steps.writing(session, "alerts") as written:
             self.alerting.record(session, running, now, recorded)
         if written.ok:
             self.alerting.forget_sent(recorded)
         else:
             self.alerting.send_unrecorded(session, running, now)
 
-    @contextmanager
-    def _isolated(self, session: Session, what: str) -> Iterator[None]:
-        """One step of the tick whose unexpected failure is logged and rolled back, so
-        the steps after it still run: a bug in reading one job's output must not keep
-        the pending jobs from starting, nor the other jobs from being watched."""
-        try:
-            yield
-        except Exception:
-            session.rollback()
-            log.exception("tick step failed (%s); the rest of the tick goes on", what)
-
-    @contextmanager
-    def _writing(self, session: Session, what: str) -> Iterator[Written]:
-        """Commit what the block wrote. A full disk under the database is survived:
-        the block's writes are rolled back (they are redone from the facts next tick)
-        and the yielded outcome's `ok` stays False; other errors propagate."""
-        outcome = Written()
-        try:
-            yield outcome
-            session.commit()
-            outcome.ok = True
-        except OperationalError as exc:
-            session.rollback()
-            if not store.is_disk_full(exc):
-                raise
-            if not self.database_full:
-                log.error("the database's disk is full (%s): keeping samples in memory and "
-                          "sending alerts unrecorded until space returns", what)
-            self.database_full = True
-            return
-        if self.database_full:
-            log.warning("the database is writable again")
-            self.database_full = False
-
     def _store_samples(self, session: Session, running: Sequence[Job],
                        samples: Sequence[Sample]) -> None:
         """Store this tick's samples, after any that a full disk held back."""
         pending = [*self._unsaved_samples, *samples]
-        with self._writing(session, "samples") as written:
+        with self.steps.writing(session, "samples") as written:
             store.add_samples(session, pending)
             for job in running:
                 view = self.observer.views.get(job.id)
