@@ -16,7 +16,7 @@ import pytest
 torch = pytest.importorskip("torch")
 from safetensors.torch import load_file, save_file  # noqa: E402
 
-from workers import vocab  # noqa: E402
+from workers import vocab, vocab_mapping  # noqa: E402
 from workers.common import tokenize_conversation  # noqa: E402
 from workers.tiny import build_tokenizer, corpus  # noqa: E402
 
@@ -133,10 +133,10 @@ def test_selection_matches_the_spec_on_random_data_with_many_ties(seed: int) -> 
     counts = counter.counts()
     assert counts.tolist() == expected
     n = rng.randint(1, size)
-    used = vocab.select_draft_vocab(counts, n)
+    used = vocab_mapping.select_draft_vocab(counts, n)
     assert used.tolist() == reference_top(expected, n)
-    d2t, t2d = vocab.build_mapping(used, size)
-    vocab.validate_mapping(d2t, t2d, "built")
+    d2t, t2d = vocab_mapping.build_mapping(used, size)
+    vocab_mapping.validate_mapping(d2t, t2d, "built")
     assert_mapping(d2t, t2d, used.tolist(), size)
 
 
@@ -239,7 +239,7 @@ def test_from_checkpoint_reuses_the_mapping_exactly(
         crafted: Path, tokenizer_dir: Path, target_size: int, tmp_path: Path,
         capsys: pytest.CaptureFixture[str]) -> None:
     used = torch.tensor([1, 5, 10, 100, 200])  # not what counting crafted would pick
-    d2t, t2d = vocab.build_mapping(used, target_size)
+    d2t, t2d = vocab_mapping.build_mapping(used, target_size)
     checkpoint = make_checkpoint(tmp_path / "draft", d2t, t2d)
     out = tmp_path / "vocab.safetensors"
     code, stdout, stderr = run_vocab(capsys, "--data", crafted, "--tokenizer", tokenizer_dir,
@@ -272,14 +272,14 @@ def test_from_checkpoint_rejects_a_mapping_that_does_not_fit(
         case: str, message: str, tokenizer_dir: Path, target_size: int, tmp_path: Path,
         capsys: pytest.CaptureFixture[str]) -> None:
     used = torch.tensor([1, 5, 10, 100, 200])
-    d2t, t2d = vocab.build_mapping(used, target_size)
+    d2t, t2d = vocab_mapping.build_mapping(used, target_size)
     extra: list[Any] = []
     if case == "count":
         t2d[200] = False
     elif case == "positions":
         t2d[200], t2d[201] = False, True
     elif case == "other_vocab":
-        d2t, t2d = vocab.build_mapping(used, target_size + 10)
+        d2t, t2d = vocab_mapping.build_mapping(used, target_size + 10)
     elif case == "draft_size":
         extra = ["--draft-vocab-size", 6]
     checkpoint = make_checkpoint(tmp_path / "draft", d2t, t2d,

@@ -109,7 +109,7 @@ def load_target(model_dir: Path, device: torch.device,
 
 
 def load_vocab(path: Path) -> tuple[torch.Tensor, torch.Tensor]:
-    from workers.vocab import VocabError, load_mapping
+    from workers.vocab_mapping import VocabError, load_mapping
 
     try:
         d2t, t2d, _ = load_mapping(path)
