@@ -94,6 +94,13 @@ class Daemon:
         self.proc.send_signal(signal.SIGKILL)
         self.proc.wait(10)
 
+    def shut_down(self) -> None:
+        """Stop the daemon, close the client, and kill every shim and worker it started:
+        no job outlives its test."""
+        self.stop()
+        self.http.close()
+        kill_jobs_of(self.data_dir)
+
     def stop(self) -> None:
         if self.proc is not None and self.proc.poll() is None:
             self.proc.terminate()
@@ -140,11 +147,7 @@ def make_daemon(tmp_path: Path) -> Iterator[Callable[..., Daemon]]:
 
     yield make
     for daemon in daemons:
-        daemon.stop()
-        daemon.http.close()
-    # no job may outlive its test: kill every shim and worker these daemons started
-    for daemon in daemons:
-        kill_jobs_of(daemon.data_dir)
+        daemon.shut_down()
 
 
 @pytest.fixture

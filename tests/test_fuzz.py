@@ -39,7 +39,7 @@ from schemathesis import Case
 from schemathesis.config import SchemathesisConfig
 from schemathesis.engine import events, from_schema
 
-from tests.conftest import REPO, Daemon, kill_jobs_of, wait_for
+from tests.conftest import REPO, Daemon, wait_for
 
 MAX_EXAMPLES = 25
 TOKEN = "fuzz-token"
@@ -66,9 +66,7 @@ def fenced(tmp_path_factory: pytest.TempPathFactory) -> Iterator[FencedDaemon]:
     try:
         yield daemon
     finally:
-        daemon.stop()
-        daemon.http.close()
-        kill_jobs_of(daemon.data_dir)
+        daemon.shut_down()
 
 
 def _resolves(program: str, cwd: Path, search_path: str) -> bool:

@@ -19,7 +19,7 @@ from supervisor import guard as guard_module
 from supervisor.config import Settings
 from supervisor.guard import Guard, allowed_hosts, same_origin, split_host
 from supervisor.spec import CODE_LOADING_ENV, refused_env
-from tests.conftest import PY, Daemon, kill_jobs_of, python_job
+from tests.conftest import PY, Daemon, python_job
 
 TOKEN = "s3cret-token"
 EVIL = "http://evil.example"
@@ -33,9 +33,7 @@ def shared(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Daemon]:
     try:
         yield daemon
     finally:
-        daemon.stop()
-        daemon.http.close()
-        kill_jobs_of(daemon.data_dir)
+        daemon.shut_down()
 
 
 def raw_http(port: int, request: bytes, host: str = "127.0.0.1",
