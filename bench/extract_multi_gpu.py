@@ -53,18 +53,27 @@ def build(work: Path, samples: int) -> tuple[Path, Path]:
     return model_dir, data
 
 
-def run(model: Path, data: Path, out: Path, gpus: int) -> tuple[float, float]:
+DONE_LINE = re.compile(r"done: \d+ written \([\d.]+ GB, (\d+) tokens/s\)")
+"""The line each extraction process logs at its end; tokens/s excludes the model load."""
+
+
+def extract(model: Path, data: Path, out: Path, *options: str) -> tuple[int, str]:
+    """Run the real CLI into a fresh `out`; (exit code, stderr)."""
     shutil.rmtree(out, ignore_errors=True)
-    t0 = time.perf_counter()
     result = subprocess.run([sys.executable, "-m", "workers.extract", "--model", str(model),
                              "--data", str(data), "--out", str(out), "--max-length", "1450",
-                             "--gpus", str(gpus)], capture_output=True, text=True)
+                             *options], capture_output=True, text=True)
+    return result.returncode, result.stderr
+
+
+def run(model: Path, data: Path, out: Path, gpus: int) -> tuple[float, float]:
+    t0 = time.perf_counter()
+    code, stderr = extract(model, data, out, "--gpus", str(gpus))
     wall = time.perf_counter() - t0
-    if result.returncode != 0:
-        raise SystemExit(result.stderr[-3000:])
-    rates = [float(x) for x in re.findall(r"done: \d+ written \([\d.]+ GB, (\d+) tokens/s\)",
-                                          result.stderr)]
-    assert len(rates) == gpus, result.stderr[-2000:]
+    if code != 0:
+        raise SystemExit(stderr[-3000:])
+    rates = [float(x) for x in DONE_LINE.findall(stderr)]
+    assert len(rates) == gpus, stderr[-2000:]
     return sum(rates), wall
 
 

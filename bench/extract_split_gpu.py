@@ -29,7 +29,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from extract_gpu import make_samples  # noqa: E402
-from extract_multi_gpu import build  # noqa: E402
+from extract_multi_gpu import DONE_LINE, build, extract  # noqa: E402
 
 BALLAST = """
 import sys, time, torch
@@ -43,16 +43,8 @@ time.sleep(3600)
 """
 
 
-def extract(model: Path, data: Path, out: Path, *options: str) -> tuple[int, str]:
-    shutil.rmtree(out, ignore_errors=True)
-    result = subprocess.run([sys.executable, "-m", "workers.extract", "--model", str(model),
-                             "--data", str(data), "--out", str(out), "--max-length", "1450",
-                             *options], capture_output=True, text=True)
-    return result.returncode, result.stderr
-
-
 def rate_and_peaks(stderr: str) -> tuple[float, str]:
-    rates = re.findall(r"done: \d+ written \([\d.]+ GB, (\d+) tokens/s\)", stderr)
+    rates = DONE_LINE.findall(stderr)
     peaks = re.findall(r"peak GPU memory: (.*)", stderr)
     return sum(map(float, rates)), "; ".join(peaks)
 
