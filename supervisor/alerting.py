@@ -19,7 +19,7 @@ from supervisor.models import Alert, Job
 from supervisor.notify import Notifier, compose
 from supervisor.observe import Observer
 from supervisor.present import alert_out, job_out
-from supervisor.spec import AlertState, JobSpec, JobState
+from supervisor.spec import AlertState, JobState, stored_spec
 
 log = logging.getLogger(__name__)
 
@@ -129,7 +129,7 @@ class AlertRecorder:
                     self._enqueue(session, "succeeded", job, None, now)
 
     def facts(self, job: Job, now: float) -> alerts.JobFacts:
-        spec = JobSpec.model_validate_json(job.spec_json)
+        spec = stored_spec(job.spec_json)
         view = self.observer.views.get(job.id)
         progress = view.progress if view else None
         forecast = view.forecast if view else None
@@ -148,6 +148,8 @@ class AlertRecorder:
             disk_full_in_s=forecast.disk_full_in_s if forecast else None,
             will_fit=forecast.will_fit if forecast else None,
             gpu_memory_fraction=view.gpu_memory_fraction if view else None,
+            metrics=progress.metrics if progress else {},
+            min_acceptance_length=spec.min_acceptance_length,
         )
 
     def _enqueue(self, session: Session, kind: str, job: Job, alert: Alert | None,

@@ -3,27 +3,37 @@ should be firing, and the reconciliation with the alerts already open. No I/O, n
 
 Rules (API.md): `crashed` (the job failed or was lost), `stalled` (phase-aware, below),
 `disk_will_fill` (the filesystem fills before the job's projected end), `disk_low`,
-`gpu_memory_high`, `incomplete` (exit 0 with fewer items than expected).
+`gpu_memory_high`, `incomplete` (exit 0 with fewer items than expected),
+`low_acceptance` (below).
 
 `stalled` is phase-aware (DESIGN.md). Before the first item a model may load for
 24 minutes without output, so the job is stalled only when it shows no activity at all
 (CPU time, read bytes and GPU memory all flat) for `stall_timeout_s`, or when it passes
 `startup_timeout_s`. After the first item it is stalled when no new item arrives for
 `stall_timeout_s`.
+
+`low_acceptance` is for jobs that measure an EAGLE-3 draft (`workers.evaluate`): the
+job's reported metric `acceptance_length` (tokens per target pass, the bonus token
+included) below the spec's `min_acceptance_length` (None: the rule is off), while it
+runs (the mean so far) and after it succeeded (the final figure). Like `crashed` and
+`incomplete` it then stays firing until the ended-alert TTL.
 """
 
 from __future__ import annotations
 
 import re
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 CRASHED, STALLED, DISK_WILL_FILL = "crashed", "stalled", "disk_will_fill"
 DISK_LOW, GPU_MEMORY_HIGH, INCOMPLETE = "disk_low", "gpu_memory_high", "incomplete"
-RULES = (CRASHED, STALLED, DISK_WILL_FILL, DISK_LOW, GPU_MEMORY_HIGH, INCOMPLETE)
+LOW_ACCEPTANCE = "low_acceptance"
+RULES = (CRASHED, STALLED, DISK_WILL_FILL, DISK_LOW, GPU_MEMORY_HIGH, INCOMPLETE,
+         LOW_ACCEPTANCE)
 SEVERITY = {CRASHED: "critical", STALLED: "warning", DISK_WILL_FILL: "critical",
-            DISK_LOW: "warning", GPU_MEMORY_HIGH: "warning", INCOMPLETE: "warning"}
-EVENT_RULES = frozenset({CRASHED, INCOMPLETE})
+            DISK_LOW: "warning", GPU_MEMORY_HIGH: "warning", INCOMPLETE: "warning",
+            LOW_ACCEPTANCE: "warning"}
+EVENT_RULES = frozenset({CRASHED, INCOMPLETE, LOW_ACCEPTANCE})
 """Rules about how a job ended: they stay firing for `AlertSettings.ended_alert_ttl_s`
 after the end (nothing can resolve them), then resolve quietly."""
 
@@ -46,6 +56,11 @@ RANK_FAILURES: tuple[re.Pattern[str], ...] = (
                r"\s*exitcode\s*:\s*(?P<how>-?\d+)", re.S),
 )
 """How a multi-process job's parent names the rank that failed first."""
+
+ACCEPTANCE_METRIC = "acceptance_length"
+ACCEPTANCE_RATE_PREFIX = "acceptance_rate_pos"
+"""`acceptance_rate_pos<i>`: the share of passes accepting draft position i, given i-1."""
+BASELINE_METRIC = "baseline_acceptance_length"
 
 
 @dataclass(frozen=True)
@@ -85,6 +100,9 @@ class JobFacts:
     disk_full_in_s: float | None = None
     will_fit: bool | None = None
     gpu_memory_fraction: float | None = None
+    metrics: Mapping[str, float] = field(default_factory=dict)
+    """The job's latest reported metrics (its progress file)."""
+    min_acceptance_length: float | None = None
 
 
 @dataclass(frozen=True)
@@ -126,6 +144,9 @@ def evaluate(job: JobFacts, *, now: float, settings: AlertSettings) -> list[Firi
             and _recent(job, now, settings)):
         fire(INCOMPLETE, f"{job.name} exited 0 with {job.items_done} of "
                          f"{job.items_expected} expected items")
+    low = low_acceptance_message(job)
+    if low and job.state in ("running", "succeeded") and _recent(job, now, settings):
+        fire(LOW_ACCEPTANCE, low)
     if job.state != "running":
         return out
 
@@ -165,6 +186,31 @@ def stall_message(job: JobFacts, now: float) -> str | None:
         done = f" at {job.items_done} items" if job.items_done is not None else ""
         return f"{job.name}: no new item for {_duration(now - last)}{done}"
     return None
+
+
+def low_acceptance_message(job: JobFacts) -> str | None:
+    """Why the job's measured acceptance length is too low, with the per-position
+    acceptance rates (where the chain breaks) and the untrained baseline; None when the
+    rule is off, nothing is reported yet, or it is high enough."""
+    threshold, metrics = job.min_acceptance_length, job.metrics
+    value = metrics.get(ACCEPTANCE_METRIC)
+    if threshold is None or value is None or not value < threshold:
+        return None
+    message = (f"{job.name}: acceptance length {value:.2f} tokens per target pass, below "
+               f"{threshold:g}")
+    rates = sorted((int(name.removeprefix(ACCEPTANCE_RATE_PREFIX)), rate)
+                   for name, rate in metrics.items()
+                   if name.startswith(ACCEPTANCE_RATE_PREFIX)
+                   and name.removeprefix(ACCEPTANCE_RATE_PREFIX).isdigit())
+    if rates:
+        message += "; accepted per draft position: " + ", ".join(
+            f"pos{i} {rate:.0%}" for i, rate in rates)
+    baseline = metrics.get(BASELINE_METRIC)
+    if baseline is not None:
+        message += f"; an untrained draft gets {baseline:.2f}"
+    if job.state == "running":
+        message += " (so far: still measuring)"
+    return message
 
 
 def reconcile(firing: Iterable[Firing], open_alerts: Iterable[OpenAlert],

@@ -4,18 +4,20 @@ In front of every route, `guard.Guard` (ASGI middleware) enforces what docs/secu
 promises: allowed Host, same Origin, the bearer token, the body cap."""
 
 
+import errno
 import logging
 import os
 import time
 from collections.abc import Callable, Iterator, Mapping
 from datetime import UTC, datetime
-from typing import Annotated, Any
+from typing import Annotated, Any, Literal, NamedTuple
 
 from fastapi import Depends, FastAPI, Query, Request, Response
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
-from pydantic import BaseModel, StringConstraints
+from pydantic import BaseModel, Field, StringConstraints
+from sqlalchemy.exc import OperationalError
 from sqlalchemy.orm import Session, sessionmaker
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.routing import Match
@@ -32,6 +34,7 @@ from supervisor.observe import JobView
 from supervisor.pipeline import Eagle3Pipeline, eagle3_jobs
 from supervisor.present import alert_out, job_out, sample_out
 from supervisor.spec import (
+    MAX_INT64,
     AlertOut,
     AlertState,
     EventOut,
@@ -50,6 +53,40 @@ API_PREFIX = "/api/v1"
 PUBLIC_PATHS = frozenset({"/healthz"})
 LOG_CHUNK_BYTES = 1 << 20
 """Most bytes one `logs?offset=` answer carries."""
+TICK_STALLED_INTERVALS = 5
+TICK_STALLED_MIN_S = 5.0
+"""/healthz answers 503 when the engine loop has not finished a tick for longer than
+`max(TICK_STALLED_INTERVALS x sample_interval, TICK_STALLED_MIN_S)` seconds (10 s at the
+default 2 s interval), or its last tick took that long: a healthy loop finishes one
+every interval, in milliseconds to a few seconds (a first scan of a large output tree).
+Not above SQLite's busy timeout (10 s): a loop whose every tick waits that long on a
+locked database and then fails finishes ticks, yet supervises nothing; counting the
+last tick's duration keeps that a steady 503, not one that flaps with each timeout."""
+
+
+def tick_stalled_after_s(sample_interval: float) -> float:
+    """Seconds without a finished tick (or of one tick) after which the engine counts
+    as stalled."""
+    return max(TICK_STALLED_INTERVALS * sample_interval, TICK_STALLED_MIN_S)
+
+
+class TickTimes(NamedTuple):
+    age_s: float
+    """Seconds since the engine loop last finished a tick (one that raised too)."""
+    duration_s: float
+    """How long that tick took."""
+
+
+class HealthOut(BaseModel):
+    """`GET /healthz`: the daemon answers, and whether its engine loop still ticks."""
+
+    status: Literal["ok", "stalled"]
+    last_tick_age_s: float | None = Field(
+        description="seconds since the engine loop last finished a tick (null: no engine)")
+    last_tick_duration_s: float | None = Field(
+        default=None, description="how long that tick took")
+    error: str | None = None
+    hint: str | None = None
 
 
 class ErrorOut(BaseModel):
@@ -92,9 +129,14 @@ def _validation_message(errors: list[Any]) -> str:
 
 def create_app(settings: Settings, sessions: sessionmaker[Session], *,
                wake: Callable[[], None], views: Callable[[], Mapping[str, JobView]],
-               registry: CollectorRegistry | None = None) -> FastAPI:
+               registry: CollectorRegistry | None = None,
+               clock: Callable[[], float] = time.time,
+               last_tick: Callable[[], TickTimes | None] = lambda: None) -> FastAPI:
     """The API over a store. `wake` asks the engine for a tick (after a submit or stop);
-    `views` returns the engine's latest per-job progress, forecast and resources."""
+    `views` returns the engine's latest per-job progress, forecast and resources;
+    `clock` is the engine's, so a stop's time and the engine's timeouts agree;
+    `last_tick` says when the engine loop last finished a tick and how long it took
+    (/healthz)."""
     public_paths = PUBLIC_PATHS | ({"/metrics"} if settings.metrics_public else frozenset())
     app = FastAPI(title="jobsup", version=__version__,
                   responses={**GUARD_RESPONSES, **(UNAUTHORIZED if settings.token else {})})
@@ -115,6 +157,34 @@ def create_app(settings: Settings, sessions: sessionmaker[Session], *,
         body = {"error": exc.message, "hint": exc.hint, "field": exc.field}
         return JSONResponse(body, status_code=exc.status_code)
 
+    @app.exception_handler(OperationalError)
+    async def database_unavailable(_request: Request, exc: OperationalError) -> JSONResponse:
+        """The database cannot take the write (its disk is full, or it is locked): a
+        503 the client can retry, never a bare 500."""
+        if store.is_disk_full(exc):
+            body = {"error": "the daemon's database cannot be written: its disk is full; "
+                             "nothing was recorded",
+                    "hint": f"free space on the filesystem of {settings.data_dir} "
+                            f"(df -h {settings.data_dir}), then retry", "field": None}
+        else:
+            log.warning("database error answered 503: %s", exc)
+            body = {"error": "the daemon's database is unavailable right now; nothing was "
+                             "recorded", "hint": "retry in a few seconds", "field": None}
+        return JSONResponse(body, status_code=503, headers={"Retry-After": "10"})
+
+    @app.exception_handler(OSError)
+    async def storage_error(_request: Request, exc: OSError) -> JSONResponse:
+        """A file of the data dir could not be written (a job's record at submit)."""
+        if exc.errno in (errno.ENOSPC, errno.EDQUOT):
+            body = {"error": f"the daemon's data dir is full ({exc.strerror}); nothing was "
+                             "recorded",
+                    "hint": f"free space on the filesystem of {settings.data_dir} "
+                            f"(df -h {settings.data_dir}), then retry", "field": None}
+            return JSONResponse(body, status_code=503, headers={"Retry-After": "10"})
+        log.error("file error answered 500: %s", exc)
+        return JSONResponse({"error": f"the daemon could not access a file: {exc.strerror}",
+                             "hint": "see the daemon's log", "field": None}, status_code=500)
+
     @app.exception_handler(StarletteHTTPException)
     async def http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
         headers = dict(exc.headers or {})
@@ -130,9 +200,31 @@ def create_app(settings: Settings, sessions: sessionmaker[Session], *,
         return JSONResponse({"error": _validation_message(errors), "detail": errors},
                             status_code=422)
 
-    @app.get("/healthz")
-    def healthz() -> dict[str, str]:
-        return {"status": "ok"}
+    stalled_after_s = tick_stalled_after_s(settings.sample_interval)
+
+    @app.get("/healthz", response_model=HealthOut, responses={503: {
+        "model": HealthOut, "description": "the engine loop has not ticked for "
+                                           "several intervals (it is blocked)"}})
+    async def healthz() -> JSONResponse:
+        """200 while the engine loop ticks, 503 once it has not finished a tick for
+        several intervals (or its last tick took that long). Async on purpose: it
+        answers even when every worker thread waits on a locked database."""
+        times = last_tick()
+        if times is None:
+            return JSONResponse({"status": "ok", "last_tick_age_s": None})
+        age, duration = round(times.age_s, 3), round(times.duration_s, 3)
+        if max(age, duration) <= stalled_after_s:
+            return JSONResponse({"status": "ok", "last_tick_age_s": age,
+                                 "last_tick_duration_s": duration})
+        what = (f"has not finished a tick for {age:.0f} s" if age > stalled_after_s
+                else f"took {duration:.0f} s for its last tick")
+        body = HealthOut(
+            status="stalled", last_tick_age_s=age, last_tick_duration_s=duration,
+            error=f"the engine {what} (one is due every {settings.sample_interval:g} s): "
+                  f"jobs are not being watched",
+            hint="it is blocked, e.g. on a locked database or a hung filesystem; the daemon "
+                 "log tells where. Restarting the daemon is safe: jobs keep running")
+        return JSONResponse(body.model_dump(), status_code=503)
 
     @app.get("/metrics", response_class=PlainTextResponse)
     def metrics() -> Response:
@@ -194,7 +286,7 @@ def create_app(settings: Settings, sessions: sessionmaker[Session], *,
         job = store.get_job(session, job_id)
         if JobState(job.state).ended:
             raise Conflict(f"job {job_id} already ended ({job.state})")
-        store.request_stop(session, job_id, now=time.time())
+        store.request_stop(session, job_id, now=clock())
         session.commit()
         wake()
         session.refresh(job)
@@ -224,8 +316,9 @@ def create_app(settings: Settings, sessions: sessionmaker[Session], *,
     def job_logs(
         job_id: str, session: DB,
         tail: Annotated[int, Query(ge=0, le=1_000_000)] = 100,
-        attempt: Annotated[int | None, Query(ge=1)] = None,
-        offset: Annotated[int | None, Query(ge=0, description="bytes; for --follow")] = None,
+        attempt: Annotated[int | None, Query(ge=1, le=MAX_INT64)] = None,
+        offset: Annotated[int | None, Query(ge=0, le=MAX_INT64,
+                                            description="bytes; for --follow")] = None,
     ) -> PlainTextResponse:
         """The last `tail` lines of the attempt's output, or (with `offset`) what follows
         that byte offset. Header `X-Jobsup-Log-Offset` says where to continue."""

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import logging
+import math
+import re
 import sys
 import time
 from pathlib import Path
@@ -16,6 +18,7 @@ from rich.text import Text
 from supervisor.client import Client
 from supervisor.config import Settings
 from supervisor.errors import JobsupError
+from supervisor.pipeline import DEFAULT_MIN_ACCEPTANCE_LENGTH
 from supervisor.tui import follow_jobs, gpu_memory_text, job_detail, jobs_table, state_text
 
 app = typer.Typer(add_completion=False, no_args_is_help=True,
@@ -60,19 +63,55 @@ def serve(
     port: Annotated[int, typer.Option(envvar="JOBSUP_PORT")] = 8765,
     data_dir: Annotated[Path | None, typer.Option(envvar="JOBSUP_DATA_DIR",
                                                   help="default ~/.local/share/jobsup")] = None,
+    rebuild_db: Annotated[bool, typer.Option(
+        "--rebuild-db", envvar="JOBSUP_REBUILD_DB",
+        help="If the database is damaged, move it aside (jobsup.db.damaged-<time>) and "
+             "rebuild the jobs from DATA_DIR/jobs. A sound database is left alone.")] = False,
 ) -> None:
     """Run the daemon (foreground)."""
     from supervisor.daemon import serve as run_daemon
 
-    logging.basicConfig(level=logging.INFO,
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    overrides: dict[str, Any] = {"host": host, "port": port}
+    overrides: dict[str, Any] = {"host": host, "port": port, "rebuild_db": rebuild_db}
     if data_dir is not None:
         overrides["data_dir"] = data_dir
+    settings = Settings(**overrides)
+    logging.basicConfig(level=settings.log_level,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    for name in ("httpx", "httpcore"):  # their request lines print the webhook URLs: secrets
+        logging.getLogger(name).setLevel(logging.WARNING)
     try:
-        run_daemon(Settings(**overrides))
+        run_daemon(settings)
     except JobsupError as exc:
         fail(exc)
+
+
+SUBMIT_OPTIONS = {
+    "name": ("--name", "1 to 128 characters"),
+    "command": ("the command after --", "a program and its arguments"),
+    "cwd": ("--cwd", "an existing directory"),
+    "output_dir": ("--output", "a directory path"),
+    "pattern": ("--pattern", "a glob relative to --output, e.g. '**/*.pt'"),
+    "expected_items": ("--expect", "a whole number > 0"),
+    "stall_timeout_s": ("--stall-timeout", "seconds: a finite number > 0, at most 10 years"),
+    "startup_timeout_s": ("--startup-timeout", "seconds: a finite number > 0, at most 10 years"),
+    "stop_grace_s": ("--stop-grace", "seconds: a finite number > 0, at most 10 years"),
+    "restart_policy": ("--restart", "never | on-failure"),
+    "max_restarts": ("--max-restarts", "a whole number >= 0"),
+    "depends_on": ("--depends-on", "ids of jobs this daemon knows (`jobsup ls`)"),
+    "env": ("--env", "KEY=VALUE"),
+    "labels": ("--label", "KEY=VALUE"),
+}
+"""The submit option behind each JobSpec field, and what it takes: the hint of an error
+that names the field."""
+
+
+def submit_hint(message: str) -> str | None:
+    """A hint naming the options behind the fields an error message starts its parts with
+    (`stall_timeout_s: Input should be greater than 0; ...`)."""
+    fields = re.findall(r"(?:^|; )(\w+)[.:]", message)
+    hints = [f"{option}: {takes}" for option, takes in
+             (SUBMIT_OPTIONS[f] for f in dict.fromkeys(fields) if f in SUBMIT_OPTIONS)]
+    return "; ".join(hints) or None
 
 
 @app.command(context_settings={"allow_interspersed_args": False})
@@ -106,6 +145,12 @@ def submit(
     url: Url = DEFAULT_URL,
 ) -> None:
     """Submit a job: jobsup submit --name NAME \\[OPTIONS] -- CMD \\[ARG...]. Prints its id."""
+    for field, value in (("stall_timeout_s", stall_timeout),
+                         ("startup_timeout_s", startup_timeout), ("stop_grace_s", stop_grace)):
+        if value is not None and not math.isfinite(value):  # JSON cannot even carry it
+            option, takes = SUBMIT_OPTIONS[field]
+            fail(JobsupError(f"{option}: {value} is not a finite number of seconds ({field})",
+                             hint=f"{option}: {takes}"))
     try:
         spec: dict[str, Any] = {"name": name, "command": command,
                                 "cwd": str((cwd or Path.cwd()).resolve())}
@@ -122,6 +167,8 @@ def submit(
             spec["labels"] = pairs(label, "--label")
         job = client(url).post("/api/v1/jobs", json=spec)
     except JobsupError as exc:
+        if exc.hint is None:
+            exc.hint = submit_hint(exc.message)
         fail(exc)
     for warning in job.get("warnings", []):
         err_console.print(f"[bold yellow]warning:[/] {warning}", highlight=False)
@@ -314,8 +361,17 @@ def pipeline_run(
         help="Extraction on several GPUs: N | all (one process per GPU).")] = None,
     gpus_per_model: Annotated[int, typer.Option(
         help="Split the target over K GPUs during extraction (larger than one GPU).")] = 1,
-    dtype: Annotated[str, typer.Option(help="bf16 | fp16 | fp32 (extraction).")] = "bf16",
+    dtype: Annotated[str, typer.Option(
+        help="bf16 | fp16 | fp32 (extraction, evaluation).")] = "bf16",
     init: Annotated[Path | None, typer.Option(help="Pre-trained draft to finetune.")] = None,
+    eval_prompts: Annotated[int, typer.Option(
+        help="Hold the last N prompts out of training to measure the draft on (0: no "
+             "evaluate step).")] = 16,
+    eval_max_new_tokens: Annotated[int, typer.Option(
+        help="Tokens generated per held-out prompt.")] = 256,
+    min_acceptance_length: Annotated[float, typer.Option(
+        help="low_acceptance alert below this many tokens per target pass (0: off).")
+    ] = DEFAULT_MIN_ACCEPTANCE_LENGTH,
     follow: Annotated[bool, typer.Option(help="Watch until every step has ended.")] = False,
     url: Url = DEFAULT_URL,
 ) -> None:
@@ -328,7 +384,9 @@ def pipeline_run(
         "port": port, "max_tokens": max_tokens, "draft_vocab_size": draft_vocab_size,
         "ttt_steps": ttt_steps, "epochs": epochs, "device": device, "dtype": dtype,
         "extract_gpus": extract_gpus, "gpus_per_model": gpus_per_model,
-        "init": str(init.resolve()) if init else None}
+        "init": str(init.resolve()) if init else None, "eval_prompts": eval_prompts,
+        "eval_max_new_tokens": eval_max_new_tokens,
+        "min_acceptance_length": min_acceptance_length or None}
     try:
         c = client(url)
         jobs = c.post("/api/v1/pipelines/eagle3", json=body)

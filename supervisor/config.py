@@ -7,9 +7,9 @@ Defaults work with no configuration: a daemon on 127.0.0.1:8765 keeping its stat
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Annotated, Any
+from typing import Annotated, Any, Literal
 
-from pydantic import Field, field_validator
+from pydantic import Field, SecretStr, field_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
 MAX_BODY_BYTES = 1 << 20
@@ -34,6 +34,11 @@ class Settings(BaseSettings):
 
     database_url: str | None = None
     """Any SQLAlchemy URL; default `sqlite:///<data_dir>/jobsup.db`."""
+
+    rebuild_db: bool = False
+    """At start, a damaged SQLite database is moved aside (`jobsup.db.damaged-<time>`)
+    and the jobs are rebuilt from `<data_dir>/jobs`; without it, a damaged database
+    stops the daemon. A sound database is left alone either way."""
 
     token: str | None = None
     """Bearer token required on every route but /healthz when set."""
@@ -71,6 +76,10 @@ class Settings(BaseSettings):
     webhook_url: str | None = None
     """Generic webhook: receives every message as JSON (text, job, alert, log tail)."""
 
+    webhook_secret: SecretStr | None = None
+    """Signs every request to the generic webhook (`X-Jobsup-Signature`: HMAC-SHA256 of
+    `v1:{timestamp}:{body}`, see docs/security.md); unset, requests are not signed."""
+
     notify_backoff_max_s: float = Field(default=120.0, gt=0)
     """Longest wait between two delivery attempts of a message (5xx, network errors)."""
 
@@ -91,6 +100,15 @@ class Settings(BaseSettings):
 
     metrics_ended_retention_s: float = Field(default=3600.0, ge=0)
     """Ended jobs keep their /metrics series this long, then the series disappear."""
+
+    log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"] = "INFO"
+    """The daemon's log level (`jobsup serve`). httpx's and httpcore's loggers stay at
+    WARNING whatever it is: their request lines show the webhook URLs, which are secrets."""
+
+    @field_validator("log_level", mode="before")
+    @classmethod
+    def _upper(cls, value: Any) -> Any:
+        return value.strip().upper() if isinstance(value, str) else value
 
     @field_validator("allowed_hosts", "allowed_env", mode="before")
     @classmethod

@@ -8,7 +8,8 @@ import ipaddress
 import logging
 import os
 import socket
-from collections.abc import AsyncIterator, Iterator
+import time
+from collections.abc import AsyncIterator, Callable, Iterator
 from contextlib import asynccontextmanager, contextmanager
 from pathlib import Path
 from typing import IO
@@ -16,12 +17,13 @@ from typing import IO
 import uvicorn
 from fastapi import FastAPI
 
-from supervisor.api import create_app
+from supervisor.api import TickTimes, create_app
 from supervisor.config import Settings
-from supervisor.db import make_engine, make_sessionmaker, upgrade
+from supervisor.db import make_sessionmaker
 from supervisor.engine import Engine
 from supervisor.errors import DaemonAlreadyRunning, UnsafeBind
 from supervisor.metrics import JobsCollector, build_registry
+from supervisor.recovery import open_database
 
 log = logging.getLogger(__name__)
 
@@ -73,11 +75,36 @@ def data_dir_lock(data_dir: Path) -> Iterator[IO[str]]:
         lock_file.close()
 
 
+class TickWatch:
+    """The engine loop's pace, for /healthz and /metrics: when it last finished a tick
+    (`Engine.last_tick_at`) and how long that tick took (through `Engine.on_tick`)."""
+
+    def __init__(self, engine: Engine, observe: Callable[[float], None]):
+        self.engine = engine
+        self.observe = observe
+        self.duration_s = 0.0
+
+    def on_tick(self, seconds: float) -> None:
+        self.duration_s = seconds
+        self.observe(seconds)
+
+    def times(self) -> TickTimes | None:
+        """Seconds since the last finished tick and its duration; None before start."""
+        at = self.engine.last_tick_at
+        if at is None:
+            return None
+        return TickTimes(age_s=max(0.0, time.monotonic() - at), duration_s=self.duration_s)
+
+    def last_tick_time(self) -> float | None:
+        """Unix time of the last finished tick; None before the loop started."""
+        times = self.times()
+        return None if times is None else time.time() - times.age_s
+
+
 def build_app(settings: Settings) -> FastAPI:
     """The app with its engine started and stopped by the app's lifespan."""
-    db_engine = make_engine(settings.resolved_database_url)
-    upgrade(db_engine)
-    sessions = make_sessionmaker(db_engine)
+    db_engine = open_database(settings)  # checked, upgraded, rebuilt if it was lost
+    sessions = make_sessionmaker(db_engine, jobs_dir=settings.jobs_dir)
     engine = Engine(settings, sessions)
 
     @asynccontextmanager
@@ -93,11 +120,15 @@ def build_app(settings: Settings) -> FastAPI:
 
     collector = JobsCollector(sessions, lambda: engine.observer.views, engine.notifier,
                               settings.metrics_ended_retention_s,
-                              gpu_available=lambda: engine.observer.sampler.gpu.available)
+                              gpu_available=lambda: engine.observer.sampler.gpu.available,
+                              clock=engine.clock,
+                              last_tick=lambda: ticks.last_tick_time())
     registry, tick_histogram = build_registry(collector)
-    engine.on_tick = tick_histogram.observe
+    ticks = TickWatch(engine, tick_histogram.observe)
+    engine.on_tick = ticks.on_tick
     app = create_app(settings, sessions, wake=engine.wake, views=lambda: engine.observer.views,
-                     registry=registry)
+                     registry=registry, clock=engine.clock,
+                     last_tick=ticks.times)
     app.router.lifespan_context = lifespan
     app.state.engine = engine
     return app

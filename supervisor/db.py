@@ -1,7 +1,8 @@
-"""Database engine (SQLite pragmas) and schema upgrade through Alembic."""
+"""Database engine (SQLite pragmas), sessions, and schema upgrade through Alembic."""
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from importlib import resources
 from pathlib import Path
@@ -9,8 +10,8 @@ from typing import Any
 
 from alembic import command
 from alembic.config import Config
-from sqlalchemy import Engine, create_engine, event
-from sqlalchemy.orm import Session, sessionmaker
+from sqlalchemy import Engine, create_engine, event, make_url
+from sqlalchemy.orm import Session, SessionTransaction, sessionmaker
 
 log = logging.getLogger(__name__)
 
@@ -42,8 +43,45 @@ def make_engine(url: str) -> Engine:
     return engine
 
 
-def make_sessionmaker(engine: Engine) -> sessionmaker[Session]:
-    return sessionmaker(engine, expire_on_commit=False)
+UNCOMMITTED_JOB_RECORDS = "jobsup.uncommitted_job_records"
+"""`Session.info` key: the job records (`job.json`) written in the session's open
+transaction, removed again unless it commits (see `make_sessionmaker`)."""
+
+
+def make_sessionmaker(engine: Engine, *, jobs_dir: Path | None = None) -> sessionmaker[Session]:
+    """Sessions whose `info["jobs_dir"]` tells a submission where to write the job's
+    record. A record written in a transaction that then does not commit (the commit
+    failed, the request died) is removed when the transaction ends: a job whose `201`
+    was never sent must not come back when the jobs are rebuilt from the data dir."""
+    sessions = sessionmaker(engine, expire_on_commit=False, info={"jobs_dir": jobs_dir})
+    event.listen(sessions, "after_commit", _records_committed)
+    event.listen(sessions, "after_transaction_end", _drop_uncommitted_records)
+    return sessions
+
+
+def _records_committed(session: Session) -> None:
+    session.info.pop(UNCOMMITTED_JOB_RECORDS, None)
+
+
+def _drop_uncommitted_records(session: Session, transaction: SessionTransaction) -> None:
+    if transaction.parent is not None:  # a savepoint: the outer transaction decides
+        return
+    for path in session.info.pop(UNCOMMITTED_JOB_RECORDS, []):
+        record = Path(path)
+        record.unlink(missing_ok=True)
+        with contextlib.suppress(OSError):  # the job's directory, unless something is in it
+            record.parent.rmdir()
+        log.info("removed the record of a job never committed: %s", record)
+
+
+def sqlite_path(url: str) -> Path | None:
+    """The database file of a SQLite URL; None for other databases and in-memory ones."""
+    parsed = make_url(url)
+    database = parsed.database
+    if parsed.get_backend_name() != "sqlite" or not database or database == ":memory:" \
+            or database.startswith("file:"):
+        return None
+    return Path(database)
 
 
 def alembic_config(url: str) -> Config:

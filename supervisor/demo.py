@@ -1,8 +1,9 @@
 """`jobsup demo`: the EAGLE-3 pipeline on a tiny local model under the daemon.
 
 Starts a daemon unless one answers at the URL, builds a tiny random Llama (no download)
-once, submits the four steps (generation with the transformers backend on the prompts
-shipped in `workers/data/`), shows them live until they end, and says where to look.
+once, submits the five steps (generation with the transformers backend on the prompts
+shipped in `workers/data/`, the last 16 held out for the evaluate step), shows them live
+until they end, and says where to look.
 """
 
 from __future__ import annotations
@@ -81,16 +82,17 @@ def run_demo(*, url: str, data_dir: Path | None, keep_daemon: bool, console: Con
         "model": str(model), "prompts": str(DEMO_PROMPTS), "out": str(out),
         "name": "demo", "backend": "transformers", "device": "cpu", "dtype": "fp32",
         "max_tokens": max_tokens, "draft_vocab_size": 128, "ttt_steps": 3, "epochs": epochs,
-        "train_batch_tokens": 512,
+        "train_batch_tokens": 512, "eval_max_new_tokens": max_tokens,
         "stall_timeout_s": 300, "labels": {"demo": "1"},
     })
     console.print(f"EAGLE-3 pipeline submitted ({len(jobs)} jobs), output in {out}")
     ok = follow_jobs(client, [j["id"] for j in jobs], console)
-    train = jobs[-1]["id"]
+    train = next(j["id"] for j in jobs if j["name"] == "demo-train")
     console.print(
         f"\n{'all steps succeeded' if ok else 'a step did not succeed'}: "
         f"`jobsup show ID` and `jobsup logs ID` tell more.\n"
         f"draft model:  {out / 'train' / 'draft'}\n"
+        f"acceptance:   {out / 'evaluate' / 'eval.json'}\n"
         f"API:          {url}/api/v1/jobs   (docs at {url}/docs)\n"
         f"metrics:      {url}/metrics  (training loss: jobsup_job_metric{{job_id=\"{train}\"}})\n"
         f"live table:   jobsup watch --all\n"

@@ -4,6 +4,7 @@ and the job lifecycle rules that decide which state comes next."""
 
 from __future__ import annotations
 
+import errno
 import logging
 import signal as signals
 import threading
@@ -14,6 +15,7 @@ from sqlalchemy.orm import Session, sessionmaker
 
 from supervisor import alerts, store
 from supervisor.alerting import AlertRecorder
+from supervisor.clock import SteadyClock
 from supervisor.config import Settings
 from supervisor.fileio import tail_lines
 from supervisor.launcher import (
@@ -26,8 +28,9 @@ from supervisor.launcher import (
 )
 from supervisor.models import Job, Sample
 from supervisor.notify import Destination, Notifier
-from supervisor.observe import ObservedJob, Observer
-from supervisor.spec import ExitReason, JobSpec, JobState, Progress, RestartPolicy
+from supervisor.observe import SCAN_BUDGET_S, ObservedJob, Observer
+from supervisor.present import stored_progress
+from supervisor.spec import ExitReason, JobSpec, JobState, RestartPolicy, stored_spec
 from supervisor.steps import TickSteps
 
 log = logging.getLogger(__name__)
@@ -39,6 +42,9 @@ the daemon can claim it, else waited for (its shim is starting) or lost."""
 
 STOP_BACKSTOP_S = 5.0
 """Seconds past a job's stop grace after which the daemon SIGKILLs the job itself."""
+
+LAUNCH_RETRY_S = 10.0
+"""Seconds before a launch that failed for lack of space in the data dir is tried again."""
 
 COMPACT_EVERY_S = 300.0
 """Seconds between two downsampling passes over old samples."""
@@ -59,17 +65,20 @@ def signal_name(sig: int) -> str:
 
 class Engine:
     def __init__(self, settings: Settings, sessions: sessionmaker[Session], *,
-                 backend: Backend | None = None, clock: Callable[[], float] = time.time):
+                 backend: Backend | None = None, clock: Callable[[], float] | None = None):
         self.settings = settings
         self.sessions = sessions
-        self.clock = clock
+        self.clock: Callable[[], float] = clock or SteadyClock()
+        """Every timeout and backoff is measured on this clock (see `clock.py`)."""
         self.backend: Backend = backend or LocalBackend(settings.jobs_dir, on_exit=self.wake)
         self._wake = threading.Event()
         self._should_exit = threading.Event()
         self._thread: threading.Thread | None = None
         self._stop_sent: set[tuple[str, int]] = set()
         self._killed: set[tuple[str, int]] = set()
-        self.observer = Observer(settings.jobs_dir)
+        # a tick waits for the jobs' file readings at most 1 s, less with short ticks
+        self.observer = Observer(settings.jobs_dir,
+                                 scan_budget_s=min(SCAN_BUDGET_S, settings.sample_interval / 2))
         self._next_compact_at = 0.0
         self._compacted_until: dict[float, float] | None = None
         """Per sample tier, the cutoff of the last downsampling pass (None: none yet in
@@ -78,11 +87,16 @@ class Engine:
         self._unsaved_samples: list[Sample] = []
         destinations = [Destination(name, url) for name, url in (
             ("slack", settings.slack_webhook_url), ("webhook", settings.webhook_url)) if url]
-        self.notifier = Notifier(destinations, sessions,
-                                 backoff_max_s=settings.notify_backoff_max_s)
+        secret = settings.webhook_secret
+        self.notifier = Notifier(destinations, sessions, clock=self.clock,
+                                 backoff_max_s=settings.notify_backoff_max_s,
+                                 webhook_secret=secret.get_secret_value() if secret else None)
         self.alerting = AlertRecorder(settings, self.observer, self.notifier)
         self.on_tick: Callable[[float], None] = lambda _seconds: None
         """Called with each tick's duration in seconds (the metrics histogram)."""
+        self.last_tick_at: float | None = None
+        """`time.monotonic()` when the loop last finished a tick (one that raised too) or
+        started; None before `start()`. A tick blocked in I/O leaves it behind: /healthz."""
 
     # -- lifecycle ------------------------------------------------------------------
     def start(self) -> None:
@@ -99,6 +113,7 @@ class Engine:
         if self._thread is not None:
             self._thread.join(timeout=10)
         self.notifier.stop()
+        self.observer.close()
         self.backend.close()
 
     def wake(self) -> None:
@@ -110,8 +125,9 @@ class Engine:
         while the daemon was down (the tick reads the exit files the shims wrote)."""
         with self.sessions() as session:
             for job in store.list_jobs(session):
-                if job.progress_json:
-                    self.observer.seed(job.id, Progress.model_validate_json(job.progress_json))
+                progress = stored_progress(job.progress_json) if job.progress_json else None
+                if progress is not None:
+                    self.observer.seed(job.id, progress)
             for job in store.jobs_in_states(session, JobState.RUNNING):
                 attempt = self._attempt(job)
                 self.backend.watch(attempt, self.backend.read_worker(attempt))
@@ -122,6 +138,7 @@ class Engine:
     def _run(self) -> None:
         interval = self.settings.sample_interval
         next_tick = time.monotonic() + interval
+        self.last_tick_at = time.monotonic()
         while not self._should_exit.is_set():
             self._wake.wait(max(0.0, next_tick - time.monotonic()))
             if self._should_exit.is_set():
@@ -132,6 +149,7 @@ class Engine:
                 self.tick()
             except Exception:  # one bad tick must not end supervision
                 log.exception("tick failed")
+            self.last_tick_at = time.monotonic()
             self.on_tick(time.monotonic() - started)
             now = time.monotonic()
             if now >= next_tick:  # scheduled tick done: next one, without drift
@@ -211,7 +229,7 @@ class Engine:
             root, root_time = attempt.shim_pid, attempt.shim_create_time
         else:
             root, root_time = job.pid or -1, job.pid_create_time
-        return ObservedJob(job.id, JobSpec.model_validate_json(job.spec_json), job.attempt,
+        return ObservedJob(job.id, stored_spec(job.spec_json), job.attempt,
                            root, root_time, job.pid, job.started_at)
 
     def _attempt(self, job: Job) -> Attempt:
@@ -238,6 +256,12 @@ class Engine:
             self._stop_running(job, attempt, now)
 
         if self.backend.shim_alive(attempt):
+            if self.backend.shim_suspended(attempt) and (
+                    worker is None or not self.backend.worker_alive(worker)):
+                # a stopped shim cannot reap the worker nor record its exit: continue it
+                log.warning("job %s: its shim (pid %s) was stopped (SIGSTOP) after the "
+                            "worker ended; continuing it (SIGCONT)", job.id, attempt.shim_pid)
+                self.backend.resume_shim(attempt)
             return
         if worker is not None and self.backend.worker_alive(worker):
             # the shim died but the job runs on: watch the worker itself, so its end
@@ -272,7 +296,7 @@ class Engine:
     @staticmethod
     def _served_its_purpose(session: Session, job: Job) -> bool:
         """All the jobs of its `stop_when_ended` have ended."""
-        waited_for = JobSpec.model_validate_json(job.spec_json).stop_when_ended
+        waited_for = stored_spec(job.spec_json).stop_when_ended
         if not waited_for:
             return False
         states = [session.get(Job, job_id) for job_id in waited_for]
@@ -294,13 +318,15 @@ class Engine:
             self.backend.kill(attempt, worker)
 
     def _grace(self, job: Job) -> float:
-        spec = JobSpec.model_validate_json(job.spec_json)
+        spec = stored_spec(job.spec_json)
         return spec.stop_grace_s or self.settings.stop_grace_s
 
     def _finish(self, session: Session, job: Job, status: ExitStatus, now: float) -> None:
         """Classify the exit and decide: ended, or pending again for a restart."""
         job.exit_code, job.signal = status.exit_code, status.signal
-        ended_at = status.ended_at
+        # the shim's wall-clock time; never later than the daemon's own clock (a system
+        # clock stepped forward must not push the end, and the alerts' windows, ahead)
+        ended_at = min(status.ended_at, now)
         if job.stop_requested_at is not None or status.stop_requested:
             job.exit_reason = ExitReason.STOPPED.value
             how = "SIGKILL after the grace" if status.killed_after_grace else "SIGTERM"
@@ -332,9 +358,9 @@ class Engine:
         if notes:
             reason = f"{reason} — {notes}"
 
-        spec = JobSpec.model_validate_json(job.spec_json)
+        spec = stored_spec(job.spec_json)
         if spec.restart_policy is RestartPolicy.ON_FAILURE and job.restarts < spec.max_restarts:
-            delay = min(self.settings.restart_backoff_s * 2**job.restarts,
+            delay = min(self.settings.restart_backoff_s * 2 ** min(job.restarts, 64),
                         self.settings.restart_backoff_max_s)
             job.restarts += 1
             job.next_start_at = now + delay
@@ -360,7 +386,7 @@ class Engine:
             store.transition(session, job, JobState.STOPPED, now=now,
                              reason="stopped on request before it started")
             return
-        spec = JobSpec.model_validate_json(job.spec_json)
+        spec = stored_spec(job.spec_json)
         for dep_id in spec.depends_on:
             dep = session.get(Job, dep_id)
             dep_state = JobState(dep.state) if dep is not None else JobState.LOST
@@ -391,6 +417,12 @@ class Engine:
                                          stop_grace_s=spec.stop_grace_s
                                          or self.settings.stop_grace_s)
         except OSError as exc:
+            if exc.errno in (errno.ENOSPC, errno.EDQUOT):  # the data dir's disk is full
+                job.next_start_at = now + LAUNCH_RETRY_S
+                store.transition(session, job, JobState.PENDING, now=now,
+                                 reason=f"waiting for space in the data dir to launch "
+                                        f"({exc.strerror}); next try in {LAUNCH_RETRY_S:.0f} s")
+                return
             job.exit_reason = ExitReason.EXIT.value
             store.transition(session, job, JobState.FAILED, now=now,
                              reason=f"could not start the job's shim: {exc}")

@@ -48,3 +48,15 @@ class UnsafeBind(JobsupError):
 
 class Unauthorized(JobsupError):
     status_code = 401
+
+
+class DatabaseDamaged(JobsupError):
+    """The database file is not a database any more, or fails SQLite's quick check: the
+    daemon does not start on it (`jobsup serve --rebuild-db` sets it aside)."""
+
+
+class JobRecordUnwritable(JobsupError):
+    """A submitted job's record (`DATA_DIR/jobs/ID/job.json`) could not be written: the
+    job is not accepted, since a lost database could not bring it back."""
+
+    status_code = 507

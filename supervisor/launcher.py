@@ -16,22 +16,28 @@ import signal
 import subprocess
 import sys
 import threading
+from abc import ABC, abstractmethod
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from enum import StrEnum
 from pathlib import Path
-from typing import Protocol
 
 from supervisor.errors import InvalidSpec
 from supervisor.fileio import atomic_write_json, create_json_exclusive, read_json
-from supervisor.procfs import all_stats, create_time, is_same_process, signal_group
-from supervisor.shim import CLAIM_FILE
+from supervisor.procfs import (
+    all_stats,
+    create_time,
+    is_same_process,
+    process_state,
+    signal_group,
+)
+from supervisor.shim import CLAIM_FILE, STATUS_FILE
 from supervisor.spec import JobSpec
 
 log = logging.getLogger(__name__)
 
 SCRUBBED_ENV = ("JOBSUP_TOKEN", "JOBSUP_SLACK_WEBHOOK_URL", "JOBSUP_WEBHOOK_URL",
-                "JOBSUP_DATABASE_URL")
+                "JOBSUP_DATABASE_URL", "JOBSUP_WEBHOOK_SECRET")
 """Daemon settings a job must not inherit (secrets)."""
 
 
@@ -110,36 +116,77 @@ class LaunchFate(StrEnum):
     """A shim owned it and died before recording anything: the job is lost."""
 
 
-class Backend(Protocol):
+class Backend(ABC):
+    """What the engine needs of a launcher. `LocalBackend` runs shims on this machine;
+    a cluster backend (SLURM) implements the same calls with its scheduler's tools."""
+
+    @abstractmethod
     def start(self, job_id: str, number: int, spec: JobSpec, *, cwd: str,
-              stop_grace_s: float) -> Attempt: ...
+              stop_grace_s: float) -> Attempt:
+        """Launch attempt `number` of the job through a shim; OSError if it cannot."""
+
+    @abstractmethod
     def attempt(self, job_id: str, number: int, shim_pid: int | None,
-                shim_create_time: float | None) -> Attempt: ...
-    def read_worker(self, attempt: Attempt) -> WorkerInfo | None: ...
-    def worker_alive(self, worker: WorkerInfo) -> bool: ...
-    def read_exit(self, attempt: Attempt) -> ExitStatus | None: ...
-    def shim_alive(self, attempt: Attempt) -> bool: ...
-    def request_stop(self, attempt: Attempt, worker: WorkerInfo | None) -> None: ...
+                shim_create_time: float | None) -> Attempt:
+        """The attempt of a stored job (the shim's identity from the attempt's files
+        when the database does not have it)."""
+
+    @abstractmethod
+    def read_worker(self, attempt: Attempt) -> WorkerInfo | None:
+        """The worker the shim started, None before it started one."""
+
+    @abstractmethod
+    def worker_alive(self, worker: WorkerInfo) -> bool:
+        """The worker, or what it left in its process group, still runs."""
+
+    @abstractmethod
+    def read_exit(self, attempt: Attempt) -> ExitStatus | None:
+        """What the shim recorded when the worker ended; None while it runs."""
+
+    @abstractmethod
+    def shim_alive(self, attempt: Attempt) -> bool:
+        """The attempt's shim is the live process it was (pid and create time)."""
+
+    @abstractmethod
+    def shim_suspended(self, attempt: Attempt) -> bool:
+        """The shim lives but is stopped (SIGSTOP): it can neither reap the worker nor
+        record its exit until it is continued."""
+
+    @abstractmethod
+    def resume_shim(self, attempt: Attempt) -> None:
+        """Continue a stopped shim (SIGCONT)."""
+
+    @abstractmethod
+    def request_stop(self, attempt: Attempt, worker: WorkerInfo | None) -> None:
+        """Ask the shim to stop the job: SIGTERM, SIGKILL after the grace."""
+
+    @abstractmethod
     def kill(self, attempt: Attempt, worker: WorkerInfo | None) -> None:
-        """Backstop when the shim did not finish a stop in time: SIGKILL the worker's
-        group and the shim's other children (orphans it adopted), never the shim itself:
-        it must live to reap them and record the exit."""
-        if worker is not None and worker_group_alive(worker):
-            signal_group(worker.pid, signal.SIGKILL)
-        if self.shim_alive(attempt) and attempt.shim_pid is not None:
-            for pid, stat in all_stats():
-                if stat[1] == attempt.shim_pid:
-                    with contextlib.suppress(ProcessLookupError):
-                        os.kill(pid, signal.SIGKILL)
+        """Backstop when the shim did not finish a stop in time: kill the job's
+        processes, never the shim, which must live to reap them and record the exit."""
 
-    def watch(self, attempt: Attempt, worker: WorkerInfo | None) -> None: ...
-    def settle_launch(self, attempt: Attempt) -> LaunchFate: ...
-    def forget(self, attempt: Attempt) -> None: ...
-    def reap(self) -> None: ...
-    def close(self) -> None: ...
+    @abstractmethod
+    def watch(self, attempt: Attempt, worker: WorkerInfo | None) -> None:
+        """Wake the engine as soon as the attempt's shim (or shim-less worker) exits."""
+
+    @abstractmethod
+    def settle_launch(self, attempt: Attempt) -> LaunchFate:
+        """Claim an attempt whose shim left no trace in time (see `LaunchFate`)."""
+
+    @abstractmethod
+    def forget(self, attempt: Attempt) -> None:
+        """The attempt ended: stop watching it."""
+
+    @abstractmethod
+    def reap(self) -> None:
+        """Collect the backend's exited children."""
+
+    @abstractmethod
+    def close(self) -> None:
+        """Release the backend's threads and descriptors."""
 
 
-class LocalBackend:
+class LocalBackend(Backend):
     """Shims as children of the daemon on this machine."""
 
     def __init__(self, jobs_dir: Path, on_exit: Callable[[], None]):
@@ -212,9 +259,9 @@ class LocalBackend:
         return WorkerInfo(data["pid"], data.get("create_time"), float(data["started_at"]))
 
     def read_exit(self, attempt: Attempt) -> ExitStatus | None:
-        data = read_json(attempt.dir / "status.json")
-        if not isinstance(data, dict):
-            return None
+        data = read_json(attempt.dir / STATUS_FILE)
+        if not isinstance(data, dict) or not isinstance(data.get("ended_at"), int | float):
+            return None  # running: only the shim's reservation, or a torn overwrite
         return ExitStatus(
             exit_code=data.get("exit_code"), signal=data.get("signal"),
             ended_at=float(data["ended_at"]), stop_requested=bool(data.get("stop_requested")),
@@ -235,11 +282,27 @@ class LocalBackend:
             signal_group(worker.pid, signal.SIGTERM)
 
     def kill(self, attempt: Attempt, worker: WorkerInfo | None) -> None:
-        """Backstop when the shim did not finish a stop in time: SIGKILL the group."""
+        """SIGKILL the worker's group and the shim's other children (orphans it
+        adopted), never the shim itself; then continue the shim in case it was stopped
+        (SIGSTOP), so it reaps them and records the exit."""
         if worker is not None and worker_group_alive(worker):
             signal_group(worker.pid, signal.SIGKILL)
         if self.shim_alive(attempt) and attempt.shim_pid is not None:
-            os.kill(attempt.shim_pid, signal.SIGKILL)
+            for pid, stat in all_stats():
+                if stat[1] == attempt.shim_pid:
+                    with contextlib.suppress(ProcessLookupError):
+                        os.kill(pid, signal.SIGKILL)
+            self.resume_shim(attempt)
+
+    def shim_suspended(self, attempt: Attempt) -> bool:
+        if attempt.shim_pid is None or not self.shim_alive(attempt):
+            return False
+        return process_state(attempt.shim_pid) in ("T", "t")
+
+    def resume_shim(self, attempt: Attempt) -> None:
+        if attempt.shim_pid is not None and self.shim_alive(attempt):
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(attempt.shim_pid, signal.SIGCONT)
 
     def watch(self, attempt: Attempt, worker: WorkerInfo | None) -> None:
         """Wake the engine as soon as this attempt's shim (or shim-less worker) exits."""

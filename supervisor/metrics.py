@@ -20,7 +20,7 @@ from supervisor import alerts as rules
 from supervisor.models import Alert, Job
 from supervisor.notify import Notifier
 from supervisor.observe import JobView
-from supervisor.spec import AlertState, JobSpec, JobState
+from supervisor.spec import AlertState, JobState, stored_spec
 
 JOB_LABELS = ["job_id", "job_name"]
 TICK_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
@@ -50,13 +50,16 @@ class JobsCollector(Collector):
     def __init__(self, sessions: sessionmaker[Session], views: Callable[[], Mapping[str, JobView]],
                  notifier: Notifier | None, ended_retention_s: float,
                  gpu_available: Callable[[], bool] = lambda: False,
-                 clock: Callable[[], float] = time.time):
+                 clock: Callable[[], float] = time.time,
+                 last_tick: Callable[[], float | None] = lambda: None):
         self.sessions = sessions
         self.views = views
         self.notifier = notifier
         self.ended_retention_s = ended_retention_s
         self.gpu_available = gpu_available
         self.clock = clock
+        self.last_tick = last_tick
+        """Unix time of the engine loop's last finished tick; None before the first."""
 
     def collect(self) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:
         now = self.clock()
@@ -99,7 +102,7 @@ class JobsCollector(Collector):
             g["stalled"].add_metric(labels, 1.0 if job.id in stalled_jobs else 0.0)
             if job.exit_code is not None:
                 g["exit_code"].add_metric(labels, job.exit_code)
-            spec = JobSpec.model_validate_json(job.spec_json)
+            spec = stored_spec(job.spec_json)
             if job.state == JobState.RUNNING.value and spec.output_dir:
                 outputs.add(spec.output_dir)
             view = views.get(job.id)
@@ -155,6 +158,14 @@ class JobsCollector(Collector):
                                 "1 when NVML answers; 0 means GPU memory series are absent")
         gpu.add_metric([], 1.0 if self.gpu_available() else 0.0)
         yield gpu
+
+        last_tick = GaugeMetricFamily(
+            "jobsup_last_tick_timestamp_seconds",
+            "When the engine loop last finished a tick (Unix time); alert on time() - it")
+        at = self.last_tick()
+        if at is not None:
+            last_tick.add_metric([], at)
+        yield last_tick
 
         if self.notifier is not None:
             for kind, counter, doc in (

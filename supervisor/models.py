@@ -6,7 +6,7 @@ them into ISO 8601 strings.
 
 from __future__ import annotations
 
-from sqlalchemy import BigInteger, Float, ForeignKey, Index, Integer, String, Text
+from sqlalchemy import BigInteger, Boolean, Float, ForeignKey, Index, Integer, String, Text
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 
 
@@ -102,14 +102,19 @@ class Alert(Base):
 class Notification(Base):
     """The outbox: one message to one destination. Written in the same transaction as
     the alert it announces, so a daemon killed before delivery delivers after restart
-    (at least once)."""
+    (at least once). Each attempt is recorded (`attempts`, `in_flight_since`) before its
+    request leaves, so a restarted daemon knows which message a crash cut short."""
 
     __tablename__ = "notifications"
-    __table_args__ = (Index("ix_notifications_pending", "destination", "sent_at", "failed_at"),)
+    __table_args__ = (Index("ix_notifications_pending", "destination", "sent_at", "failed_at"),
+                      Index("ux_notifications_event", "destination", "event_id", unique=True))
 
     id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
     destination: Mapped[str] = mapped_column(String(16))
     """`slack` or `webhook`."""
+    event_id: Mapped[str] = mapped_column(String(36))
+    """The message's id (a UUID), fixed when it enters the outbox and the same for every
+    destination and every attempt: what a receiver dedupes on (migration 0005)."""
     kind: Mapped[str] = mapped_column(String(16))
     """`firing`, `resolved` or `succeeded`."""
     job_id: Mapped[str | None] = mapped_column(String(32))
@@ -117,7 +122,14 @@ class Notification(Base):
     payload_json: Mapped[str] = mapped_column(Text)
     created_at: Mapped[float] = mapped_column(Float)
     attempts: Mapped[int] = mapped_column(Integer, default=0)
+    """Delivery attempts started (counted before the request leaves)."""
     next_attempt_at: Mapped[float] = mapped_column(Float)
+    in_flight_since: Mapped[float | None] = mapped_column(Float)
+    """Set (committed) just before a request leaves and cleared with its outcome: still
+    set at a daemon's start, the previous daemon died while delivering it."""
+    redelivery: Mapped[bool] = mapped_column(Boolean, default=False)
+    """An earlier attempt may have reached the receiver (a crash or a lost answer cut
+    it short): later attempts say so (`X-Jobsup-Redelivery: 1`)."""
     sent_at: Mapped[float | None] = mapped_column(Float)
     failed_at: Mapped[float | None] = mapped_column(Float)
     """Set when delivery was given up (a 4xx other than 429): not retried."""

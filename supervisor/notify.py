@@ -6,23 +6,40 @@ first per destination (so messages arrive in order), at most one per second per
 destination. A `429` waits for its `Retry-After`; a `5xx` or a network error backs off
 exponentially with jitter; any other `4xx` is given up at once (logged and counted):
 resending the same body will not fix it.
+
+Delivery is at least once, and duplicates are rare and marked. Every message has an
+event id, fixed when it enters the outbox (`X-Jobsup-Event-Id`, and `event_id` in the
+generic webhook's body). Each attempt is committed (`attempts`, `in_flight_since`)
+before its request leaves and its outcome after the answer, so a message is sent again
+only when an attempt's outcome is unknown: the daemon died while it was in flight, or
+the answer was lost (a read timeout, a dropped connection). Those re-sends carry
+`X-Jobsup-Redelivery: 1`; a receiver that remembers event ids drops them.
+
+Nothing secret leaves in a message or a log line: the job's `env` shows its names only
+(`redact`), webhook URLs never appear in our log lines or errors (`_scrubbed`), and the
+daemon keeps httpx's own request log (which prints the URL) quiet.
 """
 
 from __future__ import annotations
 
+import hashlib
+import hmac
 import json
 import logging
 import random
 import threading
 import time
+import uuid
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
 from email.utils import parsedate_to_datetime
 from typing import Any
+from urllib.parse import urlsplit
 
 import httpx
 from sqlalchemy import select
+from sqlalchemy.exc import OperationalError
 from sqlalchemy.orm import Session, sessionmaker
 
 from supervisor.models import Notification
@@ -40,21 +57,120 @@ destination's queue forever."""
 EMOJI = {"firing": ":rotating_light:", "resolved": ":white_check_mark:",
          "succeeded": ":tada:"}
 
+EVENT_ID_HEADER = "X-Jobsup-Event-Id"
+ATTEMPT_HEADER = "X-Jobsup-Attempt"
+"""1 for the first attempt at a message, then 2, 3, ... (retries, re-sends)."""
+REDELIVERY_HEADER = "X-Jobsup-Redelivery"
+"""`1` when an earlier attempt at this message may have reached the receiver."""
+TIMESTAMP_HEADER = "X-Jobsup-Timestamp"
+SIGNATURE_HEADER = "X-Jobsup-Signature"
+"""`v1=` + hex HMAC-SHA256(secret, `v1:{timestamp}:{body}`): generic webhook, with
+`JOBSUP_WEBHOOK_SECRET` set (modelled on Slack's request signing)."""
+
+REDACTED = "<redacted>"
+MIN_MASKED_LEN = 8
+"""Env values this long or longer are also masked wherever else they appear in a
+message (the quoted log lines, the text); shorter ones (`1`, `cuda:0`) would mangle it."""
+
+NOT_SENT = (httpx.ConnectError, httpx.ConnectTimeout, httpx.PoolTimeout,
+            httpx.UnsupportedProtocol, httpx.LocalProtocolError, httpx.InvalidURL, ValueError)
+"""Errors raised before the request can have reached the receiver (connecting, a
+malformed URL: httpx.InvalidURL, or UnicodeError from IDNA, a ValueError). After any
+other error the request may have arrived: the next attempt is marked a redelivery."""
+
+
+def new_event_id() -> str:
+    return str(uuid.uuid4())
+
+
+def sign(secret: str, timestamp: int, body: bytes) -> str:
+    """The `X-Jobsup-Signature` value of a request body sent at `timestamp`."""
+    mac = hmac.new(secret.encode(), b"v1:%d:" % timestamp + body, hashlib.sha256)
+    return "v1=" + mac.hexdigest()
+
+
+def redact(message: dict[str, Any]) -> dict[str, Any]:
+    """The message without the job's env values: `job.spec.env` keeps its names, each
+    value replaced by `<redacted>`, and values of `MIN_MASKED_LEN` characters or more
+    are masked wherever else they appear (a log line that printed a token). The message
+    itself is left as it is."""
+    job = message.get("job")
+    spec = job.get("spec") if isinstance(job, dict) else None
+    env = spec.get("env") if isinstance(spec, dict) else None
+    if not isinstance(env, dict) or not env:
+        return message
+    values = sorted({v for v in env.values() if isinstance(v, str)
+                     and len(v) >= MIN_MASKED_LEN and v != REDACTED}, key=len, reverse=True)
+    masked = _masked(message, values) if values else message
+    job, spec = masked["job"], masked["job"]["spec"]
+    return {**masked, "job": {**job, "spec": {**spec, "env": dict.fromkeys(env, REDACTED)}}}
+
+
+def _masked(value: Any, secrets: list[str]) -> Any:
+    if isinstance(value, str):
+        for secret in secrets:
+            value = value.replace(secret, REDACTED)
+        return value
+    if isinstance(value, dict):
+        return {k: _masked(v, secrets) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_masked(v, secrets) for v in value]
+    return value
+
+
+def _scrubbed(text: str, url: str) -> str:
+    """`text` (an error, a receiver's answer) without the webhook URL or any part of it
+    that could be its secret: the URL is a credential (Slack's is the whole key)."""
+    try:
+        parts = urlsplit(url)
+        pieces = [url, parts.netloc, parts.path, parts.query, parts.fragment,
+                  *parts.path.split("/"), *parts.query.split("&"),
+                  *(pair.partition("=")[2] for pair in parts.query.split("&"))]
+    except ValueError:
+        pieces = [url]
+    for piece in sorted({p for p in pieces if len(p) >= 4}, key=len, reverse=True):
+        text = text.replace(piece, "<url>")
+    return text
+
+
+def _describe(exc: Exception, url: str) -> str:
+    if isinstance(exc, httpx.InvalidURL | httpx.UnsupportedProtocol | ValueError):
+        return f"{type(exc).__name__} (the URL is malformed; not shown, it is a secret)"
+    return _scrubbed(f"{type(exc).__name__}: {exc}", url)
+
 
 @dataclass(frozen=True)
 class Destination:
     name: str  # "slack" or "webhook"
     url: str
 
-    def body(self, message: dict[str, Any]) -> dict[str, Any]:
+    def body(self, message: dict[str, Any], event_id: str) -> dict[str, Any]:
+        """Slack gets the text alone (its incoming webhooks ignore unknown keys, but the
+        event id travels in a header); the generic webhook the whole message and its id."""
+        message = redact(message)  # again: outbox rows written before redaction existed
         if self.name == "slack":
             return {"text": message["text"]}
-        return message
+        return {**message, "event_id": event_id}
+
+    def request(self, message: dict[str, Any], *, event_id: str, attempt: int,
+                redelivery: bool, secret: str | None, now: float) -> tuple[bytes, dict[str, str]]:
+        """The body, serialized once (the bytes signed are the bytes sent), and headers."""
+        body = json.dumps(self.body(message, event_id), separators=(",", ":")).encode()
+        headers = {"Content-Type": "application/json", EVENT_ID_HEADER: event_id,
+                   ATTEMPT_HEADER: str(attempt)}
+        if redelivery:
+            headers[REDELIVERY_HEADER] = "1"
+        if secret and self.name == "webhook":
+            timestamp = int(now)
+            headers[TIMESTAMP_HEADER] = str(timestamp)
+            headers[SIGNATURE_HEADER] = sign(secret, timestamp, body)
+        return body, headers
 
 
 def compose(kind: str, job: dict[str, Any], *, alert: dict[str, Any] | None,
             log_tail: list[str]) -> dict[str, Any]:
-    """The message: a human text (Slack) plus the structured facts (generic webhook)."""
+    """The message: a human text (Slack) plus the structured facts (generic webhook),
+    the job's env values redacted (`redact`)."""
     p, f, r = job["progress"], job["forecast"], job["resources"]
     head = f"{EMOJI.get(kind, '')} "
     if alert is not None:
@@ -85,8 +201,8 @@ def compose(kind: str, job: dict[str, Any], *, alert: dict[str, Any] | None,
             lines.append(f"GPU memory: {_bytes(r['gpu_memory_bytes'])}")
         if log_tail:
             lines.append("last log lines:\n```\n" + "\n".join(log_tail)[-2500:] + "\n```")
-    return {"kind": kind, "text": "\n".join(lines), "job": job, "alert": alert,
-            "log_tail": log_tail}
+    return redact({"kind": kind, "text": "\n".join(lines), "job": job, "alert": alert,
+                   "log_tail": log_tail})
 
 
 def _bytes(n: float | None) -> str:
@@ -127,11 +243,14 @@ class Notifier:
     """The outbox's delivery thread."""
 
     def __init__(self, destinations: list[Destination], sessions: sessionmaker[Session], *,
-                 clock: Callable[[], float] = time.time, backoff_max_s: float = BACKOFF_MAX_S):
+                 clock: Callable[[], float] = time.time, backoff_max_s: float = BACKOFF_MAX_S,
+                 webhook_secret: str | None = None):
         self.destinations = {d.name: d for d in destinations}
         self.backoff_max_s = backoff_max_s
         self.sessions = sessions
         self.clock = clock
+        self.webhook_secret = webhook_secret
+        """Signs the generic webhook's requests when set."""
         self.sent: Counter[str] = Counter()
         self.failed: Counter[str] = Counter()
         """Given up (a 4xx other than 429)."""
@@ -139,6 +258,10 @@ class Notifier:
         self._next_allowed_at: dict[str, float] = {}
         self._unrecorded: dict[str, list[dict[str, Any]]] = {n: [] for n in self.destinations}
         """Messages that could not be written to the outbox (the disk is full)."""
+        self._outcomes: dict[int, dict[str, Any]] = {}
+        """Outbox row id -> the outcome of its last attempt, where the database could not
+        take it: written before anything else is done with the row, never re-sent."""
+        self._database_unwritable = False
         self._wake = threading.Event()
         self._should_exit = threading.Event()
         self._thread: threading.Thread | None = None
@@ -147,19 +270,24 @@ class Notifier:
     def enqueue(self, session: Session, kind: str, message: dict[str, Any], *, job_id: str,
                 alert_id: int | None, now: float) -> None:
         """Add the message for every destination to the outbox (in the caller's
-        transaction); the delivery thread is woken once the caller commits."""
-        payload = json.dumps(message)
+        transaction), with its event id; the delivery thread is woken once the caller
+        commits."""
+        event_id = new_event_id()
+        payload = json.dumps(redact(message))
         for name in self.destinations:
             session.add(Notification(destination=name, kind=kind, job_id=job_id,
                                      alert_id=alert_id, payload_json=payload, created_at=now,
-                                     attempts=0, next_attempt_at=now))
+                                     attempts=0, next_attempt_at=now, event_id=event_id,
+                                     redelivery=False))
 
     def send_unrecorded(self, message: dict[str, Any]) -> None:
         """Queue a message in memory only (its outbox row could not be written): sent
         before the outbox's next message, with the same rate limit and retries, but
         lost if the daemon dies first."""
+        event_id = new_event_id()
         for queue in self._unrecorded.values():
-            queue.append({"payload": message, "attempts": 0, "next_attempt_at": 0.0})
+            queue.append({"payload": redact(message), "event_id": event_id, "attempts": 0,
+                          "redelivery": False, "next_attempt_at": 0.0})
         self._wake.set()
 
     def wake(self) -> None:
@@ -215,24 +343,41 @@ class Notifier:
                 ).first()
                 if head is None:
                     continue
+                if head.id in self._outcomes:  # answered; its outcome not yet written
+                    if not self._record(session, head.id, self._outcomes[head.id]):
+                        wait_s = min(wait_s, MIN_INTERVAL_S)
+                    continue
                 due_at = max(head.next_attempt_at, allowed_at)
                 if due_at > now:
                     wait_s = min(wait_s, due_at - now)
                     continue
-                self._send(session, destination, head)
-                session.commit()
+                self._send(session, destination, head, now)
             self._next_allowed_at[name] = self.clock() + MIN_INTERVAL_S
             wait_s = min(wait_s, MIN_INTERVAL_S)
         return max(0.01, wait_s)
+
+    def _post(self, destination: Destination, message: dict[str, Any], *, event_id: str,
+              attempt: int, redelivery: bool, now: float) -> httpx.Response | Exception:
+        body, headers = destination.request(message, event_id=event_id, attempt=attempt,
+                                            redelivery=redelivery, secret=self.webhook_secret,
+                                            now=now)
+        try:
+            return self._http.post(destination.url, content=body, headers=headers)
+        except (httpx.HTTPError, httpx.InvalidURL, ValueError) as exc:
+            # InvalidURL (a malformed URL) is not an HTTPError, nor is IDNA's UnicodeError;
+            # raised out of deliver_due they would stop delivery to every destination
+            # after this one, on every pass
+            return exc
 
     def _send_unrecorded(self, destination: Destination, item: dict[str, Any],
                          now: float) -> bool:
         """True when the in-memory message is done with (sent, or refused for good)."""
         item["attempts"] += 1
-        try:
-            response = self._http.post(destination.url, json=destination.body(item["payload"]))
-        except (httpx.HTTPError, httpx.InvalidURL):
+        response = self._post(destination, item["payload"], event_id=item["event_id"],
+                              attempt=item["attempts"], redelivery=item["redelivery"], now=now)
+        if isinstance(response, Exception):
             self.retried[destination.name] += 1
+            item["redelivery"] = item["redelivery"] or not isinstance(response, NOT_SENT)
             item["next_attempt_at"] = now + min(self.backoff_max_s, 2.0 ** item["attempts"])
             return False
         now = self.clock()  # delays such as Retry-After count from the answer
@@ -249,48 +394,98 @@ class Notifier:
         self.failed[destination.name] += 1
         return True
 
-    def _send(self, session: Session, destination: Destination, row: Notification) -> None:
+    def _send(self, session: Session, destination: Destination, row: Notification,
+              now: float) -> None:
+        """One attempt at the row: recorded first, then sent, then its outcome recorded."""
+        row_id, event_id = row.id, row.event_id
+        message = json.loads(row.payload_json)  # a broken row fails here, before any mark
+        if row.in_flight_since is not None:
+            # only a daemon that died mid-request leaves this set: this process clears it
+            # with every outcome (or holds the outcome in `_outcomes`, handled above)
+            row.redelivery = True
+            log.warning("notification %d (event %s) to %s was in flight when the daemon "
+                        "stopped; sending it again, marked as a possible redelivery",
+                        row_id, event_id, destination.name)
         row.attempts += 1
-        body = destination.body(json.loads(row.payload_json))
-        try:
-            response = self._http.post(destination.url, json=body)
-        except (httpx.HTTPError, httpx.InvalidURL) as exc:
-            # InvalidURL (a malformed URL) is not an HTTPError; raised out of deliver_due it
-            # would stop delivery to every destination after this one, on every pass
-            self._retry_later(destination, row, self.clock(), f"network error: {exc!r}")
-            return
+        row.in_flight_since = now
+        if not self._commit(session, f"the attempt at notification {row_id}"):
+            return  # not sent: nothing may leave that the outbox does not know about
+        attempt, redelivery = row.attempts, row.redelivery
+        response = self._post(destination, message, event_id=event_id, attempt=attempt,
+                              redelivery=redelivery, now=now)
         now = self.clock()  # delays such as Retry-After count from the answer
-        status = response.status_code
-        if 200 <= status < 300:
-            row.sent_at = now
-            self.sent[destination.name] += 1
-            log.info("job %s: %s notification %d sent to %s", row.job_id, row.kind, row.id,
-                     destination.name)
-        elif status == 429:
+        outcome: dict[str, Any] = {"in_flight_since": None}
+        name = destination.name
+        if isinstance(response, Exception):
+            error = "network error: " + _describe(response, destination.url)
+            outcome.update(self._retry_later(destination, row_id, attempt, now, error))
+            if not isinstance(response, NOT_SENT):
+                outcome["redelivery"] = True  # the request may have arrived
+        elif 200 <= response.status_code < 300:
+            outcome["sent_at"] = now
+            self.sent[name] += 1
+            log.info("job %s: %s notification %d (event %s) sent to %s", row.job_id, row.kind,
+                     row_id, event_id, name)
+        elif response.status_code == 429:
             delay = retry_after_s(response.headers.get("retry-after"), now)
-            self.retried[destination.name] += 1
-            row.next_attempt_at = now + (delay if delay is not None else self._backoff(row))
-            row.last_error = f"429 Too Many Requests (Retry-After: {delay})"
-            log.warning("%s rate-limited us; retrying notification %d in %.1f s",
-                        destination.name, row.id, row.next_attempt_at - now)
-        elif status >= 500:
-            self._retry_later(destination, row, now, f"HTTP {status}: {response.text[:200]}")
+            self.retried[name] += 1
+            outcome["next_attempt_at"] = now + (delay if delay is not None
+                                                else self._backoff(attempt))
+            outcome["last_error"] = f"429 Too Many Requests (Retry-After: {delay})"
+            log.warning("%s rate-limited us; retrying notification %d in %.1f s", name,
+                        row_id, outcome["next_attempt_at"] - now)
+        elif response.status_code >= 500:
+            error = _scrubbed(f"HTTP {response.status_code}: {response.text[:200]}",
+                              destination.url)
+            outcome.update(self._retry_later(destination, row_id, attempt, now, error))
         else:
-            row.failed_at = now
-            row.last_error = f"HTTP {status}: {response.text[:200]}"
-            self.failed[destination.name] += 1
-            log.error("%s refused notification %d for job %s (%s); not retrying",
-                      destination.name, row.id, row.job_id, row.last_error)
+            outcome["failed_at"] = now
+            outcome["last_error"] = _scrubbed(
+                f"HTTP {response.status_code}: {response.text[:200]}", destination.url)
+            self.failed[name] += 1
+            log.error("%s refused notification %d for job %s (%s); not retrying", name,
+                      row_id, row.job_id, outcome["last_error"])
+        self._record(session, row_id, outcome)
 
-    def _retry_later(self, destination: Destination, row: Notification, now: float,
-                     error: str) -> None:
+    def _record(self, session: Session, row_id: int, outcome: dict[str, Any]) -> bool:
+        """Write an attempt's outcome; where the database cannot take it, keep it until
+        it can (the row is not sent again meanwhile: its outcome is known)."""
+        row = session.get(Notification, row_id)
+        if row is None:
+            self._outcomes.pop(row_id, None)
+            return True
+        for column, value in outcome.items():
+            setattr(row, column, value)
+        if self._commit(session, f"the outcome of notification {row_id}"):
+            self._outcomes.pop(row_id, None)
+            return True
+        self._outcomes[row_id] = outcome
+        return False
+
+    def _commit(self, session: Session, what: str) -> bool:
+        try:
+            session.commit()
+        except OperationalError as exc:  # disk full, or locked past the busy timeout
+            session.rollback()
+            if not self._database_unwritable:
+                log.error("cannot record %s (%s); delivery waits until the database is "
+                          "writable", what, exc.orig)
+            self._database_unwritable = True
+            return False
+        if self._database_unwritable:
+            log.warning("notifications: the database is writable again")
+            self._database_unwritable = False
+        return True
+
+    def _retry_later(self, destination: Destination, row_id: int, attempt: int, now: float,
+                     error: str) -> dict[str, Any]:
         self.retried[destination.name] += 1
-        row.next_attempt_at = now + self._backoff(row)
-        row.last_error = error
-        log.warning("notification %d to %s failed (%s); retry in %.1f s", row.id,
-                    destination.name, error, row.next_attempt_at - now)
+        next_attempt_at = now + self._backoff(attempt)
+        log.warning("notification %d to %s failed (%s); retry in %.1f s", row_id,
+                    destination.name, error, next_attempt_at - now)
+        return {"next_attempt_at": next_attempt_at, "last_error": error}
 
-    def _backoff(self, row: Notification) -> float:
+    def _backoff(self, attempts: int) -> float:
         """Exponential with "equal jitter": half fixed, half random."""
-        ceiling = min(self.backoff_max_s, BACKOFF_BASE_S * 2 ** (row.attempts - 1))
+        ceiling = min(self.backoff_max_s, BACKOFF_BASE_S * 2 ** (attempts - 1))
         return ceiling / 2 + random.uniform(0, ceiling / 2)

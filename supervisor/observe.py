@@ -1,21 +1,43 @@
 """Turn the sampler's readings into what users see: progress from the best source,
 stored samples, forecasts with the disk runway of each filesystem, and the per-job view
-the API renders. Keeps per-job state across ticks (scanners, histories, CPU marks)."""
+the API renders. Keeps per-job state across ticks (scanners, histories, CPU marks).
+
+Each job's reading stands alone. An exception while reading one job (its process tree,
+its output, its progress file, the arithmetic after) costs that job its fresh figures
+for the tick, nothing more: it keeps its previous view, whose `progress.observation_error`
+says why and whose `progress.observed_at` says how old the figures are; no sample is
+stored for it; the other jobs are observed as usual.
+
+The file side of a reading (the output scan, the progress file or log, the free space of
+the filesystem) runs in a few worker threads, each job's alone: the scanner of a job is
+not thread-safe, so a job never has two readings running. A tick waits for them at most
+`scan_budget_s` in all. A reading not done by then (the first scan of a million files
+takes seconds; an NFS server may hang) leaves its job with its last known figures and
+`observation_error` "output scan still running (12.3 s so far)", and no new reading of
+that job starts until it ends; a later tick picks up its result without waiting for it
+again. The process side is read for every job each tick regardless.
+"""
 
 from __future__ import annotations
 
+import concurrent.futures
 import logging
 import os
-from collections.abc import Mapping, Sequence
+import queue
+import threading
+import time
+from collections.abc import Callable, Mapping, Sequence
+from concurrent.futures import Future
 from dataclasses import dataclass, field, replace
 from pathlib import Path
+from typing import Any, Protocol, TypeVar
 
 from supervisor import forecast as fc
 from supervisor import progress as reports
 from supervisor.launcher import log_path, progress_path
 from supervisor.models import Sample
 from supervisor.sampler import Sampler, TreeGpuMemory, TreeReading, TreeTarget
-from supervisor.scanner import OutputScanner
+from supervisor.scanner import OutputScanner, ScanResult
 from supervisor.spec import Forecast, GpuDeviceUse, JobSpec, Progress, Resources
 from supervisor.timefmt import iso
 
@@ -28,6 +50,14 @@ still marks time passing); readings with news are always kept."""
 
 HISTORY_MAX_POINTS = 20_000
 """Above this many points the older half of a history is thinned by two."""
+
+SCAN_BUDGET_S = 1.0
+"""Default of the longest a tick waits for the jobs' file readings, in seconds: half the
+default sample interval (pass `scan_budget_s`, e.g. `sample_interval / 2`)."""
+
+FILE_WORKERS = 4
+"""Threads reading the jobs' output trees and progress files (I/O bound: a few suffice;
+a slow tree holds one of them, the others serve the other jobs)."""
 
 
 @dataclass(frozen=True)
@@ -65,9 +95,72 @@ ACTIVITY_CPU_S = 0.05
 Python process still wakes up now and then)."""
 
 
+class Scanner(Protocol):
+    """What the observer needs of an output scanner (`OutputScanner`)."""
+
+    def scan(self, now: float) -> ScanResult: ...
+
+
+ScannerFactory = Callable[[str, str], Scanner]
+"""(output_dir, pattern) -> the job's scanner."""
+
+
+@dataclass(frozen=True)
+class FileReading:
+    """The file side of one reading of a job, taken in a worker thread."""
+
+    t: float
+    """The tick time it was taken for (what the scan was given as `now`)."""
+    files: int
+    bytes_written: int
+    scanned: bool  # the job has an output directory
+    reported: reports.Reported | None  # from the progress file, else the log
+    source: str | None  # "progress_file", "log", or None when neither reports
+    free_bytes: int | None
+    device: int | None
+
+
+class _FileSide:
+    """A job's output scanner and where it reports progress. Used by one worker thread
+    at a time (see `_JobState.inflight`): the scanner is not thread-safe."""
+
+    def __init__(self, jobs_dir: Path, make_scanner: ScannerFactory) -> None:
+        self.jobs_dir = jobs_dir
+        self.make_scanner = make_scanner
+        self.scanner: Scanner | None = None
+
+    def read(self, job: ObservedJob, now: float) -> FileReading:
+        spec = job.spec
+        files = bytes_written = 0
+        if spec.output_dir:
+            if self.scanner is None:  # here, not in the tick: an invalid pattern raises
+                self.scanner = self.make_scanner(spec.output_dir, spec.pattern)
+            # file mtimes are system-clock times: the scanner compares them with that
+            # clock, not with the daemon's steady one (clock.py)
+            scan = self.scanner.scan(time.time())
+            files, bytes_written = scan.files, scan.bytes
+        free_bytes, device = disk_free(spec.output_dir or spec.cwd)
+        reported = reports.from_progress_file(progress_path(self.jobs_dir, job.job_id))
+        source: str | None = "progress_file"
+        if reported is None:
+            reported = reports.from_log(log_path(self.jobs_dir, job.job_id, job.attempt))
+            source = "log" if reported is not None else None
+        return FileReading(now, files, bytes_written, bool(spec.output_dir), reported,
+                           source, free_bytes, device)
+
+
+@dataclass(frozen=True)
+class _Inflight:
+    """A file reading handed to the workers and not picked up yet."""
+
+    future: Future[FileReading]
+    started: float  # time.monotonic() when it was handed over
+    tick: int  # the observer's tick that started it
+
+
 @dataclass
 class _JobState:
-    scanner: OutputScanner | None
+    files: _FileSide
     history: list[fc.Observation] = field(default_factory=list)
     last_items: int | None = None
     last_progress_at: float | None = None
@@ -76,6 +169,18 @@ class _JobState:
     activity_at: float | None = None
     activity_mark: tuple[float, int, int, int | None] | None = None
     """(cpu_time_s, read_bytes, bytes_written, gpu_memory_bytes) at the last reading."""
+    job: ObservedJob | None = None
+    inflight: _Inflight | None = None
+    outcome: FileReading | BaseException | None = None
+    """A file reading finished since the last tick used one (or what it raised)."""
+    reading: FileReading | None = None
+    """The last file reading used: the figures the view shows."""
+    start_error: str | None = None
+    """Why no file reading could be started (the workers are closed)."""
+    logged_error: str | None = None
+    """The last observation error logged, so that a lasting one is logged once."""
+    tick_at: tuple[float, float] = (0.0, 0.0)
+    """(now, time.monotonic()) of the last tick that observed the job."""
 
     def note_items(self, items_done: int | None, now: float) -> None:
         if items_done is None:
@@ -99,6 +204,85 @@ class _JobState:
                 or mark[2] != previous[2] or mark[3] != previous[3]):
             self.activity_at = now
 
+    def pick_up(self) -> None:
+        """Take the in-flight reading's result if it is done (the newest one wins)."""
+        inflight = self.inflight
+        if inflight is None or not inflight.future.done():
+            return
+        self.inflight = None
+        if inflight.future.cancelled():
+            self.outcome = RuntimeError("the reading was cancelled")
+            return
+        error = inflight.future.exception()
+        self.outcome = error if error is not None else inflight.future.result()
+
+
+@dataclass(frozen=True)
+class _Ending:
+    """The final file reading of a job that ended while its reading was still running."""
+
+    future: Future[FileReading]
+    job: ObservedJob
+
+
+T = TypeVar("T")
+
+
+class _Workers:
+    """A few daemon threads running the file readings. Daemon threads, not
+    `concurrent.futures.ThreadPoolExecutor` (which joins its threads at exit): a reading
+    stuck on a dead file server never keeps the daemon from exiting."""
+
+    def __init__(self, size: int) -> None:
+        self.size = size
+        self._tasks: queue.SimpleQueue[tuple[Future[Any], Callable[[], Any]] | None] = (
+            queue.SimpleQueue())
+        self._threads: list[threading.Thread] = []
+        self._lock = threading.Lock()
+        self._closed = False
+
+    def submit(self, task: Callable[[], T]) -> Future[T]:
+        future: Future[T] = Future()
+        with self._lock:
+            if self._closed:
+                raise RuntimeError("the observer is closed")
+            if len(self._threads) < self.size:
+                thread = threading.Thread(target=self._work, daemon=True,
+                                          name=f"jobsup-observe-{len(self._threads)}")
+                thread.start()
+                self._threads.append(thread)
+            self._tasks.put((future, task))
+        return future
+
+    def close(self) -> None:
+        """Cancel what has not started and let the threads end; a running reading
+        finishes in its thread (nobody waits for it)."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            while True:
+                try:
+                    queued = self._tasks.get_nowait()
+                except queue.Empty:
+                    break
+                if queued is not None:
+                    queued[0].cancel()
+            for _ in self._threads:
+                self._tasks.put(None)
+
+    def _work(self) -> None:
+        while (queued := self._tasks.get()) is not None:
+            future, task = queued
+            if not future.set_running_or_notify_cancel():
+                continue
+            try:
+                result = task()
+            except BaseException as error:  # whatever it is, the future must complete
+                future.set_exception(error)
+            else:
+                future.set_result(result)
+
 
 def disk_free(path: str | None) -> tuple[int | None, int | None]:
     """(free bytes for unprivileged writers, device id) of the filesystem holding `path`
@@ -116,50 +300,146 @@ def disk_free(path: str | None) -> tuple[int | None, int | None]:
             current = current.parent
 
 
+def _output_scanner(root: str, pattern: str) -> Scanner:
+    return OutputScanner(root, pattern)
+
+
+def _describe(error: BaseException) -> str:
+    text = str(error)
+    return f"{type(error).__name__}: {text}" if text else type(error).__name__
+
+
+def _final_progress(shown: Progress, job: ObservedJob, reading: FileReading) -> Progress:
+    """An ended job's progress from its final reading (`shown`: what the view had)."""
+    items_done, items_total, metrics, source = _items(job.spec, reading)
+    moved = items_done is not None and items_done != shown.items_done
+    return Progress(
+        items_done=items_done, items_total=items_total, files=reading.files,
+        bytes_written=reading.bytes_written, source=source,
+        last_progress_at=iso(reading.t) if moved else shown.last_progress_at,
+        metrics=metrics, observed_at=iso(reading.t))
+
+
+def _items(spec: JobSpec, reading: FileReading
+           ) -> tuple[int | None, int | None, dict[str, float], str | None]:
+    """(items_done, items_total, metrics, source) from the best source of a reading."""
+    reported = reading.reported
+    if reported is not None:
+        return (reported.items_done, reported.items_total or spec.expected_items,
+                reported.metrics, reading.source)
+    if reading.scanned:
+        return reading.files, spec.expected_items, {}, "files"
+    return None, spec.expected_items, {}, None
+
+
 class Observer:
-    def __init__(self, jobs_dir: Path, sampler: Sampler | None = None):
+    def __init__(self, jobs_dir: Path, sampler: Sampler | None = None, *,
+                 scan_budget_s: float = SCAN_BUDGET_S, workers: int = FILE_WORKERS,
+                 make_scanner: ScannerFactory | None = None):
+        """`scan_budget_s`: the longest a tick waits for the jobs' file readings.
+        `make_scanner`: builds a job's output scanner; default `OutputScanner`."""
         self.jobs_dir = jobs_dir
         self.sampler = sampler or Sampler()
+        self.scan_budget_s = scan_budget_s
+        self.make_scanner: ScannerFactory = make_scanner or _output_scanner
+        self._workers = _Workers(workers)
         self._state: dict[str, _JobState] = {}
+        self._ending: dict[str, _Ending] = {}
+        self._tick = 0
+        self._sampler_error: str | None = None
         self.views: dict[str, JobView] = {}
         """Latest view per job id; replaced whole each tick, so readers need no lock."""
 
     def observe(self, jobs: Sequence[ObservedJob], now: float) -> list[Sample]:
-        """Sample every running job once; returns the rows to store."""
-        readings = self.sampler.sample(
-            [TreeTarget(j.job_id, j.root_pid, j.root_create_time, j.worker_pid) for j in jobs],
-            now)
+        """Sample every running job once; returns the rows to store (none for a job
+        whose reading is not fresh)."""
+        self._tick += 1
+        started = time.monotonic()
+        self._settle_endings({job.job_id for job in jobs})
+        states = [self._state_for(job, now, started) for job in jobs]
+        readings, tree_errors = self._sample_trees(jobs, now)
+        waiting = [state.inflight.future for state in states  # those started this tick;
+                   if state.inflight is not None and state.inflight.tick == self._tick]
+        if waiting:  # older ones are picked up if done, never waited for again
+            concurrent.futures.wait(
+                waiting, timeout=max(0.0, started + self.scan_budget_s - time.monotonic()))
         samples, views = [], dict(self.views)
-        demands: dict[int, list[tuple[str, fc.JobDiskDemand, int]]] = {}
+        demands: dict[int, list[tuple[str, fc.JobDiskDemand, int, float]]] = {}
         forecasts: dict[str, fc.Forecast] = {}
-        for job in jobs:
-            view, sample, job_forecast = self._observe_one(job, readings[job.job_id], now)
-            samples.append(sample)
+        for job, state in zip(jobs, states, strict=True):
+            state.pick_up()
+            tree = readings.get(job.job_id)
+            try:
+                if tree is None:
+                    raise RuntimeError(tree_errors.get(job.job_id, "no process reading"))
+                view, sample, job_forecast = self._observe_one(job, state, tree, now)
+            except Exception as error:  # a bug or a surprise in this job's reading only
+                message = f"observation failed: {_describe(error)}"
+                if tree is None:
+                    message = f"process reading failed: {error}"
+                self._log_error(job.job_id, state, message, error)
+                views[job.job_id] = self._stale_view(job, message)
+                continue
+            if sample is not None:
+                samples.append(sample)
             views[job.job_id] = view
             forecasts[job.job_id] = job_forecast
-            if view.disk_device is not None and sample.disk_free_bytes is not None:
+            reading = state.reading
+            if view.disk_device is not None and reading is not None \
+                    and reading.free_bytes is not None:
                 demand = fc.disk_demand(job.job_id, job_forecast,
-                                        bytes_written=sample.bytes_written)
+                                        bytes_written=view.progress.bytes_written)
                 demands.setdefault(view.disk_device, []).append(
-                    (job.job_id, demand, sample.disk_free_bytes))
+                    (job.job_id, demand, reading.free_bytes, reading.t))
         for group in demands.values():
-            runway = fc.disk_runway([d for _, d, _ in group], free_bytes=group[0][2])
-            for job_id, _, _ in group:
-                shared = fc.with_runway(forecasts[job_id], runway, job_id)
-                views[job_id] = _with_forecast(views[job_id], shared)
+            free_bytes = max(group, key=lambda entry: entry[3])[2]  # the newest reading's
+            try:
+                runway = fc.disk_runway([d for _, d, _, _ in group], free_bytes=free_bytes)
+                shared = {job_id: fc.with_runway(forecasts[job_id], runway, job_id)
+                          for job_id, _, _, _ in group}
+            except Exception:  # these jobs keep their own forecasts, as if alone
+                log.exception("disk runway of jobs %s failed", [g[0] for g in group])
+                continue
+            for job_id, job_forecast in shared.items():
+                views[job_id] = _with_forecast(views[job_id], job_forecast)
         self.views = views
         return samples
 
     def forget(self, job_id: str) -> None:
         """The job ended: drop its per-tick state; its view keeps the final progress but
-        no forecast (an ended job writes nothing more) and no live resources."""
-        self._state.pop(job_id, None)
+        no forecast (an ended job writes nothing more) and no live resources.
+
+        If its file reading is still running, that reading (or, if it started before
+        the job's last tick, one more after it) becomes the job's final reading: a
+        later tick puts its figures in the view when it is done."""
+        state = self._state.pop(job_id, None)
         self.sampler.forget([job_id])
         view = self.views.get(job_id)
-        if view is not None:
+        progress = view.progress if view is not None else None
+        if state is not None and isinstance(state.outcome, FileReading) \
+                and state.job is not None and progress is not None:  # read, never shown
+            progress = _final_progress(progress, state.job, state.outcome)
+        if state is not None and state.inflight is not None and state.job is not None:
+            try:
+                final = (state.inflight.future if state.inflight.tick == self._tick
+                         else self._workers.submit(self._final_reading(state)))
+            except RuntimeError:  # closed: the last figures stay
+                final = None
+            if final is not None:
+                self._ending[job_id] = _Ending(final, state.job)
+                if progress is not None:
+                    progress = progress.model_copy(
+                        update={"observation_error": "final output scan still running"})
+        if view is not None and progress is not None:
             views = dict(self.views)
-            views[job_id] = JobView(progress=view.progress, disk_device=view.disk_device)
+            views[job_id] = JobView(progress=progress, disk_device=view.disk_device)
             self.views = views
+
+    def close(self) -> None:
+        """The daemon stops: readings not started are cancelled, running ones are left
+        to finish in their (daemon) threads; nothing waits for them."""
+        self._workers.close()
+        self._ending.clear()
 
     def last_progress_at(self, job_id: str) -> float | None:
         state = self._state.get(job_id)
@@ -169,44 +449,81 @@ class Observer:
         """A view for a job seen before a daemon restart (its stored progress)."""
         self.views.setdefault(job_id, JobView(progress=progress))
 
-    def _observe_one(self, job: ObservedJob, tree: TreeReading,
-                     now: float) -> tuple[JobView, Sample, fc.Forecast]:
-        spec = job.spec
+    def _state_for(self, job: ObservedJob, now: float, started: float) -> _JobState:
+        """The job's state, its file reading picked up if done, a new one started if
+        none runs."""
         state = self._state.get(job.job_id)
         if state is None:
-            scanner = OutputScanner(spec.output_dir, spec.pattern) if spec.output_dir else None
-            state = self._state[job.job_id] = _JobState(scanner, activity_at=job.started_at)
-        files = bytes_written = 0
-        if state.scanner is not None:
-            scan = state.scanner.scan(now)
-            files, bytes_written = scan.files, scan.bytes
-        free_bytes, device = disk_free(spec.output_dir or spec.cwd)
+            state = self._state[job.job_id] = _JobState(
+                _FileSide(self.jobs_dir, self.make_scanner), activity_at=job.started_at)
+        state.job = job
+        state.tick_at = (now, started)
+        state.pick_up()
+        if state.inflight is None:
+            files = state.files
+            try:
+                future = self._workers.submit(lambda: files.read(job, now))
+            except RuntimeError as error:
+                state.start_error = str(error)
+            else:
+                state.start_error = None
+                state.inflight = _Inflight(future, started, self._tick)
+        return state
 
-        reported = reports.from_progress_file(progress_path(self.jobs_dir, job.job_id))
-        source: str | None = "progress_file"
-        if reported is None:
-            reported = reports.from_log(log_path(self.jobs_dir, job.job_id, job.attempt))
-            source = "log"
-        if reported is not None:
-            items_done: int | None = reported.items_done
-            items_total = reported.items_total or spec.expected_items
-            metrics = reported.metrics
-        elif state.scanner is not None:
-            items_done, items_total, metrics, source = files, spec.expected_items, {}, "files"
-        else:
-            items_done, items_total, metrics, source = None, spec.expected_items, {}, None
+    def _sample_trees(self, jobs: Sequence[ObservedJob], now: float
+                      ) -> tuple[dict[str, TreeReading], dict[str, str]]:
+        """Every job's process tree in one pass; if that pass fails, job by job, so a
+        failure costs only the jobs it concerns (their CPU % reads 0 this once)."""
+        targets = [TreeTarget(j.job_id, j.root_pid, j.root_create_time, j.worker_pid)
+                   for j in jobs]
+        try:
+            readings = self.sampler.sample(targets, now)
+            self._sampler_error = None
+            return readings, {}
+        except Exception as error:
+            message = _describe(error)
+            if message != self._sampler_error:
+                log.exception("sampling the process trees failed; sampling job by job")
+            self._sampler_error = message
+        readings, errors = {}, {}
+        for target in targets:
+            try:
+                readings.update(self.sampler.sample([target], now))
+            except Exception as error:
+                errors[target.job_id] = _describe(error)
+        return readings, errors
 
-        state.note_items(items_done, now)
-        state.note_activity(tree, bytes_written, now)
-        self._remember(state, fc.Observation(now, items_done, bytes_written))
+    def _observe_one(self, job: ObservedJob, state: _JobState, tree: TreeReading,
+                     now: float) -> tuple[JobView, Sample | None, fc.Forecast]:
+        spec = job.spec
+        outcome, state.outcome = state.outcome, None
+        previous = self.views.get(job.job_id)
+        if isinstance(outcome, FileReading):
+            state.reading = fresh = outcome
+            items_done, items_total, metrics, source = _items(spec, fresh)
+            state.note_items(items_done, fresh.t)
+            self._remember(state, fc.Observation(fresh.t, items_done, fresh.bytes_written))
+            progress = Progress(
+                items_done=items_done, items_total=items_total, files=fresh.files,
+                bytes_written=fresh.bytes_written, source=source,
+                last_progress_at=iso(state.last_progress_at), metrics=metrics,
+                observed_at=iso(fresh.t))
+            state.logged_error = None
+        else:  # nothing new: the last known figures, and why
+            error = self._why_not_fresh(job, state, outcome)
+            self._log_error(job.job_id, state, error, outcome)
+            shown = previous.progress if previous is not None else Progress(
+                items_total=spec.expected_items)
+            progress = shown.model_copy(update={"observation_error": error})
+        reading = state.reading
+        free_bytes = reading.free_bytes if reading is not None else None
+        device = (reading.device if reading is not None
+                  else previous.disk_device if previous is not None else None)
+
+        state.note_activity(tree, progress.bytes_written, now)
         job_forecast = fc.forecast_job(
-            state.history, items_total=items_total, now=now, disk_free_bytes=free_bytes,
-            declared_bytes_per_item=spec.bytes_per_item)
-
-        progress = Progress(
-            items_done=items_done, items_total=items_total, files=files,
-            bytes_written=bytes_written, source=source,
-            last_progress_at=iso(state.last_progress_at), metrics=metrics)
+            state.history, items_total=progress.items_total, now=now,
+            disk_free_bytes=free_bytes, declared_bytes_per_item=spec.bytes_per_item)
         resources = Resources(
             status=tree.status, num_procs=tree.num_procs, num_threads=tree.num_threads,
             cpu_percent=round(tree.cpu_percent, 1), rss_bytes=tree.rss_bytes,
@@ -218,14 +535,87 @@ class Observer:
                     first_item_at=state.first_item_at, activity_at=state.activity_at,
                     gpu_memory_fraction=tree.gpu_memory_fraction),
             job_forecast)
+        if progress.observation_error is not None:
+            return view, None, job_forecast
         sample = Sample(
-            job_id=job.job_id, t=now, items_done=items_done, items_total=items_total,
-            files=files, bytes_written=bytes_written, cpu_percent=tree.cpu_percent,
+            job_id=job.job_id, t=now, items_done=progress.items_done,
+            items_total=progress.items_total, files=progress.files,
+            bytes_written=progress.bytes_written, cpu_percent=tree.cpu_percent,
             cpu_time_s=tree.cpu_time_s, rss_bytes=tree.rss_bytes, read_bytes=tree.read_bytes,
             write_bytes=tree.write_bytes, num_procs=tree.num_procs,
             num_threads=tree.num_threads, gpu_memory_bytes=tree.gpu_memory_bytes,
             disk_free_bytes=free_bytes)
         return view, sample, job_forecast
+
+    @staticmethod
+    def _why_not_fresh(job: ObservedJob, state: _JobState,
+                       outcome: BaseException | None) -> str:
+        what = "output scan" if job.spec.output_dir else "progress reading"
+        if outcome is not None:
+            return f"{what} failed: {_describe(outcome)}"
+        if state.inflight is not None:
+            running_s = time.monotonic() - state.inflight.started
+            return f"{what} still running ({running_s:.1f} s so far)"
+        return f"{what} not started: {state.start_error or 'unknown'}"
+
+    def _stale_view(self, job: ObservedJob, error: str) -> JobView:
+        """The job's previous view, saying why it is not fresh."""
+        previous = self.views.get(job.job_id) or JobView(
+            progress=Progress(items_total=job.spec.expected_items))
+        progress = previous.progress.model_copy(update={"observation_error": error})
+        return replace(previous, progress=progress)
+
+    @staticmethod
+    def _log_error(job_id: str, state: _JobState, message: str,
+                   error: BaseException | None) -> None:
+        """Log an observation error once while it lasts (not every tick); a reading
+        still running is no error to log."""
+        if error is None or message == state.logged_error:
+            return
+        state.logged_error = message
+        log.warning("job %s: %s", job_id, message,
+                    exc_info=(type(error), error, error.__traceback__))
+
+    def _final_reading(self, state: _JobState) -> Callable[[], FileReading]:
+        """A reading to run after the job's in-flight one (so never two at once on its
+        scanner), taken for the time it starts on the observer's clock."""
+        assert state.inflight is not None and state.job is not None
+        running, job, files = state.inflight.future, state.job, state.files
+        tick_now, tick_started = state.tick_at
+
+        def read() -> FileReading:
+            concurrent.futures.wait([running])
+            return files.read(job, tick_now + (time.monotonic() - tick_started))
+
+        return read
+
+    def _settle_endings(self, running: set[str]) -> None:
+        """Put the figures of ended jobs' final readings, once done, in their views."""
+        views = None
+        for job_id, ending in list(self._ending.items()):
+            if job_id in running:  # running again: its new attempt's readings count
+                del self._ending[job_id]
+                continue
+            if not ending.future.done():
+                continue
+            del self._ending[job_id]
+            view = self.views.get(job_id)
+            if view is None:
+                continue
+            if ending.future.cancelled():
+                error: BaseException | None = RuntimeError("the reading was cancelled")
+            else:
+                error = ending.future.exception()
+            if error is not None:
+                progress = view.progress.model_copy(
+                    update={"observation_error": f"final output scan failed: "
+                                                 f"{_describe(error)}"})
+            else:
+                progress = _final_progress(view.progress, ending.job, ending.future.result())
+            views = views if views is not None else dict(self.views)
+            views[job_id] = replace(view, progress=progress)
+        if views is not None:
+            self.views = views
 
     @staticmethod
     def _remember(state: _JobState, observation: fc.Observation) -> None:
@@ -243,10 +633,8 @@ class Observer:
 
     def load_history(self, job: ObservedJob, rows: Sequence[Sample]) -> None:
         """Continue a running job's forecast after a daemon restart from stored samples."""
-        spec = job.spec
         state = self._state.setdefault(job.job_id, _JobState(
-            OutputScanner(spec.output_dir, spec.pattern) if spec.output_dir else None,
-            activity_at=job.started_at))
+            _FileSide(self.jobs_dir, self.make_scanner), activity_at=job.started_at))
         for row in rows:
             self._remember(state, fc.Observation(row.t, row.items_done, row.bytes_written))
             state.note_items(row.items_done, row.t)

@@ -1,11 +1,19 @@
 """Pipelines: several jobs submitted together, chained with `depends_on`.
 
 `eagle3`: synthetic data generation -> hidden-state extraction -> vocabulary mapping ->
-draft training (workers/), each a job with its output directory, item pattern and
-expected item count, so every step has progress, ETA, disk runway and alerts from the
-moment it starts. With `serve`, the target's OpenAI-compatible server (`vllm serve`,
-or the repo's stand-in) is a job of its own: generation waits for its `/health`, and
-the daemon stops it once generation has ended (`stop_when_ended`).
+draft training -> evaluation (workers/), each a job with its output directory, item
+pattern and expected item count, so every step has progress, ETA, disk runway and
+alerts from the moment it starts.
+
+Evaluation measures the trained draft on prompts it never saw: the last `eval_prompts`
+lines of the prompts file are held out of generation (`workers.generate --limit`), so
+no conversation of theirs reaches extraction or training, and `workers.evaluate` takes
+them (`--skip`), dropping any whose id or text is in the generated conversations anyway
+(`--exclude`: a repeated prompt, or a malformed line that shifted generate's count).
+
+With `serve`, the target's OpenAI-compatible server (`vllm serve`, or the repo's
+stand-in) is a job of its own: generation waits for its `/health`, and the daemon stops
+it once generation has ended (`stop_when_ended`).
 """
 
 from __future__ import annotations
@@ -16,13 +24,21 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import BaseModel, Field, model_validator
+from pydantic import BaseModel, Field, ValidationError, field_validator, model_validator
 
 from supervisor.errors import InvalidSpec
-from supervisor.spec import JobSpec
+from supervisor.spec import MAX_INT64, JobSpec, PositiveSeconds, check_no_nul
 
 SERVE_READY_TIMEOUT_S = 3600
 """How long generation waits for the server's /health (a 1T model loads for long)."""
+
+DEFAULT_MIN_ACCEPTANCE_LENGTH = 1.3
+"""The evaluate step's `low_acceptance` threshold: tokens per target pass (chain of 3).
+An untrained draft measures ~1.0; a working EAGLE-3 draft 2-3.5 (docs/eagle3.md). Each
+pass also runs the draft k times and verifies k+1 tokens, which costs a few tens of
+percent over a plain decoding step, so below ~1.3 speculative decoding gains nothing:
+the draft is broken (wrong layers, a misaligned vocabulary, too little training), not
+merely weak."""
 
 
 class Eagle3Pipeline(BaseModel):
@@ -40,29 +56,45 @@ class Eagle3Pipeline(BaseModel):
     endpoint: str | None = Field(default=None, description="a server the user runs")
     port: int = Field(default=8000, ge=1, le=65535, description="port of a served target")
     served_model_name: str | None = None
-    concurrency: int = Field(default=16, ge=1)
-    max_tokens: int | None = Field(default=None, ge=1)
-    temperature: float | None = Field(default=None, ge=0)
+    concurrency: int = Field(default=16, ge=1, le=MAX_INT64)
+    max_tokens: int | None = Field(default=None, ge=1, le=MAX_INT64)
+    temperature: float | None = Field(default=None, ge=0, allow_inf_nan=False)
     device: str | None = None
     extract_gpus: str | None = Field(
         default=None, pattern=r"^(all|[1-9][0-9]*)$",
         description="extraction on several GPUs: N or `all` (workers.extract --gpus)")
     gpus_per_model: int = Field(
-        default=1, ge=1, description="split the target over this many GPUs during "
-                                     "extraction (workers.extract --gpus-per-model)")
+        default=1, ge=1, le=MAX_INT64,
+        description="split the target over this many GPUs during extraction "
+                    "(workers.extract --gpus-per-model)")
     dtype: Literal["bf16", "fp16", "fp32"] = "bf16"
-    max_length: int = Field(default=4096, ge=1)
-    draft_vocab_size: int = Field(default=32000, ge=1)
-    ttt_steps: int = Field(default=7, ge=1)
-    epochs: int = Field(default=1, ge=1)
-    lr: float = Field(default=1e-4, gt=0)
-    train_batch_tokens: int | None = Field(default=None, ge=1,
+    max_length: int = Field(default=4096, ge=1, le=MAX_INT64)
+    draft_vocab_size: int = Field(default=32000, ge=1, le=MAX_INT64)
+    ttt_steps: int = Field(default=7, ge=1, le=MAX_INT64)
+    epochs: int = Field(default=1, ge=1, le=MAX_INT64)
+    lr: float = Field(default=1e-4, gt=0, allow_inf_nan=False)
+    train_batch_tokens: int | None = Field(default=None, ge=1, le=MAX_INT64,
                                            description="padded tokens per training step")
     init: str | None = Field(default=None, description="pre-trained draft to finetune")
-    stall_timeout_s: float = Field(default=1800, gt=0)
+    eval_prompts: int = Field(
+        default=16, ge=0, le=MAX_INT64,
+        description="the last N prompts are held out of generation and training and "
+                    "measure the draft (the evaluate step); 0: no evaluate step")
+    eval_max_new_tokens: int = Field(default=256, ge=1, le=MAX_INT64,
+                                     description="tokens generated per held-out prompt")
+    min_acceptance_length: float | None = Field(
+        default=DEFAULT_MIN_ACCEPTANCE_LENGTH, gt=0, allow_inf_nan=False,
+        description="the evaluate step's `low_acceptance` alert threshold (None: off)")
+    stall_timeout_s: PositiveSeconds = 1800
     python: str = Field(default=sys.executable, description="interpreter of the workers")
     env: dict[str, str] = Field(default_factory=dict)
     labels: dict[str, str] = Field(default_factory=dict)
+
+    @field_validator("model", "prompts", "out", "name", "endpoint", "served_model_name",
+                     "device", "init", "python", "env", "labels")
+    @classmethod
+    def _no_nul(cls, value: Any) -> Any:
+        return check_no_nul(value)
 
     @model_validator(mode="after")
     def _server_choice(self) -> Eagle3Pipeline:
@@ -93,12 +125,24 @@ def eagle3_jobs(p: Eagle3Pipeline, *, resolve: Callable[[int], str]) -> Iterator
     n_prompts = count_prompts(prompts)
     if n_prompts == 0:
         raise InvalidSpec(f"prompts: {str(prompts)!r} has no prompts", field="prompts")
+    if p.eval_prompts >= n_prompts:
+        raise InvalidSpec(f"eval_prompts: holding out {p.eval_prompts} of the {n_prompts} "
+                          "prompts for evaluation leaves none to train on; lower it (0: no "
+                          "evaluate step)", field="eval_prompts")
+    n_train = n_prompts - p.eval_prompts
     py = [p.python, "-m"]
     labels = {"pipeline": "eagle3", "pipeline_name": p.name, **p.labels}
 
     def job(step: str, **fields: Any) -> JobSpec:
-        return JobSpec(name=f"{p.name}-{step}", labels={**labels, "step": step}, env=p.env,
-                       stall_timeout_s=p.stall_timeout_s, **fields)
+        try:
+            return JobSpec(name=f"{p.name}-{step}", labels={**labels, "step": step},
+                           env=p.env, stall_timeout_s=p.stall_timeout_s, **fields)
+        except ValidationError as exc:  # a parameter valid here but not in a job spec
+            errors = exc.errors()
+            field = str(errors[0]["loc"][0]) if errors and errors[0]["loc"] else None
+            raise InvalidSpec(f"{step} step: " + "; ".join(
+                f"{'.'.join(map(str, e['loc']))}: {e['msg']}" for e in errors),
+                field=field) from None
 
     device = ["--device", p.device] if p.device else []
     conversations = out / "generate" / "conversations.jsonl"
@@ -108,6 +152,8 @@ def eagle3_jobs(p: Eagle3Pipeline, *, resolve: Callable[[int], str]) -> Iterator
 
     generate = [*py, "workers.generate", "--prompts", str(prompts), "--out", str(conversations),
                 "--backend", p.backend]
+    if p.eval_prompts:
+        generate += ["--limit", str(n_train)]
     if p.backend == "openai":
         generate += ["--endpoint", endpoint, "--concurrency", str(p.concurrency),
                      "--wait-for-server", str(SERVE_READY_TIMEOUT_S)]
@@ -120,7 +166,7 @@ def eagle3_jobs(p: Eagle3Pipeline, *, resolve: Callable[[int], str]) -> Iterator
     if p.temperature is not None:
         generate += ["--temperature", str(p.temperature)]
     yield job("generate", command=generate, output_dir=str(conversations.parent),
-              pattern=conversations.name, expected_items=n_prompts)
+              pattern=conversations.name, expected_items=n_train)
     generate_id = resolve(0)
     steps = 1
 
@@ -139,7 +185,7 @@ def eagle3_jobs(p: Eagle3Pipeline, *, resolve: Callable[[int], str]) -> Iterator
                  "--out", str(hidden), "--dtype", p.dtype, "--max-length", str(p.max_length),
                  *extract_devices],
         depends_on=[generate_id], output_dir=str(hidden), pattern="rows_*/*.safetensors",
-        expected_items=n_prompts)
+        expected_items=n_train)
     extract_id = resolve(steps)
 
     vocab_command = [*py, "workers.vocab", "--data", str(hidden), "--tokenizer", str(model),
@@ -159,6 +205,18 @@ def eagle3_jobs(p: Eagle3Pipeline, *, resolve: Callable[[int], str]) -> Iterator
         train += ["--init", p.init]
     yield job("train", command=train, depends_on=[vocab_id], output_dir=str(out / "train"),
               pattern="draft/model.safetensors")
+    if not p.eval_prompts:
+        return
+    train_id = resolve(steps + 2)
+
+    evaluate = [*py, "workers.evaluate", "--target", str(model), "--draft",
+                str(out / "train" / "draft"), "--prompts", str(prompts), "--skip", str(n_train),
+                "--limit", str(p.eval_prompts), "--exclude", str(conversations), "--data",
+                str(hidden), "--out", str(out / "evaluate"), "--max-new-tokens",
+                str(p.eval_max_new_tokens), "--dtype", p.dtype, *device]
+    yield job("evaluate", command=evaluate, depends_on=[train_id],
+              output_dir=str(out / "evaluate"), pattern="eval.json",
+              min_acceptance_length=p.min_acceptance_length)
 
 
 def serve_command(p: Eagle3Pipeline) -> list[str]:

@@ -2,12 +2,25 @@
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Sequence
+
+from pydantic import ValidationError
 
 from supervisor.models import Alert, Job, Sample
 from supervisor.observe import JobView
-from supervisor.spec import AlertOut, ExitReason, JobOut, JobSpec, JobState, Progress, SampleOut
+from supervisor.spec import (
+    AlertOut,
+    ExitReason,
+    JobOut,
+    JobState,
+    Progress,
+    SampleOut,
+    stored_spec,
+)
 from supervisor.timefmt import iso
+
+log = logging.getLogger(__name__)
 
 
 def alert_out(alert: Alert) -> AlertOut:
@@ -19,13 +32,12 @@ def alert_out(alert: Alert) -> AlertOut:
 def job_out(job: Job, view: JobView | None, *, alerts: Sequence[Alert] = (),
             warnings: list[str] | None = None) -> JobOut:
     """A job row, its latest view (or its stored progress) and its firing alerts."""
+    spec = stored_spec(job.spec_json)
     if view is None:
-        progress = (Progress.model_validate_json(job.progress_json) if job.progress_json
-                    else Progress(items_total=JobSpec.model_validate_json(
-                        job.spec_json).expected_items))
-        view = JobView(progress=progress)
+        progress = stored_progress(job.progress_json) if job.progress_json else None
+        view = JobView(progress=progress or Progress(items_total=spec.expected_items))
     return JobOut(
-        id=job.id, name=job.name, spec=JobSpec.model_validate_json(job.spec_json),
+        id=job.id, name=job.name, spec=spec,
         state=JobState(job.state), pid=job.pid, exit_code=job.exit_code, signal=job.signal,
         exit_reason=ExitReason(job.exit_reason) if job.exit_reason else None,
         reason=job.reason, restarts=job.restarts, attempt=job.attempt,
@@ -34,6 +46,20 @@ def job_out(job: Job, view: JobView | None, *, alerts: Sequence[Alert] = (),
         resources=view.resources, alerts=[alert_out(a) for a in alerts],
         warnings=warnings or [],
     )
+
+
+def stored_progress(progress_json: str) -> Progress | None:
+    """A job's stored progress, or None (shown as none yet) if it no longer validates."""
+    try:
+        return Progress.model_validate_json(progress_json)
+    except ValidationError as exc:
+        if hash(progress_json) not in _warned_progress:
+            _warned_progress.add(hash(progress_json))
+            log.warning("unreadable stored progress (%s); showing none", exc)
+        return None
+
+
+_warned_progress: set[int] = set()
 
 
 def sample_out(row: Sample) -> SampleOut:

@@ -9,8 +9,10 @@ import os
 import re
 from dataclasses import dataclass, field
 
-from supervisor.fileio import read_json
+from supervisor.fileio import open_regular, read_at, read_json
 
+PROGRESS_MAX_BYTES = 1 << 20
+"""A progress file larger than this is malformed (a real one is under a KB)."""
 LOG_TAIL_BYTES = 16 * 1024
 """How much of the log's end is searched for a progress bar."""
 
@@ -18,6 +20,14 @@ TQDM_RE = re.compile(rb"\|\s*(\d+)/(\d+|\?)\s*\[")
 """tqdm's default bar: ` 45%|####      | 450/1000 [00:10<00:12, 45.0it/s]`."""
 PLAIN_RE = re.compile(rb"(?<![\d/.:-])(\d+)\s*/\s*(\d+)(?![\d/.:-])")
 """A bare `n/total` (`step 120/5000`), accepted only when n <= total."""
+METRICS_MAX = 64
+"""Metrics kept from one progress file (the first ones, in the file's order)."""
+METRIC_NAME_RE = re.compile(r"[A-Za-z_][A-Za-z0-9_.:-]{0,63}")
+"""A metric name: up to 64 characters, no spaces or control characters."""
+UNIT_MAX_CHARS = 32
+COUNT_MAX = 2**63 - 1
+"""The largest count stored: SQLite's integers are signed 64-bit. A report beyond it is
+no report (stored, it would fail the whole batch of samples, every job's)."""
 
 
 @dataclass(frozen=True)
@@ -30,23 +40,30 @@ class Reported:
 
 def from_progress_file(path: str | os.PathLike[str]) -> Reported | None:
     """The worker's own report: `{"done", "total", "unit", "metrics"}`; None when the
-    file is missing or malformed (a malformed file is ignored, never fatal)."""
-    data = read_json(path)
+    file is missing or malformed (a malformed file is ignored, never fatal): not a
+    regular file, over PROGRESS_MAX_BYTES, not JSON, or a count beyond COUNT_MAX."""
+    data = read_json(path, max_bytes=PROGRESS_MAX_BYTES)  # never a FIFO or /dev/zero
     if not isinstance(data, dict):
         return None
     done, total = data.get("done"), data.get("total")
-    if not isinstance(done, int) or isinstance(done, bool) or done < 0:
+    if not isinstance(done, int) or isinstance(done, bool) or not 0 <= done <= COUNT_MAX:
         return None
     if not isinstance(total, int) or isinstance(total, bool) or total <= 0:
         total = None
+    elif total > COUNT_MAX:
+        return None
     metrics: dict[str, float] = {}
     raw_metrics = data.get("metrics")
     if isinstance(raw_metrics, dict):
         for name, value in raw_metrics.items():
-            if isinstance(name, str) and isinstance(value, int | float) \
-                    and not isinstance(value, bool) and math.isfinite(value):
+            if len(metrics) >= METRICS_MAX:
+                break  # each name is a /metrics series: a job must not mint thousands
+            if isinstance(name, str) and METRIC_NAME_RE.fullmatch(name) \
+                    and isinstance(value, int | float) and not isinstance(value, bool) \
+                    and math.isfinite(value):
                 metrics[name] = float(value)
     unit = data.get("unit") if isinstance(data.get("unit"), str) else None
+    unit = unit[:UNIT_MAX_CHARS] if unit else unit
     return Reported(done, total, unit, metrics)
 
 
@@ -55,12 +72,10 @@ def from_log(path: str | os.PathLike[str]) -> Reported | None:
     so the tail is split on both `\\r` and `\\n` and searched from the end. A line cut
     by the window's start is dropped: the end of `4500/5000` is not `500/5000`."""
     try:
-        with open(path, "rb") as f:
-            f.seek(0, os.SEEK_END)
-            size = f.tell()
+        with open_regular(path) as (fd, size):  # never a FIFO, device, or past `size`
             start = max(0, size - LOG_TAIL_BYTES)
-            f.seek(max(0, start - 1))  # one byte more: is the window's first line whole?
-            tail = f.read()
+            first = max(0, start - 1)  # one byte more: is the window's first line whole?
+            tail = read_at(fd, first, size - first)
     except OSError:
         return None
     lines = re.split(rb"[\r\n]", tail)
@@ -69,11 +84,24 @@ def from_log(path: str | os.PathLike[str]) -> Reported | None:
     for line in reversed(lines):
         match = TQDM_RE.search(line)
         if match:
-            total = None if match.group(2) == b"?" else int(match.group(2))
-            return Reported(int(match.group(1)), total or None)
+            done = _count(match.group(1))
+            total = None if match.group(2) == b"?" else _count(match.group(2))
+            if done is None or (total is None and match.group(2) != b"?"):
+                continue  # beyond what can be stored: not a count
+            return Reported(done, total or None)
         plain = list(PLAIN_RE.finditer(line))
         if plain:
-            done, total = int(plain[-1].group(1)), int(plain[-1].group(2))
-            if total > 0 and done <= total:
+            done, total = _count(plain[-1].group(1)), _count(plain[-1].group(2))
+            if done is not None and total is not None and total > 0 and done <= total:
                 return Reported(done, total)
     return None
+
+
+def _count(digits: bytes) -> int | None:
+    """The number, or None beyond COUNT_MAX (checked on the digits first: int() of a
+    line of 5000 digits raises)."""
+    digits = digits.lstrip(b"0") or b"0"
+    if len(digits) > len(str(COUNT_MAX)):
+        return None
+    value = int(digits)
+    return value if value <= COUNT_MAX else None

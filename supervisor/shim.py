@@ -2,9 +2,10 @@
 
 The daemon never owns a job directly. It starts this small process in a new session;
 the shim starts the worker in a process group of its own, waits for it and writes the
-exit status to `status.json` atomically. A daemon crash, upgrade or `kill -9` therefore
-never kills a job, and the exit status is known even when the job ended while the
-daemon was down (the conmon / containerd-shim pattern).
+exit status to `status.json` (reserved before the worker starts, overwritten in place).
+A daemon crash, upgrade or `kill -9` therefore never kills a job, and the exit status is
+known even when the job ended while the daemon was down or the disk filled up (the
+conmon / containerd-shim pattern).
 
 The shim is also the job's subreaper: descendants that double-fork or `setsid` away
 are re-parented to it, so it reaps every zombie and, when the worker ends, kills what
@@ -21,6 +22,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import json
 import os
 import signal
 import subprocess
@@ -38,6 +40,15 @@ CLAIM_FILE = "claim.json"
 """Created once per attempt, by the shim before it starts the worker or by a daemon that
 gave the launch up (the shim left no trace in time): whoever creates it owns the
 attempt, so a shim that starts late never runs a job the daemon launched again."""
+STATUS_FILE = "status.json"
+STATUS_RESERVED_BYTES = 4096
+"""`status.json` is created this large, padded with spaces, before the worker starts,
+and overwritten in place when it ends: the exit is recorded in blocks the file already
+owns, so a disk that filled up meanwhile cannot lose it. Readers see the reservation
+(`{"reserved": true}`), a torn write (invalid JSON) or the whole status: the padding
+makes any mix of old and new bytes invalid JSON. (Copy-on-write filesystems such as
+btrfs or ZFS allocate even for an overwrite; there the guarantee is only as good as
+their reserve.)"""
 LEFTOVER_GRACE_S = 2.0
 """Seconds leftover descendants get between SIGTERM and SIGKILL once the worker ended."""
 
@@ -130,6 +141,12 @@ class Shim:
         me = os.getpid()
         identity = {"pid": me, "create_time": create_time(me)}
         try:
+            reserve_status(self.attempt_dir / STATUS_FILE)
+        except OSError as exc:  # a full disk: the daemon claims and relaunches later
+            print(f"jobsup shim: cannot reserve {STATUS_FILE} ({exc}); not starting the job",
+                  file=sys.stderr)
+            return 1
+        try:
             claimed = create_json_exclusive(self.attempt_dir / CLAIM_FILE,
                                             {"by": "shim", **identity})
         except OSError as exc:  # a full disk: the daemon settles the launch later
@@ -140,7 +157,7 @@ class Shim:
             print("jobsup shim: the daemon gave this launch up (the shim started too late); "
                   "not starting the job", file=sys.stderr)
             return 0
-        atomic_write_json(self.attempt_dir / "shim.json", identity)
+        _write_or_warn(self.attempt_dir / "shim.json", identity)
 
         self.oom_kills_at_start = oom_kill_count()
         log_path = self.launch["log_path"]
@@ -164,7 +181,7 @@ class Shim:
                 return 0
 
         worker_pid = self.worker.pid
-        atomic_write_json(
+        _write_or_warn(
             self.attempt_dir / "worker.json",
             {"pid": worker_pid, "create_time": create_time(worker_pid), "started_at": time.time()},
         )
@@ -220,20 +237,65 @@ class Shim:
         self, *, exit_code: int | None, sig: int | None, max_rss_kb: int = 0,
         spawn_error: str | None = None,
     ) -> None:
-        atomic_write_json(
-            self.attempt_dir / "status.json",
-            {
-                "pid": self.worker.pid if self.worker else None,
-                "exit_code": exit_code,
-                "signal": sig,
-                "ended_at": time.time(),
-                "stop_requested": self.stop_requested,
-                "killed_after_grace": self.killed,
-                "max_rss_bytes": max_rss_kb * 1024,
-                "spawn_error": spawn_error,
-                "oom_kills": _delta(self.oom_kills_at_start, oom_kill_count()),
-            },
-        )
+        write_status(self.attempt_dir / STATUS_FILE, {
+            "pid": self.worker.pid if self.worker else None,
+            "exit_code": exit_code,
+            "signal": sig,
+            "ended_at": time.time(),
+            "stop_requested": self.stop_requested,
+            "killed_after_grace": self.killed,
+            "max_rss_bytes": max_rss_kb * 1024,
+            "spawn_error": spawn_error[:1024] if spawn_error else None,
+            "oom_kills": _delta(self.oom_kills_at_start, oom_kill_count()),
+        })
+
+
+def reserve_status(path: Path) -> None:
+    """Create the status file at its full size, holding `{"reserved": true}`, on disk."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o644)
+    try:
+        _write_all(fd, _padded({"reserved": True}))
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def write_status(path: Path, status: dict[str, Any]) -> None:
+    """Overwrite the reserved status file in place (no new blocks, no temp file)."""
+    data = _padded(status)
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_CLOEXEC)
+    except FileNotFoundError:  # an attempt dir from before reservations existed
+        atomic_write_json(path, status)
+        return
+    try:
+        _write_all(fd, data)
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _padded(data: dict[str, Any]) -> bytes:
+    text = json.dumps(data).encode()
+    if len(text) > STATUS_RESERVED_BYTES:
+        raise ValueError(f"status too large for its reservation ({len(text)} bytes)")
+    return text + b" " * (STATUS_RESERVED_BYTES - len(text))
+
+
+def _write_all(fd: int, data: bytes) -> None:
+    offset = 0
+    while offset < len(data):
+        offset += os.pwrite(fd, data[offset:], offset)
+
+
+def _write_or_warn(path: Path, data: dict[str, Any]) -> None:
+    """Write a file the daemon can do without (it finds the processes through the
+    claim and the process tree), so a full disk does not end the shim."""
+    try:
+        atomic_write_json(path, data)
+    except OSError as exc:
+        with contextlib.suppress(OSError):
+            print(f"jobsup shim: cannot write {path.name} ({exc})", file=sys.stderr)
 
 
 def _delta(before: int | None, after: int | None) -> int | None:

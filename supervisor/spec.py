@@ -2,13 +2,18 @@
 
 from __future__ import annotations
 
+import json
+import logging
 from collections.abc import Iterable, Mapping
 from enum import StrEnum
-from typing import Annotated
+from typing import Annotated, Any
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from supervisor.errors import InvalidSpec
+from supervisor.scanner import check_pattern
+
+log = logging.getLogger(__name__)
 
 
 class JobState(StrEnum):
@@ -45,7 +50,36 @@ class RestartPolicy(StrEnum):
     ON_FAILURE = "on-failure"
 
 
-PositiveSeconds = Annotated[float, Field(gt=0)]
+MAX_INT64 = 2**63 - 1
+"""The largest integer SQLite stores (signed 64-bit): the bound of every count a job
+spec or a query parameter carries, so nothing it reaches overflows the store."""
+
+MAX_SECONDS = 10 * 365 * 86_400.0
+"""Ten years: the longest duration a spec may give (a timeout, a grace). Longer is a
+typo, and `Infinity` or `NaN` (which Python's JSON accepts) never reach the store."""
+
+MAX_BYTES_PER_ITEM = 1e18
+"""An exabyte: the most a spec may declare per item (times `expected_items`, still a
+finite number of bytes to forecast with)."""
+
+PositiveSeconds = Annotated[float, Field(gt=0, le=MAX_SECONDS, allow_inf_nan=False)]
+
+MAX_ACCEPTANCE_LENGTH = 1e6
+"""Tokens per target pass of a speculative decoder: 1 + the draft tokens per pass, far
+below this; a larger threshold is a typo."""
+
+
+def check_no_nul(value: Any) -> Any:
+    """`value` (a string, or a list or dict of strings) if no string in it holds a NUL
+    byte, which no path, argv or environment of a process can carry; ValueError if one
+    does."""
+    strings = (value if isinstance(value, list)
+               else [*value.keys(), *value.values()] if isinstance(value, dict)
+               else [value])
+    if any(isinstance(s, str) and "\x00" in s for s in strings):
+        raise ValueError("must not contain NUL bytes")
+    return value
+
 
 CODE_LOADING_ENV = frozenset({
     # the dynamic loader, which every dynamically linked program trusts: libraries
@@ -98,9 +132,10 @@ class JobSpec(BaseModel):
     env: dict[str, str] = Field(default_factory=dict)
     output_dir: str | None = None
     pattern: str = "**/*"
-    expected_items: int | None = Field(default=None, gt=0)
+    expected_items: int | None = Field(default=None, gt=0, le=MAX_INT64)
     bytes_per_item: float | None = Field(
-        default=None, gt=0, description="declared bytes per item, for the disk preflight"
+        default=None, gt=0, le=MAX_BYTES_PER_ITEM, allow_inf_nan=False,
+        description="declared bytes per item, for the disk preflight"
     )
     stall_timeout_s: PositiveSeconds = 600.0
     startup_timeout_s: PositiveSeconds | None = None
@@ -108,12 +143,16 @@ class JobSpec(BaseModel):
         default=None, description="SIGTERM -> SIGKILL delay on stop; default from the daemon"
     )
     restart_policy: RestartPolicy = RestartPolicy.NEVER
-    max_restarts: int = Field(default=0, ge=0)
+    max_restarts: int = Field(default=0, ge=0, le=MAX_INT64)
     depends_on: list[str] = Field(default_factory=list)
     stop_when_ended: list[str] = Field(
         default_factory=list,
         description="stop this job once all of these jobs have ended (e.g. a model server "
                     "that only the generation step needs)")
+    min_acceptance_length: float | None = Field(
+        default=None, gt=0, le=MAX_ACCEPTANCE_LENGTH, allow_inf_nan=False,
+        description="the `low_acceptance` alert fires when the job's reported metric "
+                    "`acceptance_length` is below this (None: off)")
     labels: dict[str, str] = Field(default_factory=dict)
 
     @field_validator("command")
@@ -125,6 +164,12 @@ class JobSpec(BaseModel):
             raise ValueError("arguments must not contain NUL bytes")
         return command
 
+    @field_validator("name", "cwd", "output_dir", "pattern", "depends_on", "stop_when_ended",
+                     "labels")
+    @classmethod
+    def _no_nul(cls, value: Any) -> Any:
+        return check_no_nul(value)
+
     @field_validator("env")
     @classmethod
     def _env_names(cls, env: dict[str, str]) -> dict[str, str]:
@@ -132,6 +177,53 @@ class JobSpec(BaseModel):
             if not key or "=" in key or "\x00" in key or "\x00" in value:
                 raise ValueError(f"invalid environment variable name or value: {key!r}")
         return env
+
+    @field_validator("pattern")
+    @classmethod
+    def _pattern_is_a_glob(cls, pattern: str) -> str:
+        check_pattern(pattern)  # empty, NUL, too long, a reversed range: ValueError
+        return pattern
+
+
+_FALLBACKS: dict[str, Any] = {"name": "(invalid)", "command": ["(invalid)"]}
+"""What a stored spec whose required field is unreadable gets instead: a job no one can
+mistake for a real one, whose command never resolves."""
+_warned_specs: set[int] = set()
+
+
+def stored_spec(spec_json: str) -> JobSpec:
+    """The JobSpec of a stored job, read leniently: a field the current rules refuse (a
+    null or non-finite number that an older daemon stored, a count past SQLite's range,
+    a NUL byte, a field this version does not know) takes its default, with a warning
+    logged once per stored spec, so one such row never breaks a list, a get, a stop,
+    /metrics or the engine's tick. Use it for every `jobs.spec_json`; validate new
+    specs strictly (`JobSpec.model_validate`)."""
+    try:
+        return JobSpec.model_validate_json(spec_json)
+    except ValidationError as exc:
+        errors = exc.errors()
+    try:
+        data = json.loads(spec_json)
+    except ValueError:
+        data = None
+    if not isinstance(data, dict):
+        data, bad = {}, ["(unreadable JSON)"]
+    else:
+        bad = sorted({str(e["loc"][0]) for e in errors if e["loc"]})
+        data = {k: v for k, v in data.items() if k not in bad}
+    for field, fallback in _FALLBACKS.items():
+        if field not in data:
+            data[field] = fallback
+    try:
+        spec = JobSpec.model_validate(data)
+    except ValidationError:  # not expected: every field left was valid on its own
+        spec = JobSpec.model_construct(**data)
+    key = hash(spec_json)
+    if key not in _warned_specs:
+        _warned_specs.add(key)
+        log.warning("job %r: stored spec has invalid %s; using the default(s) instead",
+                    data.get("name"), ", ".join(bad))
+    return spec
 
 
 class Progress(BaseModel):
@@ -142,6 +234,13 @@ class Progress(BaseModel):
     source: str | None = None
     last_progress_at: str | None = None
     metrics: dict[str, float] = Field(default_factory=dict)
+    observed_at: str | None = Field(
+        default=None, description="when these figures were read (the output scan and the "
+                                  "progress file or log); null before the first reading")
+    observation_error: str | None = Field(
+        default=None, description="why this reading is not fresh: the job's last reading "
+                                  "failed or is still running (the figures are the last "
+                                  "known ones, from `observed_at`); null when it is fresh")
 
 
 class Forecast(BaseModel):

@@ -2,14 +2,19 @@
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import logging
 import secrets
 from collections.abc import Mapping, Sequence
+from pathlib import Path
 
 from sqlalchemy import Integer, cast, delete, func, select, update
 from sqlalchemy.orm import Session
 
-from supervisor.errors import JobNotFound
+from supervisor.db import UNCOMMITTED_JOB_RECORDS
+from supervisor.errors import JobNotFound, JobRecordUnwritable
+from supervisor.fileio import atomic_write_json
 from supervisor.models import Alert, Job, JobEvent, Notification, Sample
 from supervisor.spec import AlertState, JobSpec, JobState
 
@@ -33,6 +38,38 @@ def create_job(session: Session, *, spec: JobSpec, now: float) -> Job:
     session.add(JobEvent(job_id=job.id, t=now, from_state=None, to_state=job.state,
                          reason="submitted"))
     return job
+
+
+JOB_RECORD = "job.json"
+"""A job's record in its directory, `DATA_DIR/jobs/ID/job.json`: what the database
+holds at submit, so a lost database can be rebuilt from the data dir (recovery.py)."""
+
+
+def job_record(job: Job) -> dict[str, object]:
+    return {"id": job.id, "name": job.name, "created_at": job.created_at,
+            "spec": JobSpec.model_validate_json(job.spec_json).model_dump(mode="json")}
+
+
+def write_job_record(session: Session, job: Job, jobs_dir: Path) -> Path:
+    """Write the job's record before its submission commits, or JobRecordUnwritable.
+    Until the session commits, the record is listed in its `info`, and removed if the
+    transaction ends without a commit (db.make_sessionmaker)."""
+    path = jobs_dir / job.id / JOB_RECORD
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        atomic_write_json(path, job_record(job))
+    except OSError as exc:
+        with contextlib.suppress(OSError):  # the directory this call made, if empty
+            path.parent.rmdir()
+        if exc.errno in (errno.ENOSPC, errno.EDQUOT):
+            raise  # a full disk: the API answers 503 with a hint (retry once freed)
+        raise JobRecordUnwritable(
+            f"cannot write the job's record {path}: {exc.strerror or exc}; the job was "
+            "not submitted",
+            hint=f"make {jobs_dir} writable (free space on its disk), then submit again",
+        ) from None
+    session.info.setdefault(UNCOMMITTED_JOB_RECORDS, []).append(path)
+    return path
 
 
 def get_job(session: Session, job_id: str) -> Job:

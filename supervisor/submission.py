@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Mapping
+from pathlib import Path
 
 from sqlalchemy.orm import Session
 
@@ -17,9 +18,15 @@ from supervisor.spec import JobSpec
 
 
 def submit_job(session: Session, spec: JobSpec, *, default_cwd: str,
-               views: Mapping[str, JobView]) -> tuple[Job, list[str]]:
+               views: Mapping[str, JobView],
+               jobs_dir: Path | None = None) -> tuple[Job, list[str]]:
     """The recorded (pending, not yet committed) job and its submit-time warnings, or
-    InvalidSpec naming the field that cannot be accepted."""
+    InvalidSpec naming the field that cannot be accepted.
+
+    The job's record is also written to `jobs_dir/ID/job.json` (default: the session's
+    `info["jobs_dir"]`, set by the daemon; none without either) before the caller
+    commits, so the jobs can be rebuilt from the data dir if the database is lost; a
+    record that cannot be written refuses the job (JobRecordUnwritable, 507)."""
     spec = check_runnable(spec, default_cwd=default_cwd)
     for field in ("depends_on", "stop_when_ended"):
         ids = getattr(spec, field)
@@ -29,4 +36,7 @@ def submit_job(session: Session, spec: JobSpec, *, default_cwd: str,
     warnings = preflight_warnings(spec, views, store.learned_bytes_per_item(session, spec.name))
     job = store.create_job(session, spec=spec, now=time.time())
     session.flush()
+    jobs_dir = jobs_dir or session.info.get("jobs_dir")
+    if jobs_dir is not None:
+        store.write_job_record(session, job, Path(jobs_dir))
     return job, warnings

@@ -181,23 +181,34 @@ def python_job(code: str) -> list[str]:
 
 class Receiver:
     """A local HTTP server standing in for Slack: records every POST, answers from a
-    script of (status, headers) and then 200."""
+    script of (status, headers) and then 200. With `delay_s`, each answer comes that
+    long after the POST was recorded (a slow receiver: acted on, not yet answered);
+    `in_flight` counts the POSTs recorded and not yet answered."""
 
-    def __init__(self) -> None:
+    def __init__(self, delay_s: float = 0.0) -> None:
         import threading
         from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
         self.posts: list[tuple[float, dict[str, Any]]] = []
         self.attempts: list[tuple[float, int]] = []
+        self.requests: list[tuple[dict[str, str], bytes]] = []
+        """Every POST's headers (lower-case names) and raw body, in order."""
         self.script: list[tuple[int, dict[str, str]]] = []
         self.down_until = 0.0
         """Until this time every POST answers 503 (the service is down)."""
+        self.delay_s = delay_s
+        self.in_flight = 0
+        self.answered: list[float] = []
+        """When each answer was written (a client killed first gets none)."""
         self.lock = threading.Lock()
         receiver = self
 
         class Handler(BaseHTTPRequestHandler):
             def do_POST(self) -> None:  # noqa: N802 - http.server's naming
-                body = self.rfile.read(int(self.headers.get("content-length", 0)))
+                length = int(self.headers.get("content-length", 0))
+                body = self.rfile.read(length)
+                if len(body) < length:
+                    return  # the client died mid-request: nothing arrived to act on
                 with receiver.lock:
                     if time.time() < receiver.down_until:
                         status, headers = 503, {}
@@ -205,13 +216,25 @@ class Receiver:
                         status, headers = (receiver.script.pop(0) if receiver.script
                                            else (200, {}))
                     receiver.attempts.append((time.time(), status))
+                    receiver.requests.append(
+                        ({k.lower(): v for k, v in self.headers.items()}, body))
                     if status == 200:
                         receiver.posts.append((time.time(), json.loads(body)))
-                self.send_response(status)
-                for key, value in headers.items():
-                    self.send_header(key, value)
-                self.end_headers()
-                self.wfile.write(b"ok" if status == 200 else b"nope")
+                    receiver.in_flight += 1
+                try:
+                    time.sleep(receiver.delay_s)
+                    self.send_response(status)
+                    for key, value in headers.items():
+                        self.send_header(key, value)
+                    self.end_headers()
+                    self.wfile.write(b"ok" if status == 200 else b"nope")
+                    with receiver.lock:
+                        receiver.answered.append(time.time())
+                except OSError:
+                    pass  # the client went away before the answer (killed mid-request)
+                finally:
+                    with receiver.lock:
+                        receiver.in_flight -= 1
 
             def log_message(self, *args: Any) -> None:
                 pass
@@ -235,3 +258,12 @@ def receiver() -> Iterator[Receiver]:
     r = Receiver()
     yield r
     r.close()
+
+
+def exit_recorded(status_file: Path) -> bool:
+    """The shim has recorded the worker's exit (the file exists from the launch on,
+    holding a reservation, see `supervisor.shim.STATUS_RESERVED_BYTES`)."""
+    try:
+        return "ended_at" in json.loads(status_file.read_bytes())
+    except (OSError, ValueError):
+        return False

@@ -174,6 +174,58 @@ def test_incomplete_ages_out_too() -> None:
     assert rules(job, T0 + 11, settings) == {}
 
 
+# -- low_acceptance -------------------------------------------------------------------------
+
+MEASURED = {"acceptance_length": 1.12, "acceptance_rate_pos0": 0.1,
+            "acceptance_rate_pos1": 0.15, "acceptance_rate_pos2": 0.2,
+            "baseline_acceptance_length": 1.01, "acceptance_length_k5": 1.13}
+
+
+def test_low_acceptance_names_the_rates_per_position_and_the_baseline() -> None:
+    job = facts(name="e-evaluate", state="succeeded", exit_code=0, ended_at=T0 + 60,
+                metrics=MEASURED, min_acceptance_length=1.3)
+    firing = rules(job, T0 + 61)
+    assert set(firing) == {"low_acceptance"}
+    assert firing["low_acceptance"].severity == "warning"
+    assert firing["low_acceptance"].message == (
+        "e-evaluate: acceptance length 1.12 tokens per target pass, below 1.3; accepted per "
+        "draft position: pos0 10%, pos1 15%, pos2 20%; an untrained draft gets 1.01")
+
+
+def test_low_acceptance_while_running_says_it_is_the_figure_so_far() -> None:
+    # positions sort as numbers (pos10 after pos2), other metrics are left out
+    metrics = {"acceptance_length": 1.0, "acceptance_rate_pos10": 0.0,
+               "acceptance_rate_pos2": 0.5, "acceptance_rate_posx": 0.9, "loss": 3.0}
+    message = rules(facts(metrics=metrics, min_acceptance_length=2), T0 + 5)[
+        "low_acceptance"].message
+    assert message == ("extract: acceptance length 1.00 tokens per target pass, below 2; "
+                       "accepted per draft position: pos2 50%, pos10 0% (so far: still "
+                       "measuring)")
+
+
+@pytest.mark.parametrize(("metrics", "threshold", "state"), [
+    (MEASURED, None, "succeeded"),  # the rule is off
+    ({"loss": 1.0}, 1.3, "succeeded"),  # nothing measured (yet)
+    ({**MEASURED, "acceptance_length": 1.3}, 1.3, "succeeded"),  # not below
+    ({**MEASURED, "acceptance_length": 2.8}, 1.3, "running"),
+    ({**MEASURED, "acceptance_length": float("nan")}, 1.3, "succeeded"),
+    (MEASURED, 1.3, "failed"),  # `crashed` says why; its last figure may be partial
+    (MEASURED, 1.3, "stopped"),
+])
+def test_no_low_acceptance(metrics: dict[str, float], threshold: float | None,
+                           state: str) -> None:
+    job = facts(state=state, ended_at=None if state == "running" else T0 + 60,
+                metrics=metrics, min_acceptance_length=threshold, attempt=1)
+    assert "low_acceptance" not in rules(job, T0 + 61)
+
+
+def test_low_acceptance_ages_out_after_the_ended_alert_ttl() -> None:
+    settings = AlertSettings(ended_alert_ttl_s=10.0)
+    job = facts(state="succeeded", ended_at=T0, metrics=MEASURED, min_acceptance_length=1.3)
+    assert "low_acceptance" in rules(job, T0 + 9, settings)
+    assert rules(job, T0 + 11, settings) == {}
+
+
 # -- disk and GPU ---------------------------------------------------------------------------
 
 def test_disk_will_fill_when_the_rest_will_not_fit() -> None:
@@ -237,8 +289,9 @@ def test_severity_table_covers_every_rule() -> None:
     assert set(alerts.SEVERITY) == set(alerts.RULES)
     assert alerts.SEVERITY == {
         "crashed": "critical", "stalled": "warning", "disk_will_fill": "critical",
-        "disk_low": "warning", "gpu_memory_high": "warning", "incomplete": "warning"}
-    assert sorted(alerts.EVENT_RULES) == ["crashed", "incomplete"]
+        "disk_low": "warning", "gpu_memory_high": "warning", "incomplete": "warning",
+        "low_acceptance": "warning"}
+    assert sorted(alerts.EVENT_RULES) == ["crashed", "incomplete", "low_acceptance"]
 
 
 # -- reconcile ------------------------------------------------------------------------------

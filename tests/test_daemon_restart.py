@@ -8,7 +8,7 @@ import sys
 import time
 from pathlib import Path
 
-from tests.conftest import Daemon, python_job, wait_for
+from tests.conftest import Daemon, exit_recorded, python_job, wait_for
 
 
 def test_daemon_sigkill_while_two_jobs_run(make_daemon, tmp_path: Path) -> None:
@@ -25,7 +25,7 @@ def test_daemon_sigkill_while_two_jobs_run(make_daemon, tmp_path: Path) -> None:
     daemon.kill()
     flag.touch()  # the second job exits 5 while no daemon runs
     status_file = daemon.data_dir / "jobs" / ends["id"] / "attempt-1" / "status.json"
-    wait_for(status_file.exists, 10, what="the shim's exit file")
+    wait_for(lambda: exit_recorded(status_file), 10, what="the shim's exit file")
 
     t0 = time.monotonic()
     daemon.start()

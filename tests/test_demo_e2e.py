@@ -1,4 +1,4 @@
-"""`jobsup demo` end to end: the four EAGLE-3 steps on a tiny local Llama, under a real
+"""`jobsup demo` end to end: the five EAGLE-3 steps on a tiny local Llama, under a real
 daemon, with the training metrics visible in the API and in /metrics."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import Daemon
+from tests.conftest import Daemon, wait_for
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -29,16 +29,26 @@ def test_demo_runs_the_whole_pipeline(make_daemon, tmp_path: Path) -> None:
 
     jobs = daemon.http.get("/api/v1/jobs", params={"label": "demo=1"}).json()
     steps = {job["spec"]["labels"]["step"]: job for job in jobs}
-    assert set(steps) == {"generate", "extract", "vocab", "train"}
+    assert set(steps) == {"generate", "extract", "vocab", "train", "evaluate"}
     assert all(job["state"] == "succeeded" for job in jobs), [
         (j["name"], j["state"], j["reason"]) for j in jobs]
-    assert steps["extract"]["progress"]["files"] == 32
+    assert steps["extract"]["progress"]["files"] == 16  # the last 16 prompts held out
     train = steps["train"]
     metrics = train["progress"]["metrics"]
     assert "loss" in metrics and "acc_0" in metrics, metrics
     out = Path(train["spec"]["output_dir"])
     assert (out / "draft" / "config.json").exists()
     assert (out / "draft" / "model.safetensors").exists()
+    evaluate = steps["evaluate"]["progress"]
+    assert (evaluate["items_done"], evaluate["items_total"]) == (16, 16)
+    assert "acceptance_length" in evaluate["metrics"], evaluate
+    # a draft learns nothing from a random target: tau ~ 1.0, under the pipeline's 1.3
+    assert evaluate["metrics"]["acceptance_length"] < 1.3
+    fired = wait_for(lambda: [a for a in daemon.http.get("/api/v1/alerts").json()
+                              if a["job_id"] == steps["evaluate"]["id"]], timeout=10,
+                     what="the evaluate job's alert")
+    assert [a["rule"] for a in fired] == ["low_acceptance"], fired
+    assert "accepted per draft position: pos0" in fired[0]["message"]
 
     scrape = daemon.http.get("/metrics").text
     assert f'jobsup_job_metric{{job_id="{train["id"]}",job_name="demo-train",name="loss"}}' \

@@ -23,7 +23,7 @@ import pytest
 from supervisor.fileio import read_json
 from supervisor.procfs import create_time, is_same_process, parse_stat
 from supervisor.timefmt import iso
-from tests.conftest import PY, Daemon, python_job, wait_for
+from tests.conftest import PY, Daemon, exit_recorded, python_job, wait_for
 
 SEED = int(os.environ.get("JOBSUP_FAULTS_SEED", "20240607"))
 """Seed of the kill schedule; set JOBSUP_FAULTS_SEED to replay another schedule."""
@@ -435,7 +435,7 @@ def test_job_ended_while_down_and_pids_reused_is_settled_from_its_exit_file(
                      "time.sleep(0.05)\nsys.exit(3)")
     flag.touch()  # the job exits 3 while no daemon runs; its shim records it and exits
     status = daemon.data_dir / "jobs" / job["id"] / "attempt-1" / "status.json"
-    wait_for(status.exists, 10, what="the shim's exit file")
+    wait_for(lambda: exit_recorded(status), 10, what="the shim's exit file")
     strangers: list[Stranger] = []
     try:
         strangers.append(Stranger.at(worker[0], tmp_path, "worker-pid"))
@@ -462,7 +462,7 @@ def test_job_vanished_while_down_and_pids_reused_is_lost(make_daemon, tmp_path: 
     try:
         strangers.append(Stranger.at(shim[0], tmp_path, "shim-pid"))
         strangers.append(Stranger.at(worker[0], tmp_path, "worker-pid"))
-        assert not (daemon.data_dir / "jobs" / job["id"] / "attempt-1" / "status.json").exists()
+        assert not exit_recorded(daemon.data_dir / "jobs" / job["id"] / "attempt-1" / "status.json")
         daemon.start()
         done = daemon.wait_state(job["id"], "lost", timeout=5)
         assert done["exit_reason"] == "lost" and done["exit_code"] is None

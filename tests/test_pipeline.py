@@ -33,6 +33,9 @@ def test_bad_pipeline_requests(daemon: Daemon, tiny: Path, tmp_path: Path) -> No
         (body(tiny, tmp_path, draft_vocab_size=0), "draft_vocab_size"),
         (body(tiny, tmp_path, extract_gpus="two"), "extract_gpus"),
         (body(tiny, tmp_path, gpus_per_model=0), "gpus_per_model"),
+        (body(tiny, tmp_path, eval_prompts=32), "leaves none to train on"),
+        (body(tiny, tmp_path, eval_prompts=-1), "eval_prompts"),
+        (body(tiny, tmp_path, min_acceptance_length=0), "min_acceptance_length"),
     ]
     for request, word in cases:
         response = daemon.http.post("/api/v1/pipelines/eagle3", json=request)
@@ -46,20 +49,63 @@ def test_jobs_are_chained_and_labelled(daemon: Daemon, tiny: Path, tmp_path: Pat
     response = daemon.http.post("/api/v1/pipelines/eagle3", json=body(
         tiny, tmp_path / "run", serve="stub", port=port, name="chain", max_tokens=8))
     assert response.status_code == 201, response.text
-    generate, serve, extract, vocab, train = response.json()
-    assert [j["name"] for j in (generate, serve, extract, vocab, train)] == [
-        "chain-generate", "chain-serve", "chain-extract", "chain-vocab", "chain-train"]
+    generate, serve, extract, vocab, train, evaluate = response.json()
+    assert [j["name"] for j in (generate, serve, extract, vocab, train, evaluate)] == [
+        "chain-generate", "chain-serve", "chain-extract", "chain-vocab", "chain-train",
+        "chain-evaluate"]
     assert serve["spec"]["stop_when_ended"] == [generate["id"]]
     assert serve["spec"]["command"][1:4] == ["-m", "workers.stub_server", str(tiny)]
     assert f"http://127.0.0.1:{port}/v1" in generate["spec"]["command"]
     assert extract["spec"]["depends_on"] == [generate["id"]]
     assert vocab["spec"]["depends_on"] == [extract["id"]]
     assert train["spec"]["depends_on"] == [vocab["id"]]
-    assert extract["spec"]["expected_items"] == 32
+    assert evaluate["spec"]["depends_on"] == [train["id"]]
+    assert extract["spec"]["expected_items"] == 16  # 32 prompts, the last 16 held out
     assert extract["spec"]["pattern"] == "rows_*/*.safetensors"
     assert {j["spec"]["labels"]["step"] for j in response.json()} == {
-        "generate", "serve", "extract", "vocab", "train"}
+        "generate", "serve", "extract", "vocab", "train", "evaluate"}
     for job in (generate, serve):
+        daemon.http.post(f"/api/v1/jobs/{job['id']}/stop")
+
+
+def test_the_evaluate_step_measures_held_out_prompts(daemon: Daemon, tiny: Path,
+                                                     tmp_path: Path) -> None:
+    """The last eval_prompts prompts never reach generation (so neither extraction nor
+    training); workers.evaluate takes exactly those, and drops any prompt the generated
+    conversations hold; its job carries the low_acceptance threshold."""
+    out = tmp_path / "run"
+    response = daemon.http.post("/api/v1/pipelines/eagle3", json=body(
+        tiny, out, name="held", eval_prompts=12, eval_max_new_tokens=64))
+    assert response.status_code == 201, response.text
+    jobs = {j["name"]: j["spec"] for j in response.json()}
+    generate = jobs["held-generate"]["command"]
+    assert generate[generate.index("--limit") + 1] == "20"
+    assert jobs["held-generate"]["expected_items"] == 20
+    assert jobs["held-extract"]["expected_items"] == 20
+    evaluate = jobs["held-evaluate"]
+    command = evaluate["command"]
+    assert command[1:3] == ["-m", "workers.evaluate"]
+    options = dict(zip(command[3::2], command[4::2], strict=True))
+    assert options == {
+        "--target": str(tiny), "--draft": str(out / "train" / "draft"),
+        "--prompts": str(DEMO_PROMPTS), "--skip": "20", "--limit": "12",
+        "--exclude": str(out / "generate" / "conversations.jsonl"),
+        "--data": str(out / "hidden_states"), "--out": str(out / "evaluate"),
+        "--max-new-tokens": "64", "--dtype": "fp32", "--device": "cpu"}
+    assert evaluate["min_acceptance_length"] == 1.3
+    assert (evaluate["output_dir"], evaluate["pattern"]) == (str(out / "evaluate"), "eval.json")
+    assert evaluate["depends_on"] == [response.json()[3]["id"]]
+    for job in response.json():
+        daemon.http.post(f"/api/v1/jobs/{job['id']}/stop")
+
+    # eval_prompts 0: no evaluate step, every prompt is trained on; the threshold is optional
+    response = daemon.http.post("/api/v1/pipelines/eagle3", json=body(
+        tiny, tmp_path / "all", name="all", eval_prompts=0, min_acceptance_length=None))
+    assert response.status_code == 201, response.text
+    assert [j["name"] for j in response.json()][-1] == "all-train"
+    assert "--limit" not in response.json()[0]["spec"]["command"]
+    assert response.json()[1]["spec"]["expected_items"] == 32
+    for job in response.json():
         daemon.http.post(f"/api/v1/jobs/{job['id']}/stop")
 
 
@@ -85,11 +131,15 @@ def test_cli_pipeline_run_prints_the_job_ids(daemon: Daemon, tiny: Path, tmp_pat
     result = subprocess.run(
         [sys.executable, "-m", "supervisor", "pipeline", "run", "eagle3", "--model", str(tiny),
          "--prompts", str(DEMO_PROMPTS), "--out", str(tmp_path / "o"), "--device", "cpu",
-         "--url", daemon.url], capture_output=True, text=True, timeout=60)
+         "--eval-prompts", "8", "--min-acceptance-length", "0", "--url", daemon.url],
+        capture_output=True, text=True, timeout=60)
     assert result.returncode == 0, result.stderr
     lines = result.stdout.strip().splitlines()
     assert [line.split()[1] for line in lines] == [
-        "eagle3-generate", "eagle3-extract", "eagle3-vocab", "eagle3-train"]
+        "eagle3-generate", "eagle3-extract", "eagle3-vocab", "eagle3-train", "eagle3-evaluate"]
+    evaluate = daemon.http.get(f"/api/v1/jobs/{lines[-1].split()[0]}").json()["spec"]
+    assert evaluate["min_acceptance_length"] is None  # 0: the alert is off
+    assert evaluate["command"][evaluate["command"].index("--limit") + 1] == "8"
     wrong = subprocess.run(
         [sys.executable, "-m", "supervisor", "pipeline", "run", "medusa", "--model", str(tiny),
          "--prompts", str(DEMO_PROMPTS), "--out", str(tmp_path / "o"), "--url", daemon.url],

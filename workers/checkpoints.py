@@ -1,9 +1,10 @@
-"""Training checkpoints under out/checkpoints/: step_NNNNNNN/ (model.safetensors,
-optimizer.pt, scheduler.pt, trainer_state.json with the RNG state), each written to a
-temp directory, fsynced and renamed so it is complete or absent, then `latest` replaced
-atomically and all but the last KEEP_CHECKPOINTS removed. Kept apart from
-`workers.train` because crash safety is its own concern: a kill at any point leaves
-the last complete checkpoint for a rerun of the same command to resume from."""
+"""Training checkpoints under out/checkpoints/: step_NNNNNNN/ (model.safetensors with
+d2t/t2d always, config.json, optimizer.pt, scheduler.pt, trainer_state.json with the RNG
+state), each written to a temp directory, fsynced and renamed so it is complete or
+absent, then `latest` replaced atomically and all but the last KEEP_CHECKPOINTS
+removed. Kept apart from `workers.train` because crash safety is its own concern: a kill
+at any point leaves the last complete checkpoint for a rerun of the same command to
+resume from."""
 
 from __future__ import annotations
 
@@ -74,6 +75,8 @@ def save_checkpoint(out: Path, model: Eagle3Draft, optimizer: torch.optim.Optimi
     tensors = {n: p.detach().float().cpu().contiguous() for n, p in model.trainable().items()}
     tensors.update(d2t=model.d2t.cpu(), t2d=model.t2d.cpu())
     save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+    # the draft's config too, so a checkpoint can be an --init (layer ids, vocab sizes)
+    (tmp / "config.json").write_text(json.dumps(model.config.to_hf("float32"), indent=2) + "\n")
     torch.save(optimizer.state_dict(), tmp / "optimizer.pt")
     torch.save(scheduler.state_dict(), tmp / "scheduler.pt")
     (tmp / "trainer_state.json").write_text(json.dumps(state, indent=1) + "\n")

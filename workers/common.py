@@ -98,6 +98,49 @@ def assistant_content(message: Mapping[str, Any]) -> str:
     return str(content)
 
 
+SHAREGPT_ROLES = {"human": "user", "user": "user", "gpt": "assistant", "chatgpt": "assistant",
+                  "bing": "assistant", "bard": "assistant", "assistant": "assistant",
+                  "system": "system", "tool": "tool"}
+"""ShareGPT `from` names (and the OpenAI roles) to OpenAI roles, as SpecForge's
+scripts/prepare_data.py and speculators' preprocessing map them."""
+
+
+def record_messages(record: Mapping[str, Any]) -> list[dict[str, Any]]:
+    """The conversation of an input record as OpenAI-style messages ({role, content}).
+
+    Takes `messages` ([{role, content}], ours and OpenAI's) or, when absent,
+    `conversations` (ShareGPT / SpecForge / speculators: [{from: human|gpt|system,
+    value}] or [{role, content}]); `reasoning_content` (or speculators' `thinking`) is
+    kept. Raises ValueError, naming the problem, for anything else: every reader
+    (generate, extract, vocab) then skips the line as malformed."""
+    if "messages" in record:
+        messages, key = record["messages"], "messages"
+    elif "conversations" in record:
+        messages, key = record["conversations"], "conversations"
+    else:
+        raise ValueError("missing messages (or conversations)")
+    if not isinstance(messages, list) or not all(isinstance(m, dict) for m in messages):
+        raise ValueError(f"{key} is not a list of objects")
+    if key == "messages":
+        return messages
+    out = []
+    for number, turn in enumerate(messages):
+        name = turn.get("role", turn.get("from"))
+        role = SHAREGPT_ROLES.get(name) if isinstance(name, str) else None
+        if role is None:
+            raise ValueError(f"conversations[{number}]: unknown role {name!r} (expected one "
+                             f"of {', '.join(sorted(SHAREGPT_ROLES))})")
+        content = turn["content"] if "content" in turn else turn.get("value")
+        if not isinstance(content, str):
+            raise ValueError(f"conversations[{number}]: content/value must be a string")
+        message: dict[str, Any] = {"role": role, "content": content}
+        reasoning = turn.get("reasoning_content") or turn.get("thinking")
+        if reasoning:
+            message["reasoning_content"] = reasoning
+        out.append(message)
+    return out
+
+
 def chat_messages(messages: Sequence[Mapping[str, Any]]) -> list[dict[str, str]]:
     out = []
     for m in messages:

@@ -36,6 +36,7 @@ dimensions are padded to a multiple of 8 (head_dim 128 -> 136).
 from __future__ import annotations
 
 import json
+import logging
 import math
 import os
 import shutil
@@ -49,6 +50,10 @@ import torch.nn.functional as F
 from safetensors import safe_open
 from safetensors.torch import save_file
 from torch import nn
+
+from workers import serving
+
+log = logging.getLogger("workers.draft")
 
 ARCHITECTURE = "LlamaForCausalLMEagle3"
 
@@ -69,18 +74,25 @@ class DraftConfig:
                                                           "rope_theta": 10000.0})
     """`rope_parameters` as transformers 5 writes them: rope_type, rope_theta, scaling."""
     aux_layer_ids: list[int] = field(default_factory=list)
+    """The target layers the draft is fed, as layer *inputs* (HF `hidden_states`
+    indices, what `workers.extract` captures); written in both engines' conventions
+    (`workers.serving.config_layer_entries`). Empty: the engines' default."""
     token_ids: dict[str, Any] = field(default_factory=dict)
     """bos/eos/pad token ids, copied from the target into config.json."""
 
     @classmethod
     def from_hf(cls, hf: dict[str, Any], *, draft_vocab_size: int | None = None,
-                aux_layer_ids: list[int] | None = None) -> DraftConfig:
+                aux_layer_ids: list[int] | None = None,
+                target_num_layers: int | None = None) -> DraftConfig:
         """From a target's (or a saved draft's) config.json; a multimodal config's
-        `text_config` is used when there is one."""
+        `text_config` is used when there is one. A draft's layer ids are read in either
+        convention (`workers.serving.trained_layer_inputs`); without any, they are the
+        engines' default for `target_num_layers` (empty when that is not given)."""
         text = hf.get("text_config") or hf
         heads = int(text["num_attention_heads"])
         hidden = int(text["hidden_size"])
-        eagle = hf.get("eagle_config") or {}
+        if aux_layer_ids is None:
+            aux_layer_ids = stated_layer_inputs(hf, target_num_layers)
         return cls(
             hidden_size=hidden, intermediate_size=int(text["intermediate_size"]),
             num_attention_heads=heads,
@@ -92,15 +104,18 @@ class DraftConfig:
             rms_norm_eps=float(text.get("rms_norm_eps", 1e-5)),
             max_position_embeddings=int(text.get("max_position_embeddings", 4096)),
             rope=rope_parameters(text),
-            aux_layer_ids=list(aux_layer_ids if aux_layer_ids is not None
-                               else eagle.get("eagle_aux_hidden_state_layer_ids", [])),
+            aux_layer_ids=[int(i) for i in aux_layer_ids],
             token_ids={k: text[k] for k in ("bos_token_id", "eos_token_id", "pad_token_id")
                        if text.get(k) is not None})
 
     def to_hf(self, torch_dtype: str) -> dict[str, Any]:
         """config.json for SGLang/vLLM: rope as `rope_theta` + `rope_scaling` (what both
-        read; transformers 5 folds them back into `rope_parameters`)."""
+        read; transformers 5 folds them back into `rope_parameters`); the layer ids under
+        both keys (inputs at the top level for vLLM, inputs - 1 nested for SGLang); no
+        `n_predict` (vLLM would then require it to divide `num_speculative_tokens`)."""
         scaling = {k: v for k, v in self.rope.items() if k != "rope_theta"}
+        layers = serving.config_layer_entries(self.aux_layer_ids) if self.aux_layer_ids \
+            else {serving.NESTED_KEY: {}}
         return {
             "architectures": [ARCHITECTURE], "model_type": "llama",
             "hidden_size": self.hidden_size, "intermediate_size": self.intermediate_size,
@@ -114,9 +129,18 @@ class DraftConfig:
             "max_position_embeddings": self.max_position_embeddings,
             "hidden_act": "silu", "tie_word_embeddings": False, "torch_dtype": torch_dtype,
             **self.token_ids,
-            "eagle_config": {"eagle_aux_hidden_state_layer_ids": list(self.aux_layer_ids),
-                             "use_aux_hidden_state": True},
+            **layers,
+            serving.NESTED_KEY: {**layers[serving.NESTED_KEY], "use_aux_hidden_state": True},
         }
+
+
+def stated_layer_inputs(hf: dict[str, Any], target_num_layers: int | None) -> list[int]:
+    """The layer inputs a draft config names (either convention), else the engines'
+    default for `target_num_layers`, else []."""
+    nested = (hf.get(serving.NESTED_KEY) or {}).get(serving.TOP_LEVEL_KEY)
+    if hf.get(serving.TOP_LEVEL_KEY) or nested or target_num_layers:
+        return serving.trained_layer_inputs(hf, int(target_num_layers or 0))
+    return []
 
 
 def rope_parameters(config: dict[str, Any]) -> dict[str, Any]:
@@ -382,7 +406,7 @@ def load_draft_weights(path: Path, model: Eagle3Draft) -> dict[str, torch.Tensor
     for file in files:
         with safe_open(str(file), framework="pt") as f:
             names = list(f.keys())
-            for key in names:  # only these: a saved draft also holds the whole embedding
+            for key in names:  # only these: an older draft also holds the embedding
                 if key.removeprefix("model.") in expected:
                     tensors[key.removeprefix("model.")] = f.get_tensor(key)
     missing = [name for name in expected if name not in tensors]
@@ -396,15 +420,24 @@ def load_draft_weights(path: Path, model: Eagle3Draft) -> dict[str, torch.Tensor
     return {name: tensors[name] for name in expected}
 
 
+def has_own_mapping(config: DraftConfig) -> bool:
+    """Whether the draft's files carry d2t/t2d: only when its vocabulary is a subset.
+    vLLM creates `draft_id_to_target_id` only when draft_vocab_size != vocab_size, and
+    its loader fails on a `d2t` it has no parameter for."""
+    return config.draft_vocab_size != config.vocab_size
+
+
 def write_draft(out: Path, model: Eagle3Draft, dtype: torch.dtype) -> Path:
     """out/draft/ (config.json, model.safetensors under SGLang names), built under a
-    temp name and swapped in."""
+    temp name and swapped in. The trained weights only: no `embed_tokens` (both engines
+    take the target's; `load_draft` does too), and d2t/t2d only when the draft
+    vocabulary is smaller than the target's (`has_own_mapping`)."""
     tmp = out / f".draft.tmp-{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
     tensors = {n: p.detach().to(dtype).cpu().contiguous() for n, p in model.trainable().items()}
-    tensors["embed_tokens.weight"] = model.embed_tokens.weight.detach().to(dtype).cpu()
-    tensors.update(d2t=model.d2t.cpu(), t2d=model.t2d.cpu())
+    if has_own_mapping(model.config):
+        tensors.update(d2t=model.d2t.cpu(), t2d=model.t2d.cpu())
     save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt"})
     dtype_name = str(dtype).removeprefix("torch.")
     config = model.config.to_hf(dtype_name)
@@ -417,3 +450,83 @@ def write_draft(out: Path, model: Eagle3Draft, dtype: torch.dtype) -> Path:
     os.rename(tmp, final)
     shutil.rmtree(old, ignore_errors=True)
     return final
+
+
+def identity_mapping(vocab_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(d2t, t2d) of a draft whose vocabulary is the target's: draft id i is target id i."""
+    return (torch.zeros(vocab_size, dtype=torch.int64),
+            torch.ones(vocab_size, dtype=torch.bool))
+
+
+def read_draft_config(draft_dir: Path, target_num_layers: int | None = None, *,
+                      warn: bool = True) -> DraftConfig:
+    """A saved draft's config.json (layer ids in either convention; a config the engines
+    disagree on is read as SGLang reads it, with a warning unless `warn` is False)."""
+    file = draft_dir / "config.json"
+    if not file.is_file():
+        raise DraftFileError(f"{draft_dir}: no config.json: not a saved draft directory")
+    try:
+        hf = json.loads(file.read_text(encoding="utf-8"))
+        config = DraftConfig.from_hf(hf, target_num_layers=target_num_layers)
+    except (ValueError, KeyError, TypeError) as exc:
+        raise DraftFileError(f"{file}: not an EAGLE-3 draft config: {exc!r}") from exc
+    conflict = serving.layer_id_conflict(hf, int(target_num_layers or 0)) if warn else None
+    if conflict:
+        log.warning("%s: %s", file, conflict)
+    return config
+
+
+def read_draft_mapping(draft_dir: Path, config: DraftConfig | None = None
+                       ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(d2t, t2d) of a saved draft (a directory with config.json, or a vocab file): its
+    own tensors, or the identity mapping when it has none and its vocabulary is the
+    target's (what `write_draft` writes then)."""
+    from workers.vocab_mapping import VocabError, load_mapping
+
+    if draft_dir.is_dir():
+        config = config or read_draft_config(draft_dir, warn=False)
+        files = sorted(draft_dir.glob("*.safetensors"))
+        keys: set[str] = set()
+        for file in files:
+            with safe_open(str(file), framework="pt") as f:
+                names = list(f.keys())
+            keys.update(k.rsplit(".", 1)[-1] for k in names)
+        if not has_own_mapping(config) and not {"d2t", "t2d"} & keys:
+            return identity_mapping(config.vocab_size)
+    try:
+        d2t, t2d, _ = load_mapping(draft_dir)
+    except VocabError as exc:
+        raise DraftFileError(str(exc)) from exc
+    if config is not None and (t2d.numel(), d2t.numel()) != (config.vocab_size,
+                                                              config.draft_vocab_size):
+        raise DraftFileError(f"{draft_dir}: d2t/t2d cover {d2t.numel()} of {t2d.numel()} ids, "
+                             f"its config.json says {config.draft_vocab_size} of "
+                             f"{config.vocab_size}")
+    return d2t, t2d
+
+
+def load_draft(draft_dir: str | Path, target_embedding: torch.Tensor, *,
+               target_num_layers: int | None = None) -> Eagle3Draft:
+    """A saved draft directory (`workers.train`'s out/draft/, or a checkpoint directory)
+    as an `Eagle3Draft` in eval mode, with the target's token embedding
+    `target_embedding` [V, H] (the draft files hold none; it is used as is, not copied)
+    and its trained weights cast to that embedding's dtype and device.
+
+    d2t/t2d come from the files, or are the identity when the draft's vocabulary is the
+    target's. `model.config.aux_layer_ids` are the layer inputs the draft must be fed
+    (either config convention read back); `target_num_layers` is only needed for a
+    config that names no layers (the engines' default [2, N//2, N-3] then)."""
+    path = Path(draft_dir)
+    config = read_draft_config(path, target_num_layers)
+    if tuple(target_embedding.shape) != (config.vocab_size, config.hidden_size):
+        raise DraftFileError(f"{path}: the draft is for a target with vocab_size "
+                             f"{config.vocab_size} and hidden_size {config.hidden_size}; the "
+                             f"embedding given is {list(target_embedding.shape)}")
+    d2t, t2d = read_draft_mapping(path, config)
+    model = Eagle3Draft(config, embed_weight=target_embedding)
+    model.set_vocab(d2t, t2d)
+    model.load_trainable(load_draft_weights(path, model))
+    model.to(target_embedding.device)
+    for param in model.trainable().values():
+        param.data = param.data.to(target_embedding.dtype)
+    return model.eval()

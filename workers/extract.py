@@ -5,7 +5,9 @@ layers [2, N//2, N-3] (what HF's `output_hidden_states[i]` holds) concatenated l
 high into `aux_hidden_states` [S, 3H], the final hidden state after the final norm
 `hidden_state` [S, H], `input_ids` [S] int64 and `loss_mask` [S] uint8 (1 on assistant
 tokens), one safetensors file per sample under `rows_<a>-<b>/`, written to a temp name
-and renamed (a partial file never counts), listed in `manifest.jsonl`.
+and renamed (a partial file never counts), listed in `manifest.jsonl`. With
+`--keep-prenorm-last` also `hidden_state_prenorm` [S, H], the last layer's output before
+the final norm (+1/4 disk), for `workers.export --to speculators`.
 
 Speed: on a GPU the three costs — forward passes, device-to-host copies, file writes —
 overlap. Batches are packed by length (`--batch-tokens`), captured states are copied
@@ -43,12 +45,19 @@ from workers.common import (
     ProgressReporter,
     fail,
     read_jsonl,
+    record_messages,
     require_file,
     setup_logging,
     tokenize_conversation,
 )
 from workers.extractor import Extractor, Sample, Stats, capture_layers
-from workers.hidden_files import DiskFull, existing_indexes, merge_summaries, restore_manifest
+from workers.hidden_files import (
+    PRENORM_KEY,
+    DiskFull,
+    existing_indexes,
+    merge_summaries,
+    restore_manifest,
+)
 from workers.ranks import rank_argv, run_ranks
 from workers.split import load_split, parse_devices
 
@@ -65,15 +74,21 @@ def load_samples(data: Path, tokenizer: Any, *, max_length: int | None, on_too_l
     jsonl = JsonlStats()
     seen: set[str] = set()
     index = 0
-    for _, record in read_jsonl(data, jsonl, required=("messages",)):
+    for number, record in read_jsonl(data, jsonl):
         if limit is not None and index >= limit:
             break
+        try:  # `messages`, or ShareGPT-style `conversations`
+            messages = record_messages(record)
+        except ValueError as exc:
+            jsonl.malformed.append(number)
+            log.warning("%s: skipping malformed line %d: %s", data, number, exc)
+            continue
         sample_id = str(record.get("id", index))
         if sample_id in seen:
             log.warning("duplicate id %s; later copy skipped", sample_id)
             continue
         seen.add(sample_id)
-        tokens = tokenize_conversation(tokenizer, record["messages"], max_length=max_length)
+        tokens = tokenize_conversation(tokenizer, messages, max_length=max_length)
         current, index = index, index + 1
         if tokens.truncated:
             if on_too_long == "skip":
@@ -105,7 +120,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         prog="python -m workers.extract", description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", required=True, type=Path, help="target model directory")
-    parser.add_argument("--data", required=True, type=Path, help="conversations JSONL")
+    parser.add_argument("--data", required=True, type=Path,
+                        help='conversations JSONL: "messages" [{role, content}] or ShareGPT '
+                             '"conversations" [{from: human|gpt|system, value}]')
     parser.add_argument("--out", required=True, type=Path, help="output directory")
     parser.add_argument("--device", default=None,
                         help="device (default cuda if any, else cpu), or a comma-separated "
@@ -122,6 +139,12 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--no-overlap", action="store_true",
                         help="compute, then copy, then write (for comparison)")
     parser.add_argument("--fsync", action="store_true", help="fsync each file before rename")
+    parser.add_argument("--keep-prenorm-last", action="store_true",
+                        help=f"also store the last layer's output BEFORE the final norm "
+                             f"({PRENORM_KEY} [S, H]), which vLLM's speculators train on "
+                             "(workers.export --to speculators needs it); +1/4 disk. Off by "
+                             "default: hidden_state (after the norm) cannot be turned back "
+                             "into it")
     parser.add_argument("--limit", type=int, default=None, help="only the first N samples")
     parser.add_argument("--gpus", default=None, metavar="N|all",
                         help="data-parallel: one process per GPU, each a shard of the samples")
@@ -178,6 +201,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     require_file(args.data, "data file")
     if args.device.startswith("cuda") and not torch.cuda.is_available():
         fail("--device cuda but no CUDA device is available (use --device cpu)")
+    check_prenorm_setting(args.out, args.keep_prenorm_last)
     args.out.mkdir(parents=True, exist_ok=True)
     devices = rank_devices(args)
     if len(devices) > 1:  # the parent of the ranks: settle the manifest, then fan out
@@ -217,7 +241,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     extractor = Extractor(model, args.out, batch_tokens=args.batch_tokens,
                           writers=args.writers, queue_depth=args.queue_depth,
                           overlap=not args.no_overlap, fsync=args.fsync, progress=progress,
-                          stats=stats)
+                          stats=stats, keep_prenorm=args.keep_prenorm_last)
     summary_name = ("extract_summary.json" if args.rank is None
                     else f".ranks/extract_summary.rank{args.rank}.json")
     try:
@@ -242,12 +266,28 @@ def main(argv: Sequence[str] | None = None) -> int:
     return 0
 
 
+def check_prenorm_setting(out: Path, keep: bool) -> None:
+    """A resumed extraction keeps its --keep-prenorm-last setting: files with and
+    without the pre-norm state in one tree would fail an export half-way."""
+    config = out / "extract_config.json"
+    if not config.is_file() or not existing_indexes(out):
+        return
+    try:
+        before = bool(json.loads(config.read_text(encoding="utf-8")).get("keep_prenorm_last"))
+    except (OSError, ValueError, AttributeError):
+        return
+    if before != keep:
+        fail(f"{out} was extracted {'with' if before else 'without'} --keep-prenorm-last; "
+             f"rerun {'with' if before else 'without'} it to resume, or use a new --out")
+
+
 def write_config(args: argparse.Namespace, model: Any) -> None:
     config = {"model": str(args.model), "num_layers": model.config.num_hidden_layers,
               "hidden_size": model.config.hidden_size,
               "vocab_size": model.config.vocab_size,
               "aux_layer_ids": capture_layers(model.config.num_hidden_layers),
-              "dtype": args.dtype, "max_length": args.max_length}
+              "dtype": args.dtype, "max_length": args.max_length,
+              "keep_prenorm_last": args.keep_prenorm_last}
     (args.out / "extract_config.json").write_text(json.dumps(config, indent=2) + "\n")
 
 

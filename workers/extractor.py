@@ -20,7 +20,13 @@ from typing import Any
 import torch
 
 from workers.common import ProgressReporter
-from workers.hidden_files import append_manifest, safetensors_parts, sample_path, write_atomically
+from workers.hidden_files import (
+    PRENORM_KEY,
+    append_manifest,
+    safetensors_parts,
+    sample_path,
+    write_atomically,
+)
 from workers.split import to_device
 
 log = logging.getLogger("workers.extract")  # one log for the whole extract worker
@@ -72,17 +78,21 @@ def pack_batches(samples: Sequence[Sample], batch_tokens: int) -> list[list[Samp
 
 class Capture:
     """Forward hooks that keep the inputs of the chosen layers and the final norm's
-    output, instead of all N+1 hidden states `output_hidden_states` would keep."""
+    output (and with `prenorm`, its input: the last layer's output before the final
+    norm), instead of all N+1 hidden states `output_hidden_states` would keep."""
 
-    def __init__(self, base: Any, layer_ids: Sequence[int]):
+    def __init__(self, base: Any, layer_ids: Sequence[int], prenorm: bool = False):
         self.states: dict[Any, torch.Tensor] = {}
         self.handles = []
         for i in layer_ids:
             self.handles.append(base.layers[i].register_forward_pre_hook(
                 self._pre(i), with_kwargs=True))
         self.handles.append(base.norm.register_forward_hook(self._final))
+        if prenorm:
+            self.handles.append(base.norm.register_forward_pre_hook(
+                self._pre("prenorm"), with_kwargs=True))
 
-    def _pre(self, i: int) -> Any:
+    def _pre(self, i: int | str) -> Any:
         def hook(_module: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
             self.states[i] = args[0] if args else kwargs["hidden_states"]
         return hook
@@ -100,8 +110,13 @@ class Extractor:
 
     def __init__(self, model: Any, out: Path, *, batch_tokens: int = 16384, writers: int = 4,
                  queue_depth: int = 3, overlap: bool = True, fsync: bool = False,
-                 progress: ProgressReporter | None = None, stats: Stats | None = None):
+                 progress: ProgressReporter | None = None, stats: Stats | None = None,
+                 keep_prenorm: bool = False):
         self.model = model
+        # also store the last layer's output before the final norm (PRENORM_KEY): what
+        # vLLM's speculators train on; +1/4 disk. Carried next to the normed final state
+        # as one [.., 2H] tensor through the copy and write path.
+        self.keep_prenorm = keep_prenorm
         self.base = model.get_decoder() if hasattr(model, "get_decoder") else model.model
         if not hasattr(self.base, "layers") or not hasattr(self.base, "norm"):
             raise ValueError("the model has no `layers`/`norm` decoder (Llama-style needed)")
@@ -127,12 +142,13 @@ class Extractor:
         if self.overlap:
             self.copy_stream = torch.cuda.Stream(device=self.device)
             for _ in range(queue_depth):
-                self._buffers.put(torch.empty(batch_tokens * 4 * self.hidden + batch_tokens,
+                width = (5 if keep_prenorm else 4) * self.hidden
+                self._buffers.put(torch.empty(batch_tokens * width + batch_tokens,
                                               dtype=self.dtype, pin_memory=True))
 
     # -- the loop -------------------------------------------------------------------
     def run(self, samples: Sequence[Sample]) -> Stats:
-        capture = Capture(self.base, self.layer_ids)
+        capture = Capture(self.base, self.layer_ids, prenorm=self.keep_prenorm)
         pending: list[Future[None]] = []
         try:
             for batch in pack_batches(samples, self.batch_tokens):
@@ -156,7 +172,8 @@ class Extractor:
     def _forward(self, batch: Sequence[Sample],
                  capture: Capture) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """One padded forward pass (right padding: a causal model's real positions do
-        not see the pads). Returns aux [B, L, 3H], final [B, L, H] and a per-sample
+        not see the pads). Returns aux [B, L, 3H], final [B, L, H] (with keep_prenorm
+        [B, L, 2H]: the normed state, then the one before the norm) and a per-sample
         all-finite flag [B], still on the device."""
         longest = max(len(s.input_ids) for s in batch)
         ids = torch.zeros((len(batch), longest), dtype=torch.long)
@@ -173,6 +190,8 @@ class Extractor:
         aux = torch.cat([to_device(capture.states[i], self.device) for i in self.layer_ids],
                         dim=-1)
         final = capture.states["final"]
+        if self.keep_prenorm:
+            final = torch.cat([final, capture.states["prenorm"]], dim=-1)
         valid = to_device(attention, self.device).bool().unsqueeze(-1)
         finite = (torch.isfinite(aux) | ~valid).flatten(1).all(1) & \
                  (torch.isfinite(final) | ~valid).flatten(1).all(1)
@@ -186,7 +205,7 @@ class Extractor:
         b, length, _ = aux.shape
         n_aux, n_final = aux.numel(), final.numel()
         host_aux = buffer[:n_aux].view(b, length, 3 * self.hidden)
-        host_final = buffer[n_aux:n_aux + n_final].view(b, length, self.hidden)
+        host_final = buffer[n_aux:n_aux + n_final].view(b, length, final.shape[-1])
         host_finite = torch.empty(b, dtype=torch.bool, pin_memory=True)
         self.copy_stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(self.copy_stream):
@@ -243,10 +262,12 @@ class Extractor:
             return
         tensors = {
             "aux_hidden_states": aux[row, :length].contiguous(),
-            "hidden_state": final[row, :length].contiguous(),
+            "hidden_state": final[row, :length, :self.hidden].contiguous(),
             "input_ids": torch.tensor(sample.input_ids, dtype=torch.int64),
             "loss_mask": torch.tensor(sample.loss_mask, dtype=torch.uint8),
         }
+        if self.keep_prenorm:
+            tensors[PRENORM_KEY] = final[row, :length, self.hidden:].contiguous()
         parts = safetensors_parts(tensors, {"id": sample.id, "index": str(sample.index)})
         size = sum(p.nbytes for p in parts)
         path = sample_path(self.out, sample.index)

@@ -25,6 +25,7 @@ from workers.common import (
     ProgressReporter,
     fail,
     read_jsonl,
+    record_messages,
     require_file,
     setup_logging,
 )
@@ -55,8 +56,11 @@ DEFAULT_MAX_NEW_TOKENS = 1024
 def prompt_problem(record: dict[str, Any]) -> str | None:
     if not isinstance(record["id"], str) or not record["id"]:
         return "id must be a non-empty string"
-    messages = record["messages"]
-    if not isinstance(messages, list) or not messages:
+    try:  # `messages`, or ShareGPT-style `conversations`, as {role, content}
+        messages = record["messages"] = record_messages(record)
+    except ValueError as exc:
+        return str(exc)
+    if not messages:
         return "messages must be a non-empty list"
     for message in messages:
         if not (isinstance(message, dict) and isinstance(message.get("role"), str)
@@ -71,7 +75,7 @@ def load_prompts(path: Path, limit: int | None) -> tuple[list[Prompt], list[int]
     stats = JsonlStats()
     prompts: list[Prompt] = []
     seen: set[str] = set()
-    for number, record in read_jsonl(path, stats, required=("id", "messages")):
+    for number, record in read_jsonl(path, stats, required=("id",)):
         problem = prompt_problem(record)
         if problem:
             stats.malformed.append(number)
@@ -181,7 +185,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         prog="python -m workers.generate", description=__doc__, epilog=EXIT_CODES,
         formatter_class=argparse.RawDescriptionHelpFormatter)
     add = parser.add_argument
-    add("--prompts", required=True, help='JSONL: {"id": str, "messages": [{role, content}]}')
+    add("--prompts", required=True, help='JSONL: {"id": str, "messages": [{role, content}]} '
+        '(or ShareGPT "conversations": [{from: human|gpt|system, value}])')
     add("--out", required=True, type=Path, help="conversations JSONL (appended; rerun resumes)")
     add("--backend", choices=["openai", "transformers"], default="openai")
     add("--model", help="openai: served model name (default: the first of /models); "

@@ -20,6 +20,11 @@ from workers.common import read_jsonl
 SHARD_SIZE = 2000
 """Samples per sub-directory: no directory holds 100k entries."""
 
+PRENORM_KEY = "hidden_state_prenorm"
+"""[S, H]: the last decoder layer's output BEFORE the final norm, stored only by
+`workers.extract --keep-prenorm-last` (+1/4 disk). `hidden_state` is the state after the
+norm, which cannot be turned back into this one (RMSNorm divides out the scale)."""
+
 
 def sample_path(out: Path, index: int) -> Path:
     start = index // SHARD_SIZE * SHARD_SIZE

@@ -18,14 +18,22 @@ SORT_WINDOW samples sorted by length (little padding) and packed greedily into b
 of at most `--batch-tokens` padded tokens (a longer sample is cut to that length),
 the batches of a window in seeded random order. AdamW (0.9, 0.95, no weight decay),
 linear warmup then cosine, grad-norm clip 0.5, bf16 autocast on CUDA (fp32 master
-weights), fp32 on CPU.
+weights), fp32 on CPU; the hidden states are cast to that compute dtype as they are
+read, whatever dtype they were extracted in.
+
+`--init DRAFT` starts from a saved draft (or a checkpoint directory): its own d2t/t2d,
+and it must have been trained on the layers --data captured (its config.json, read in
+either engine convention, against extract_config.json's `aux_layer_ids`).
 
 Checkpoints (`--save-every` steps and at the end) go to out/checkpoints/step_NNNNNNN/
 (model.safetensors, optimizer.pt, scheduler.pt, trainer_state.json), written to a temp
 directory and renamed, then `latest` is replaced; the last two are kept. A rerun of the
 same command resumes from `latest`: weights, optimizer, scheduler, RNG and the position
 in the epoch, so no sample is repeated or skipped. SIGTERM saves a checkpoint, exit 143.
-The result is out/draft/ (config.json + model.safetensors with SGLang names).
+The result is out/draft/ (config.json + model.safetensors with SGLang names), what
+vLLM and SGLang serve (docs/eagle3.md, "Serving"): the trained weights only (both engines
+take the target's embedding), d2t/t2d only when the draft vocabulary is smaller than the
+target's, the layer ids in both engines' conventions.
 """
 
 from __future__ import annotations
@@ -46,6 +54,7 @@ from typing import Any
 import torch
 from safetensors import safe_open
 
+from workers import serving
 from workers.checkpoints import latest_checkpoint, rng_state, save_checkpoint, set_rng_state
 from workers.common import ProgressReporter, fail, require_file, setup_logging
 from workers.draft import (
@@ -54,6 +63,8 @@ from workers.draft import (
     Eagle3Draft,
     TargetHead,
     load_draft_weights,
+    read_draft_config,
+    read_draft_mapping,
     ttt_losses,
     write_draft,
 )
@@ -182,7 +193,7 @@ def choose_vocab(args: argparse.Namespace) -> tuple[torch.Tensor, torch.Tensor]:
         if args.vocab is None:
             raise TrainError("--vocab is required (or --init, to reuse a draft's mapping)")
         return load_vocab(args.vocab)
-    d2t, t2d = load_vocab(args.init)
+    d2t, t2d = read_draft_mapping(args.init)
     if args.vocab is not None:
         given_d2t, given_t2d = load_vocab(args.vocab)
         if not (torch.equal(given_d2t, d2t) and torch.equal(given_t2d, t2d)):
@@ -193,13 +204,58 @@ def choose_vocab(args: argparse.Namespace) -> tuple[torch.Tensor, torch.Tensor]:
     return d2t, t2d
 
 
+def compute_dtype(device: torch.device) -> torch.dtype:
+    """The dtype of the target's weights and of the batches: bf16 on CUDA (the draft's
+    fp32 weights under autocast), fp32 on CPU (no autocast there), whatever dtype the
+    hidden states were extracted in."""
+    return torch.bfloat16 if device.type == "cuda" else torch.float32
+
+
+def extracted_layers(data: ExtractedData, target_num_layers: int) -> list[int]:
+    """The layer inputs --data captured (extract_config.json), else the default."""
+    layers = data.config.get("aux_layer_ids")
+    if layers:
+        return [int(i) for i in layers]
+    return serving.default_layer_ids(int(data.config.get("num_layers") or target_num_layers))
+
+
+def check_init_layers(init: Path, extracted: list[int], target_num_layers: int) -> None:
+    """Refuses an --init draft trained on other target layers than --data holds: its fc
+    would be fed layers it never learned, and nothing else would show it."""
+    trained = read_draft_config(init, target_num_layers).aux_layer_ids
+    if trained == extracted:
+        return
+    hf = json.loads((init / "config.json").read_text(encoding="utf-8"))
+    message = (f"--init {str(init)!r} was trained on the inputs of target layers {trained} "
+               f"(its config.json), but --data holds the inputs of layers {extracted}: its fc "
+               "would be fed layers it never learned. Extract the draft's layers, or train "
+               "a new draft (no --init)")
+    if serving.layer_id_conflict(hf, target_num_layers) \
+            and serving.vllm_capture_layers(hf, target_num_layers) == extracted:
+        message += (f". Its config.json has only {serving.NESTED_KEY}."
+                    f"{serving.TOP_LEVEL_KEY}, read here as SGLang reads it; if the draft was "
+                    "written by a workers.train that put layer inputs there, it was trained "
+                    f"on {extracted}: then add these entries to its config.json: "
+                    f"{json.dumps(serving.config_layer_entries(extracted))}")
+    raise TrainError(message)
+
+
 def build_model(args: argparse.Namespace, data: ExtractedData,
                 device: torch.device) -> tuple[Eagle3Draft, TargetHead]:
-    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    dtype = compute_dtype(device)
     target_config, embed, lm_head = load_target(args.target, device, dtype)
+    target_layers = int((target_config.get("text_config") or target_config)
+                        .get("num_hidden_layers") or 0)
+    layers = extracted_layers(data, target_layers)
+    try:  # before training, not when the draft is written at the end
+        serving.config_layer_entries(layers)
+    except ValueError as exc:
+        raise TrainError(f"--data captured layers {layers}: {exc}") from exc
+    if args.init is not None:
+        check_init_layers(args.init, layers, target_layers)
     d2t, t2d = choose_vocab(args)
     config = DraftConfig.from_hf(target_config, draft_vocab_size=d2t.numel(),
-                                 aux_layer_ids=data.config.get("aux_layer_ids", []))
+                                 aux_layer_ids=layers)
     for what, ours in (("hidden_size", config.hidden_size), ("vocab_size", config.vocab_size)):
         theirs = data.config.get(what)
         if theirs is not None and int(theirs) != ours:
@@ -251,7 +307,7 @@ def train(args: argparse.Namespace, progress: ProgressReporter,
 
     def load(samples: list[Sample]) -> Batch:
         return load_batch(data.root, samples, model.config.hidden_size, args.batch_tokens,
-                          pin=device.type == "cuda")
+                          pin=device.type == "cuda", dtype=compute_dtype(device))
 
     def state(next_epoch: int, next_batch: int) -> dict[str, Any]:
         if next_batch == len(plans[next_epoch]):
@@ -352,7 +408,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--vocab", type=Path, help="workers.vocab output (d2t, t2d)")
     parser.add_argument("--out", required=True, type=Path, help="output directory")
     parser.add_argument("--init", type=Path, help="a saved draft directory to start from; "
-                        "its own d2t/t2d are used (--vocab must match them)")
+                        "its own d2t/t2d are used (--vocab must match them), and it must "
+                        "have been trained on the layers --data captured")
     parser.add_argument("--ttt-steps", type=int, default=7, help="TTT unroll (default 7)")
     parser.add_argument("--epochs", type=int, default=1)
     parser.add_argument("--lr", type=float, default=1e-4)

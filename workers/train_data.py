@@ -86,8 +86,11 @@ class Batch:
 
 
 def load_batch(root: Path, samples: Sequence[Sample], hidden_size: int, max_length: int,
-               pin: bool = False) -> Batch:
-    """Reads only the rows needed (memory-mapped slices), right-padded to a multiple of 8."""
+               pin: bool = False, dtype: torch.dtype | None = None) -> Batch:
+    """Reads only the rows needed (memory-mapped slices), right-padded to a multiple of 8.
+    The hidden states are cast to `dtype` (the trainer's compute dtype) as they are
+    copied into the batch, so bf16 extractions train on CPU in fp32; None keeps the
+    files' dtype."""
     lengths = [min(s.seq_len, max_length) for s in samples]
     padded = -(-max(lengths) // 8) * 8
     out: dict[str, torch.Tensor] = {}
@@ -104,8 +107,9 @@ def load_batch(root: Path, samples: Sequence[Sample], hidden_size: int, max_leng
                                          f"[S, {widths[name]}]: extracted from another model?")
                     tensor = part[:length]
                     if name not in out:
+                        cast = dtype if dtype is not None and name in widths else tensor.dtype
                         out[name] = torch.zeros((len(samples), padded, *tensor.shape[1:]),
-                                                dtype=tensor.dtype, pin_memory=pin)
+                                                dtype=cast, pin_memory=pin)
                     out[name][row, :tensor.shape[0]] = tensor
         except TrainError:
             raise

@@ -34,6 +34,7 @@ from workers.common import (
     ProgressReporter,
     fail,
     read_jsonl,
+    record_messages,
     require_file,
     setup_logging,
     tokenize_conversation,
@@ -142,12 +143,9 @@ def count_jsonl(path: Path, tokenizer: Any, counter: TokenCounter, report: Vocab
     with open(path, encoding="utf-8") as f:
         progress.total = sum(1 for line in f if line.strip())
     stats = JsonlStats()
-    for number, record in read_jsonl(path, stats, required=("messages",)):
-        messages = record["messages"]
-        try:
-            if not isinstance(messages, list) or not all(isinstance(m, dict)
-                                                          for m in messages):
-                raise ValueError("messages is not a list of objects")
+    for number, record in read_jsonl(path, stats):
+        try:  # `messages`, or ShareGPT-style `conversations`
+            messages = record_messages(record)
             tokenized = tokenize_conversation(tokenizer, messages, max_length=max_length)
         except (ValueError, TypeError) as exc:
             log.warning("%s: skipping line %d: %s", path, number, exc)
@@ -233,7 +231,14 @@ def run(args: argparse.Namespace) -> VocabReport:
 
     d2t = t2d = None
     if args.from_checkpoint is not None:
-        d2t, t2d, _ = load_mapping(args.from_checkpoint)
+        if (args.from_checkpoint / "config.json").is_file():  # a saved draft directory
+            from workers.draft import DraftFileError, read_draft_mapping
+            try:  # its own tensors, or identity when it has the target's whole vocabulary
+                d2t, t2d = read_draft_mapping(args.from_checkpoint)
+            except DraftFileError as exc:
+                raise VocabError(str(exc)) from exc
+        else:
+            d2t, t2d, _ = load_mapping(args.from_checkpoint)
         if t2d.numel() != target_size:
             raise VocabError(f"{args.from_checkpoint}: its mapping is for a target vocab of "
                              f"{t2d.numel()} ids, but the tokenizer has {target_size}; put the "

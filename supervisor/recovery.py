@@ -1,0 +1,454 @@
+"""A lost or damaged database: check it at start, rebuild the jobs from the data dir.
+
+Every job leaves a directory behind, `DATA_DIR/jobs/ID/`: its record (`job.json`,
+written at submit, before the `201`) and one directory per attempt with the files of
+its launch, its shim, its worker and its exit (`launch.json`, `shim.json`,
+`worker.json`, `status.json`). From these alone each job is recreated: its spec, and
+its state from its newest attempt. A job still running is recreated `running` with
+its shim's and worker's identities, so the engine re-adopts it as after any restart;
+one that ended gets its exit as the engine would have classified it.
+
+When, at daemon start (`open_database`):
+- the SQLite file is missing or empty (0 bytes: SQLite would take it for a new
+  database), or the `jobs` table is missing or empty while `DATA_DIR/jobs` holds job
+  directories: rebuild, with a WARNING;
+- the file is damaged ("file is not a database", "database disk image is malformed",
+  `PRAGMA quick_check` failing): refuse to start with `DatabaseDamaged`, unless
+  `rebuild_db` (`jobsup serve --rebuild-db`) is set: then move the file aside
+  (`jobsup.db.damaged-<time>`, with its `-wal` and `-shm`) and rebuild.
+
+What a rebuild cannot bring back: samples, alerts, notifications and the event
+history; the exact restart count (taken from the attempt number); for a job submitted
+before job records existed, all of its spec but argv, cwd, env and stop grace.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shlex
+import sqlite3
+import time
+from collections import Counter
+from contextlib import closing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+from urllib.request import pathname2url
+
+from sqlalchemy import Engine, inspect, select
+from sqlalchemy.exc import DBAPIError
+from sqlalchemy.orm import Session
+
+from supervisor import alerts
+from supervisor.config import Settings
+from supervisor.db import make_engine, make_sessionmaker, sqlite_path, upgrade
+from supervisor.engine import LOG_TAIL_LINES, signal_name
+from supervisor.errors import DatabaseDamaged
+from supervisor.fileio import read_json, tail_lines
+from supervisor.launcher import WorkerInfo, attempt_dir, log_path, progress_path, worker_group_alive
+from supervisor.models import Job, JobEvent
+from supervisor.procfs import is_same_process
+from supervisor.progress import from_progress_file
+from supervisor.spec import (
+    ExitReason,
+    JobSpec,
+    JobState,
+    Progress,
+    RestartPolicy,
+    stored_spec,
+)
+from supervisor.store import JOB_RECORD
+
+log = logging.getLogger(__name__)
+
+REBUILT = "rebuilt from the data dir after the database was lost"
+"""The start of the reason of the one event a rebuilt job has."""
+
+LAUNCH_ENV = frozenset({"JOBSUP_JOB_ID", "JOBSUP_ATTEMPT", "JOBSUP_PROGRESS_FILE",
+                        "PYTHONUNBUFFERED"})
+"""What `launcher.job_environment` adds to every job: not part of its spec."""
+
+SQLITE_CORRUPT, SQLITE_NOTADB = 11, 26
+
+
+@dataclass
+class RebuildSummary:
+    states: Counter[str] = field(default_factory=Counter)
+    skipped: list[str] = field(default_factory=list)
+    """Directories nothing could be rebuilt from."""
+    from_launch: int = 0
+    """Jobs without a `job.json` (submitted before it existed), rebuilt from launch.json."""
+
+    @property
+    def rebuilt(self) -> int:
+        return sum(self.states.values())
+
+    @property
+    def running(self) -> int:
+        return self.states[JobState.RUNNING.value]
+
+
+# -- rebuilding ---------------------------------------------------------------------
+
+
+def job_dirs(jobs_dir: Path) -> list[Path]:
+    """The job directories under `jobs_dir` (dot-directories and files ignored)."""
+    try:
+        entries = list(os.scandir(jobs_dir))
+    except (FileNotFoundError, NotADirectoryError):
+        return []
+    return sorted(Path(e.path) for e in entries
+                  if e.is_dir(follow_symlinks=False) and not e.name.startswith("."))
+
+
+def attempt_numbers(jdir: Path) -> list[int]:
+    numbers = []
+    for entry in os.scandir(jdir):
+        prefix, _, number = entry.name.partition("-")
+        if prefix == "attempt" and number.isdigit() and entry.is_dir(follow_symlinks=False):
+            numbers.append(int(number))
+    return sorted(numbers)
+
+
+def rebuild(session: Session, jobs_dir: Path, now: float) -> RebuildSummary:
+    """Recreate a Job row (and one JobEvent) for each job directory the database does
+    not know; the caller commits. A directory that holds neither a job record nor an
+    attempt's launch file is skipped with a warning."""
+    summary = RebuildSummary()
+    known = set(session.scalars(select(Job.id)))
+    for jdir in job_dirs(jobs_dir):
+        job_id = jdir.name
+        if len(job_id) > 32 or job_id in known:
+            continue
+        try:
+            rebuilt = _rebuild_job(jobs_dir, jdir, now)
+        except Exception as exc:  # one odd directory must not keep the daemon from starting
+            rebuilt = f"{type(exc).__name__}: {exc}"
+        if isinstance(rebuilt, str):
+            log.warning("job %s: not rebuilt from %s (%s)", job_id, jdir, rebuilt)
+            summary.skipped.append(job_id)
+            continue
+        job, event_reason, from_launch = rebuilt
+        session.add(job)
+        session.add(JobEvent(job_id=job.id, t=now, from_state=None, to_state=job.state,
+                             reason=event_reason))
+        summary.states[job.state] += 1
+        summary.from_launch += from_launch
+        log.info("job %s rebuilt: %s (%s)", job.id, job.state, job.reason or "")
+    session.flush()
+    return summary
+
+
+def _rebuild_job(jobs_dir: Path, jdir: Path, now: float) -> tuple[Job, str, bool] | str:
+    """(the job, its event's reason, whether its spec came from a launch.json), or why
+    nothing can be rebuilt."""
+    numbers = attempt_numbers(jdir)
+    record = read_json(jdir / JOB_RECORD)
+    from_launch = not (isinstance(record, dict) and isinstance(record.get("spec"), dict))
+    if not from_launch:
+        assert isinstance(record, dict)
+        spec = stored_spec(json.dumps(record["spec"]))  # lenient: an older daemon wrote it
+        created_at = float(record.get("created_at") or _mtime(jdir / JOB_RECORD, now))
+        source = JOB_RECORD
+    else:
+        found = _spec_from_launch(jobs_dir, jdir.name, numbers)
+        if found is None:
+            return f"neither {JOB_RECORD} nor an attempt's launch.json"
+        spec, created_at = found
+        source = "launch.json: no job.json, so its name, output and restart policy are unknown"
+
+    job = Job(id=jdir.name, name=spec.name, spec_json=spec.model_dump_json(),
+              state=JobState.PENDING.value, created_at=created_at, attempt=0, restarts=0)
+    if numbers:
+        state, reason = _from_attempt(jobs_dir, job, spec, numbers[-1], now)
+    else:
+        state, reason = JobState.PENDING, "not started yet"
+    job.state, job.reason = state.value, reason
+    progress = from_progress_file(progress_path(jobs_dir, job.id))
+    if progress is not None:
+        job.progress_json = Progress(
+            items_done=progress.items_done,
+            items_total=progress.items_total or spec.expected_items,
+            source="progress_file", metrics=progress.metrics).model_dump_json()
+    return job, f"{REBUILT} (from {source}): {reason}", from_launch
+
+
+def _spec_from_launch(jobs_dir: Path, job_id: str,
+                      numbers: list[int]) -> tuple[JobSpec, float] | None:
+    """A job submitted before job records existed: argv, cwd, env and stop grace from
+    its newest launch.json; its env without what the launcher adds and without what
+    this daemon's environment holds alike (inherited, not asked for)."""
+    for number in reversed(numbers):
+        launch = read_json(attempt_dir(jobs_dir, job_id, number) / "launch.json")
+        if not isinstance(launch, dict) or not isinstance(launch.get("argv"), list):
+            continue
+        argv = [str(arg) for arg in launch["argv"]]
+        raw_env = launch.get("env")
+        env = {str(k): str(v) for k, v in (raw_env if isinstance(raw_env, dict) else {}).items()
+               if k not in LAUNCH_ENV and os.environ.get(k) != v}
+        grace = launch.get("stop_grace_s")
+        spec = JobSpec(name=shlex.join(argv)[:128] or "job", command=argv,
+                       cwd=launch.get("cwd"), env=env,
+                       stop_grace_s=grace if isinstance(grace, int | float) and grace > 0
+                       else None)
+        first = attempt_dir(jobs_dir, job_id, numbers[0]) / "launch.json"
+        return spec, _mtime(first, _mtime(first.parent, time.time()))
+    return None
+
+
+def _from_attempt(jobs_dir: Path, job: Job, spec: JobSpec, number: int,
+                  now: float) -> tuple[JobState, str]:
+    """Fill the job's attempt, processes and exit from attempt `number`'s files."""
+    adir = attempt_dir(jobs_dir, job.id, number)
+    job.attempt = number
+    job.restarts = (min(number - 1, spec.max_restarts)
+                    if spec.restart_policy is RestartPolicy.ON_FAILURE else 0)
+    shim, worker_data = read_json(adir / "shim.json"), read_json(adir / "worker.json")
+    worker = None
+    if isinstance(worker_data, dict) and isinstance(worker_data.get("pid"), int):
+        worker = WorkerInfo(worker_data["pid"], worker_data.get("create_time"),
+                            float(worker_data.get("started_at") or 0))
+        job.pid, job.pid_create_time = worker.pid, worker.create_time
+    job.started_at = (worker.started_at if worker is not None and worker.started_at
+                      else _mtime(adir / "launch.json", _mtime(adir, now)))
+    if isinstance(shim, dict) and isinstance(shim.get("pid"), int):
+        job.shim_pid, job.shim_create_time = shim["pid"], shim.get("create_time")
+    else:
+        shim = None
+
+    status = read_json(adir / "status.json")
+    if isinstance(status, dict) and isinstance(status.get("ended_at"), int | float):
+        return _ended(jobs_dir, job, spec, status, now)
+    started = f"started (attempt {number})"
+    if is_same_process(job.shim_pid, job.shim_create_time):
+        return JobState.RUNNING, f"{started}; re-adopted after the database was rebuilt"
+    if worker is not None and worker_group_alive(worker):
+        return JobState.RUNNING, (f"{started}; its shim is gone, its worker re-adopted after "
+                                  "the database was rebuilt")
+    if shim is None and worker is None:
+        # launched just before the database was lost: the engine settles the launch
+        # through the attempt's claim file (launched again, waited for, or lost)
+        return JobState.RUNNING, f"{started} just before the database was lost"
+    job.exit_reason, job.ended_at = ExitReason.LOST.value, now
+    return JobState.LOST, ("its processes vanished without recording an exit status (found "
+                           "when the database was rebuilt)")
+
+
+def _ended(jobs_dir: Path, job: Job, spec: JobSpec, status: dict[str, Any],
+           now: float) -> tuple[JobState, str]:
+    """engine._finish's classification of a recorded exit, from status.json."""
+    exit_code = status.get("exit_code") if isinstance(status.get("exit_code"), int) else None
+    sig = status.get("signal") if isinstance(status.get("signal"), int) else None
+    spawn_error = status.get("spawn_error") if isinstance(status.get("spawn_error"),
+                                                          str) else None
+    job.exit_code, job.signal, job.ended_at = exit_code, sig, float(status["ended_at"])
+    if status.get("stop_requested"):
+        job.exit_reason = ExitReason.STOPPED.value
+        how = "SIGKILL after the grace" if status.get("killed_after_grace") else "SIGTERM"
+        return JobState.STOPPED, f"stopped on request ({how})"
+    if exit_code == 0 and not spawn_error:
+        job.exit_reason = ExitReason.EXIT.value
+        return JobState.SUCCEEDED, "exited with code 0"
+    if spawn_error:
+        job.exit_reason, reason = ExitReason.EXIT.value, spawn_error
+    elif sig is not None:
+        job.exit_reason = ExitReason.SIGNAL.value
+        reason = f"killed by signal {sig} ({signal_name(sig)})"
+    else:
+        job.exit_reason, reason = ExitReason.EXIT.value, f"exited with code {exit_code}"
+    lines, _ = tail_lines(log_path(jobs_dir, job.id, job.attempt), LOG_TAIL_LINES)
+    oom_kills = status.get("oom_kills")
+    oom_kills = oom_kills if isinstance(oom_kills, int) else 0
+    notes, oom = alerts.classify_exit(exit_code=exit_code, signal=sig, oom_kills=oom_kills,
+                                      log_tail=lines)
+    if oom:
+        job.exit_reason = ExitReason.OOM.value
+    if notes:
+        reason = f"{reason} — {notes}"
+    if spec.restart_policy is RestartPolicy.ON_FAILURE and job.restarts < spec.max_restarts:
+        job.restarts += 1
+        job.next_start_at, job.ended_at = now, None
+        return JobState.PENDING, f"{reason}; restart {job.restarts}/{spec.max_restarts}"
+    return JobState.FAILED, reason
+
+
+def _mtime(path: Path, default: float) -> float:
+    try:
+        return path.stat().st_mtime
+    except OSError:
+        return default
+
+
+# -- the database at start ----------------------------------------------------------
+
+
+def is_corruption(exc: BaseException) -> bool:
+    """SQLITE_CORRUPT ("database disk image is malformed") or SQLITE_NOTADB ("file is
+    not a database"); not a lock, a full disk or a permission problem."""
+    code = getattr(exc, "sqlite_errorcode", None)
+    if isinstance(code, int):
+        return code & 0xFF in (SQLITE_CORRUPT, SQLITE_NOTADB)
+    text = str(exc).lower()
+    return "file is not a database" in text or "malformed" in text
+
+
+QUICK_CHECK_FULL_MAX_BYTES = 128 << 20
+"""Up to this size the whole file is checked at start; a larger one has every table
+checked but `samples` (and its indexes), which holds nearly all of its bytes."""
+
+UNCHECKED_WHEN_LARGE = ("samples",)
+
+
+def damage(path: Path) -> str | None:
+    """Why the SQLite file at `path` is damaged; None when it is sound (or missing).
+
+    `PRAGMA quick_check(1)`: every page and b-tree of the file, stopping at the first
+    error, without integrity_check's index-against-table cross-check. It reads the whole
+    file: for 1M samples rows (112 MiB), 0.4-1 s from the page cache and 3-4 s from disk
+    on 2 busy cores. Above QUICK_CHECK_FULL_MAX_BYTES only the tables other than
+    `samples` are checked (milliseconds), one by one."""
+    uri = f"file:{pathname2url(str(path))}?mode=rw"
+    try:
+        with closing(sqlite3.connect(uri, uri=True, timeout=10)) as conn:
+            large = (path.stat().st_size > QUICK_CHECK_FULL_MAX_BYTES
+                     and sqlite3.sqlite_version_info >= (3, 33))  # quick_check(TABLE)
+            if not large:
+                return _check_result(conn.execute("PRAGMA quick_check(1)").fetchall())
+            tables = [row[0] for row in conn.execute(
+                "SELECT name FROM sqlite_schema WHERE type = 'table'")]
+            for table in tables:
+                if table in UNCHECKED_WHEN_LARGE:
+                    continue
+                quoted = table.replace('"', '""')
+                result = _check_result(conn.execute(f'PRAGMA quick_check("{quoted}")')
+                                       .fetchall())
+                if result is not None:
+                    return result
+            log.info("database %s: larger than %d MiB, checked without its %s", path,
+                     QUICK_CHECK_FULL_MAX_BYTES >> 20, ", ".join(UNCHECKED_WHEN_LARGE))
+            return None
+    except sqlite3.DatabaseError as exc:
+        if is_corruption(exc):
+            return str(exc)
+        raise
+
+
+def _check_result(rows: list[Any]) -> str | None:
+    result = str(rows[0][0]) if rows else "quick_check gave no answer"
+    return None if result == "ok" else result
+
+
+def set_aside(path: Path, label: str, now: float) -> Path:
+    """Rename the database file (and its -wal and -shm, kept beside it under the new
+    name, so SQLite opens them together) to `<name>.<label>-<time>`."""
+    stamp = time.strftime("%Y%m%dT%H%M%S", time.localtime(now))
+    target = path.with_name(f"{path.name}.{label}-{stamp}")
+    n = 1
+    while target.exists():
+        n += 1
+        target = path.with_name(f"{path.name}.{label}-{stamp}-{n}")
+    os.replace(path, target)
+    for suffix in ("-wal", "-shm"):
+        companion = Path(f"{path}{suffix}")
+        if companion.exists():
+            os.replace(companion, Path(f"{target}{suffix}"))
+    return target
+
+
+def set_aside_orphans(path: Path, now: float) -> list[Path]:
+    """A -wal or -shm without its database (missing or 0 bytes) is never replayed onto
+    a new one: it goes aside as `<name>-wal.orphaned-<time>`."""
+    stamp = time.strftime("%Y%m%dT%H%M%S", time.localtime(now))
+    moved = []
+    for suffix in ("-wal", "-shm"):
+        companion = Path(f"{path}{suffix}")
+        if companion.exists():
+            target = companion.with_name(f"{companion.name}.orphaned-{stamp}")
+            os.replace(companion, target)
+            moved.append(target)
+    return moved
+
+
+def damaged_error(path: Path, jobs_dir: Path, reason: str) -> DatabaseDamaged:
+    return DatabaseDamaged(
+        f"the database {path} is damaged ({reason})",
+        hint=f"jobsup serve --rebuild-db moves it aside ({path.name}.damaged-<time>) and "
+             f"rebuilds the jobs from {jobs_dir}")
+
+
+def check_or_set_aside(path: Path, jobs_dir: Path, *, rebuild_db: bool,
+                       now: float) -> Path | None:
+    """Where the damaged file went (with `rebuild_db`), None if it is sound, missing or
+    empty; DatabaseDamaged if it is damaged and `rebuild_db` is not set."""
+    try:
+        empty = path.stat().st_size == 0
+    except FileNotFoundError:
+        return None
+    reason = None if empty else damage(path)
+    if reason is None:
+        if rebuild_db:
+            log.info("--rebuild-db: the database %s is sound; nothing to rebuild", path)
+        return None
+    if not rebuild_db:
+        raise damaged_error(path, jobs_dir, reason)
+    moved = set_aside(path, "damaged", now)
+    log.warning("moved the damaged database aside to %s (%s)", moved, reason)
+    return moved
+
+
+def has_jobs(engine: Engine) -> bool:
+    """The database holds a jobs table with at least one row."""
+    if not inspect(engine).has_table(Job.__tablename__):
+        return False
+    with engine.connect() as conn:
+        return conn.execute(select(Job.id).limit(1)).first() is not None
+
+
+def open_database(settings: Settings, *, now: float | None = None) -> Engine:
+    """The daemon's database engine, checked, at the newest schema, and with the jobs
+    rebuilt from the data dir when it was lost (see the module's docstring)."""
+    now = time.time() if now is None else now
+    url = settings.resolved_database_url
+    path = sqlite_path(url)
+    where = str(path) if path is not None else "(the configured database)"
+    lost = None
+    if path is not None:
+        try:
+            size: int | None = path.stat().st_size
+        except FileNotFoundError:
+            size = None
+        if not size:
+            lost = "was missing" if size is None else "was empty (0 bytes)"
+            for orphan in set_aside_orphans(path, now):
+                log.warning("set %s aside: its database %s", orphan, lost)
+        elif check_or_set_aside(path, settings.jobs_dir, rebuild_db=settings.rebuild_db,
+                                now=now) is not None:
+            lost = "was damaged and set aside"
+    engine = make_engine(url)
+    try:
+        known = has_jobs(engine)
+        upgrade(engine)
+    except DBAPIError as exc:
+        engine.dispose()
+        if path is None or exc.orig is None or not is_corruption(exc.orig):
+            raise
+        if not settings.rebuild_db or lost is not None:
+            raise damaged_error(path, settings.jobs_dir, str(exc.orig)) from None
+        moved = set_aside(path, "damaged", now)
+        log.warning("moved the damaged database aside to %s (%s)", moved, exc.orig)
+        return open_database(settings, now=now)
+    if not known and job_dirs(settings.jobs_dir):
+        lost = lost or "had no jobs"
+        sessions = make_sessionmaker(engine)
+        with sessions() as session:
+            summary = rebuild(session, settings.jobs_dir, now)
+            session.commit()
+        counts = ", ".join(f"{n} {state}" for state, n in sorted(summary.states.items()))
+        log.warning(
+            "the database %s %s: rebuilt %d jobs from %s (%s; %d skipped, %d without a "
+            "job.json); their samples, alerts, notifications and event history from before "
+            "are lost", where, lost, summary.rebuilt, settings.jobs_dir, counts or "none",
+            len(summary.skipped), summary.from_launch)
+    return engine

@@ -1,0 +1,86 @@
+"""The system clock steps while jobs run (NTP, a resumed VM, `date -s`): no timeout of
+the daemon moves. The daemon and its jobs run under libfaketime (Debian's
+`libfaketime`, installed by `./dev.sh test`), whose offset the test changes on the fly;
+the monotonic clock is left alone, as a real clock step leaves it."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import PY, Daemon, python_job, wait_for
+
+LIBFAKETIME = next(iter(sorted(Path("/usr/lib").glob("*/faketime/libfaketimeMT.so.1"))),
+                   Path("/usr/lib/x86_64-linux-gnu/faketime/libfaketimeMT.so.1"))
+
+# libfaketime's clock_nanosleep fails (EINVAL) while the monotonic clock is left alone,
+# so the jobs here wait with Event.wait and signal.pause, never time.sleep
+PROGRESSING = ("import json, os, threading\n"
+               "path = os.environ['JOBSUP_PROGRESS_FILE']\n"
+               "for i in range(10**6):\n"
+               "    with open(path + '.tmp', 'w') as f: json.dump({'done': i, 'total': 10**6}, f)\n"
+               "    os.replace(path + '.tmp', path)\n"
+               "    threading.Event().wait(0.3)\n")
+
+IGNORES_SIGTERM = ("import signal\n"
+                   "signal.signal(signal.SIGTERM, signal.SIG_IGN)\n"
+                   "while True: signal.pause()\n")
+
+
+@pytest.fixture
+def clock_file(tmp_path: Path) -> Path:
+    if not LIBFAKETIME.exists():
+        pytest.fail(f"{LIBFAKETIME} is missing: ./dev.sh test installs Debian's libfaketime")
+    path = tmp_path / "faketime"
+    path.write_text("+0\n")
+    return path
+
+
+def faked(clock_file: Path, **env: str) -> dict[str, str]:
+    return {"LD_PRELOAD": str(LIBFAKETIME), "FAKETIME_TIMESTAMP_FILE": str(clock_file),
+            "FAKETIME_NO_CACHE": "1", "FAKETIME_DONT_FAKE_MONOTONIC": "1", **env}
+
+
+def step(clock_file: Path, offset_s: int) -> None:
+    clock_file.write_text(f"{offset_s:+d}\n")
+    time.sleep(0.05)
+
+
+@pytest.mark.timeout(90)
+def test_a_forward_step_fires_no_stall_and_no_early_sigkill(make_daemon,
+                                                            clock_file: Path) -> None:
+    daemon: Daemon = make_daemon(env=faked(clock_file))
+    busy = daemon.submit(python_job(PROGRESSING), name="busy", stall_timeout_s=5)
+    held = daemon.submit([PY, "-c", IGNORES_SIGTERM], name="held", stop_grace_s=20)
+    for job in (busy, held):
+        wait_for(lambda j=job: daemon.job(j["id"])["pid"], 15, what="worker started")
+    wait_for(lambda: (daemon.job(busy["id"])["progress"]["items_done"] or 0) > 2, 10,
+             what="progress")
+    assert daemon.http.post(f"/api/v1/jobs/{held['id']}/stop").status_code == 202
+    time.sleep(1)
+
+    step(clock_file, +3600)  # an hour forward
+    time.sleep(4)  # 8 ticks after the step
+    alerts = daemon.http.get("/api/v1/alerts").json()
+    assert not any(a["rule"] == "stalled" for a in alerts), alerts
+    # the stop's grace (20 s) is not over: the backstop has not killed the job
+    assert daemon.job(held["id"])["state"] == "running"
+    assert "; SIGKILL" not in daemon.log()  # "still running N s after stop; SIGKILL"
+    before = daemon.job(busy["id"])["progress"]["items_done"]
+    time.sleep(1)
+    assert daemon.job(busy["id"])["progress"]["items_done"] > before  # still watched
+
+
+@pytest.mark.timeout(90)
+def test_a_backward_step_does_not_hold_a_restart_back(make_daemon, clock_file: Path) -> None:
+    daemon: Daemon = make_daemon(env=faked(clock_file, JOBSUP_RESTART_BACKOFF_S="3"))
+    job = daemon.submit(python_job("import sys; sys.exit(1)"), name="flaky",
+                        restart_policy="on-failure", max_restarts=1)
+    wait_for(lambda: daemon.job(job["id"])["restarts"] == 1, 15, what="the first failure")
+    step(clock_file, -3600)  # an hour back, during the 3 s backoff
+    t0 = time.monotonic()
+    done = daemon.wait_state(job["id"], "failed", timeout=15)
+    assert done["attempt"] == 2, done
+    assert time.monotonic() - t0 < 6

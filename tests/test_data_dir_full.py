@@ -1,0 +1,93 @@
+"""The disk under the data dir fills up while jobs end: every exit is still recorded
+(the shim reserved its status file at launch and overwrites it in place), nothing that
+ended normally is called `lost`, no temp file is left behind, and submits during the
+outage answer 503 with a hint, never a bare 500."""
+
+from __future__ import annotations
+
+import errno
+import json
+import os
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import Daemon, exit_recorded, python_job, wait_for
+
+
+@pytest.fixture
+def small_disk(tmp_path: Path):
+    disk = tmp_path / "disk"
+    disk.mkdir()
+    if os.geteuid() != 0:
+        pytest.fail("this test mounts a 16 MB tmpfs and needs root (CI and the dev "
+                    "machines run as root)")
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=16m", "tmpfs", str(disk)], check=True)
+    yield disk
+    subprocess.run(["umount", "-l", str(disk)], check=False)
+
+
+def fill(path: Path) -> None:
+    """Write `path` until the filesystem has no byte left."""
+    with open(path, "wb", buffering=0) as f:
+        for chunk in (1 << 20, 1 << 12, 1):
+            try:
+                while True:
+                    f.write(b"\0" * chunk)
+            except OSError as exc:
+                assert exc.errno == errno.ENOSPC, exc
+
+
+WAITS_THEN_EXITS = ("import os, sys, time\n"
+                    "while not os.path.exists(sys.argv[1]): time.sleep(0.05)\n"
+                    "sys.exit(int(sys.argv[2]))\n")
+
+
+@pytest.mark.timeout(120)
+def test_jobs_ending_on_a_full_data_dir_keep_their_exit(small_disk: Path, make_daemon,
+                                                         tmp_path: Path) -> None:
+    daemon: Daemon = make_daemon(data_dir=small_disk / "data", log_dir=tmp_path,
+                                 env={"JOBSUP_NOTIFY_ON_SUCCESS": "false"})
+    flag = tmp_path / "go"  # outside the full disk
+    ok = daemon.submit(python_job(WAITS_THEN_EXITS) + [str(flag), "0"], name="ok")
+    bad = daemon.submit(python_job(WAITS_THEN_EXITS) + [str(flag), "3"], name="bad")
+    for job in (ok, bad):
+        wait_for(lambda j=job: daemon.job(j["id"])["pid"], 15, what="worker started")
+
+    ballast = small_disk / "ballast"
+    fill(ballast)
+    time.sleep(2)  # ticks on a full disk: samples can no longer be written
+    flag.touch()  # both jobs end while not one byte is free
+    for job in (ok, bad):
+        status = daemon.data_dir / "jobs" / job["id"] / "attempt-1" / "status.json"
+        wait_for(lambda s=status: exit_recorded(s), 10, what="the exit recorded on a full disk")
+
+    answers = [daemon.http.post("/api/v1/jobs", json={"name": f"during-{i}",
+                                                      "command": python_job("pass")})
+               for i in range(5)]
+    assert all(a.status_code in (201, 503) for a in answers), [a.text for a in answers]
+    refused = [a for a in answers if a.status_code == 503]
+    for answer in refused:
+        body = answer.json()
+        assert "disk is full" in body["error"] and "free space" in body["hint"], body
+        assert answer.headers["retry-after"]
+    assert refused, "no submit met the full database"
+
+    ballast.unlink()  # space comes back
+    done_ok = daemon.wait_state(ok["id"], "succeeded", "failed", "lost", timeout=20)
+    done_bad = daemon.wait_state(bad["id"], "succeeded", "failed", "lost", timeout=20)
+    assert (done_ok["state"], done_ok["exit_code"]) == ("succeeded", 0), done_ok
+    assert (done_bad["state"], done_bad["exit_code"]) == ("failed", 3), done_bad
+    alerts = daemon.http.get("/api/v1/alerts").json()
+    assert not any(a["job_id"] == ok["id"] for a in alerts), alerts  # no false `crashed`
+    leftovers = [p for p in (daemon.data_dir / "jobs").rglob("*") if p.name.endswith(".tmp")]
+    assert not leftovers, leftovers
+    for job in (ok, bad):
+        status = json.loads((daemon.data_dir / "jobs" / job["id"] / "attempt-1"
+                             / "status.json").read_bytes())
+        assert status["ended_at"] and "reserved" not in status
+    # and the daemon takes jobs again
+    after = daemon.submit(python_job("pass"), name="after")
+    daemon.wait_state(after["id"], "succeeded", timeout=15)

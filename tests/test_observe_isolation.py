@@ -1,0 +1,346 @@
+"""Each job's observation stands alone: a reading that raises costs only its job fresh
+figures (and says so), a slow output scan holds neither the tick nor the other jobs, an
+ended job's last scan still lands, and no stuck scan keeps the daemon from exiting.
+
+Engine-level tests: an in-process engine over a real SQLite database with real job
+processes, the scanner of one job replaced (through `supervisor.observe.OutputScanner`)
+by one that raises or blocks. Observer-level tests: real files and a real process tree
+(the test's own), the progress file written by the test."""
+
+from __future__ import annotations
+
+import json
+import logging
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from sqlalchemy.orm import Session, sessionmaker
+
+from supervisor import observe, store
+from supervisor.config import Settings
+from supervisor.db import make_engine, make_sessionmaker, upgrade
+from supervisor.engine import Engine
+from supervisor.launcher import progress_path
+from supervisor.observe import ObservedJob, Observer
+from supervisor.scanner import OutputScanner, ScanResult
+from supervisor.spec import JobSpec
+from supervisor.submission import submit_job
+from tests.conftest import REPO, Daemon, kill_jobs_of, python_job, wait_for
+
+pytestmark = pytest.mark.timeout(90)
+
+WRITER = """
+import json, os, sys, time
+out = sys.argv[1]
+os.makedirs(out, exist_ok=True)
+progress = os.environ["JOBSUP_PROGRESS_FILE"]
+for i in range(10_000):
+    open(os.path.join(out, f"item{i}.bin"), "wb").close()
+    with open(progress + ".tmp", "w") as f:
+        json.dump({"done": i + 1, "total": 10_000}, f)
+    os.replace(progress + ".tmp", progress)
+    time.sleep(0.05)
+"""
+
+
+class FailingScanner:
+    """Raises on every scan, as a bug in reading one job's output would."""
+
+    def __init__(self, root: str, pattern: str) -> None:
+        self.root = root
+
+    def scan(self, now: float) -> ScanResult:
+        raise RuntimeError(f"cannot read {self.root}: disk on fire")
+
+
+class BlockingScanner:
+    """A scan that takes as long as the test says (the first scan of a huge tree, a
+    hung file server): each scan waits for `release`, then scans for real. Counts its
+    scans and fails loudly if two ever run at once (the scanner is not thread-safe)."""
+
+    release = threading.Event()
+    scans = 0
+    overlaps = 0
+    _running = threading.Lock()
+
+    def __init__(self, root: str, pattern: str) -> None:
+        self.real = OutputScanner(root, pattern)
+
+    def scan(self, now: float) -> ScanResult:
+        if not BlockingScanner._running.acquire(blocking=False):
+            BlockingScanner.overlaps += 1
+            raise AssertionError("two scans at once on one scanner")
+        try:
+            BlockingScanner.scans += 1
+            BlockingScanner.release.wait(15)
+            return self.real.scan(now)
+        finally:
+            BlockingScanner._running.release()
+
+    @classmethod
+    def reset(cls) -> None:
+        cls.release = threading.Event()
+        cls.scans = cls.overlaps = 0
+
+
+def scanners(special: dict[str, type]) -> Callable[[str, str], Any]:
+    """A scanner factory: the class given for these output dirs, the real one otherwise."""
+    def make(root: str, pattern: str = "**/*") -> Any:
+        return special.get(root, OutputScanner)(root, pattern)
+    return make
+
+
+@pytest.fixture
+def engine(tmp_path: Path) -> Iterator[tuple[Engine, sessionmaker[Session]]]:
+    settings = Settings(data_dir=tmp_path / "data", sample_interval=60)
+    settings.jobs_dir.mkdir(parents=True)
+    db = make_engine(settings.resolved_database_url)
+    upgrade(db)
+    sessions = make_sessionmaker(db)
+    engine = Engine(settings, sessions)
+    yield engine, sessions
+    BlockingScanner.release.set()
+    close = getattr(engine.observer, "close", None)
+    if close is not None:
+        close()
+    engine.backend.close()
+    kill_jobs_of(settings.data_dir)
+    db.dispose()
+
+
+def submit(sessions: sessionmaker[Session], name: str, command: list[str],
+           **spec: Any) -> str:
+    with sessions() as session:
+        job, _ = submit_job(session, JobSpec(name=name, command=command, **spec),
+                            default_cwd=str(Path.cwd()), views={})
+        session.commit()
+        return job.id
+
+
+def sample_count(sessions: sessionmaker[Session], job_id: str) -> int:
+    with sessions() as session:
+        return len(store.samples(session, job_id, since=0, limit=100_000))
+
+
+def progress(eng: Engine, job_id: str) -> dict[str, Any]:
+    return eng.observer.views[job_id].progress.model_dump()
+
+
+def timed_tick(eng: Engine) -> float:
+    started = time.monotonic()
+    eng.tick()
+    return time.monotonic() - started
+
+
+def test_a_failing_reading_costs_only_its_job(
+        engine: tuple[Engine, sessionmaker[Session]], tmp_path: Path,
+        monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    eng, sessions = engine
+    broken_dir = str(tmp_path / "broken")
+    monkeypatch.setattr(observe, "OutputScanner", scanners({broken_dir: FailingScanner}))
+    broken = submit(sessions, "broken", python_job("import time; time.sleep(60)"),
+                    output_dir=broken_dir)
+    honest = submit(sessions, "honest", python_job(WRITER) + [str(tmp_path / "out")],
+                    output_dir=str(tmp_path / "out"), pattern="*.bin")
+    eng.tick()  # starts both
+    wait_for(progress_path(eng.settings.jobs_dir, honest).exists, 20, what="a report")
+    seen: list[int] = []
+    with caplog.at_level(logging.WARNING):
+        for _ in range(6):
+            time.sleep(0.3)
+            eng.tick()
+            seen.append(progress(eng, honest)["items_done"] or 0)
+    assert not [r for r in caplog.records if "tick step failed" in r.getMessage()]
+    assert seen == sorted(seen) and seen[-1] > seen[0] > 0, seen  # progress moves on
+    fresh = progress(eng, honest)
+    assert fresh["observation_error"] is None and fresh["observed_at"] is not None
+    assert fresh["source"] == "progress_file"
+    assert sample_count(sessions, honest) >= 5  # one per tick after the start
+
+    failed = progress(eng, broken)
+    assert failed["observation_error"] == (
+        f"output scan failed: RuntimeError: cannot read {broken_dir}: disk on fire")
+    assert failed["observed_at"] is None  # never read
+    assert sample_count(sessions, broken) == 0
+    assert eng.observer.views[broken].resources.num_procs >= 1  # its processes still read
+    logged = [r for r in caplog.records if "disk on fire" in r.getMessage()]
+    assert len(logged) == 1  # once while it lasts, not every tick
+    with sessions() as session:  # what the API shows after a restart says so too
+        job = store.get_job(session, broken)
+        assert job is not None and "disk on fire" in (job.progress_json or "")
+
+
+def test_a_slow_scan_holds_neither_the_tick_nor_the_other_jobs(
+        engine: tuple[Engine, sessionmaker[Session]], tmp_path: Path,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    eng, sessions = engine
+    BlockingScanner.reset()
+    huge = tmp_path / "huge"
+    (huge / "rows_0").mkdir(parents=True)
+    for i in range(5):
+        (huge / "rows_0" / f"item{i}.bin").write_bytes(b"x" * 10)
+    monkeypatch.setattr(observe, "OutputScanner", scanners({str(huge): BlockingScanner}))
+    slow = submit(sessions, "slow", python_job("import time; time.sleep(60)"),
+                  output_dir=str(huge), pattern="**/*.bin")
+    honest = submit(sessions, "honest", python_job(WRITER) + [str(tmp_path / "out")],
+                    output_dir=str(tmp_path / "out"), pattern="*.bin")
+    eng.tick()  # starts both
+    wait_for(progress_path(eng.settings.jobs_dir, honest).exists, 20, what="a report")
+    durations, seen = [], []  # the first tick here starts the slow job's first scan
+    for _ in range(4):
+        time.sleep(0.3)
+        durations.append(timed_tick(eng))
+        seen.append(progress(eng, honest)["items_done"] or 0)
+    # a tick waits at most the scan budget (1 s by default) for the readings it starts,
+    # and not again for one still running; the slow scan blocks for 15 s
+    assert max(durations) < 2.5, durations
+    assert seen == sorted(seen) and seen[-1] > seen[0] > 0, seen
+    assert progress(eng, honest)["observation_error"] is None
+    assert sample_count(sessions, honest) >= 3
+
+    waiting = progress(eng, slow)
+    assert waiting["observation_error"].startswith("output scan still running (")
+    assert waiting["observation_error"].endswith(" s so far)")
+    assert waiting["items_done"] is None and sample_count(sessions, slow) == 0
+    assert BlockingScanner.scans == 1  # no second scan started behind the first
+
+    BlockingScanner.release.set()  # the scan ends: its result is picked up
+    wait_for(lambda: eng.tick() or progress(eng, slow)["observation_error"] is None, 10,
+             interval=0.1, what="the slow scan's result")
+    done = progress(eng, slow)
+    assert (done["files"], done["bytes_written"], done["source"]) == (5, 50, "files")
+    assert sample_count(sessions, slow) >= 1
+    assert BlockingScanner.overlaps == 0
+
+
+def observed(job_id: str, spec: JobSpec) -> ObservedJob:
+    """A job whose process tree is this test's process (any live tree will do)."""
+    import os
+    return ObservedJob(job_id, spec, 1, os.getpid(), None, os.getpid())
+
+
+def write_progress(jobs_dir: Path, job_id: str, done: int) -> None:
+    path = progress_path(jobs_dir, job_id)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps({"done": done, "total": 100}))
+
+
+def test_an_ended_job_gets_its_final_scan_and_close_waits_for_nothing(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A job that ends while its scan runs: that scan's figures land in its view once
+    done, and a scan started before its end is followed by one more. Closing the
+    observer with a scan stuck does not wait for it."""
+    BlockingScanner.reset()
+    jobs_dir = tmp_path / "jobs"
+    out = tmp_path / "out"
+    out.mkdir()
+    monkeypatch.setattr(observe, "OutputScanner", scanners({str(out): BlockingScanner}))
+    observer = Observer(jobs_dir)
+    job = observed("ending", JobSpec(name="x", command=["true"], output_dir=str(out),
+                                     pattern="*.bin"))
+    observer.observe([job], time.time())  # scan 1 starts, and blocks
+    assert observer.views["ending"].progress.observation_error is not None
+    (out / "a.bin").write_bytes(b"1")  # the job writes its last item and ends
+    observer.observe([job], time.time())  # scan 1 still runs: no new one
+    observer.forget("ending")
+    assert observer.views["ending"].progress.observation_error == (
+        "final output scan still running")
+    BlockingScanner.release.set()
+    wait_for(lambda: observer.observe([], time.time()) == [] and
+             observer.views["ending"].progress.observation_error is None, 10,
+             what="the final scan")
+    final = observer.views["ending"].progress
+    assert (final.files, final.items_done, final.observed_at is not None) == (1, 1, True)
+    assert BlockingScanner.scans == 2 and BlockingScanner.overlaps == 0
+
+    BlockingScanner.reset()  # a scan stuck for good, then the daemon stops
+    stuck = observed("stuck", JobSpec(name="y", command=["true"], output_dir=str(out)))
+    observer.observe([stuck], time.time())
+    started = time.monotonic()
+    observer.close()
+    assert time.monotonic() - started < 0.5
+    BlockingScanner.release.set()
+
+
+def test_a_stuck_scan_does_not_keep_the_process_from_exiting(tmp_path: Path) -> None:
+    """The workers are daemon threads: a scan stuck on a dead file server (here: one
+    that never returns) does not hold the daemon's exit."""
+    code = f"""
+import os, threading, time
+from pathlib import Path
+from supervisor import observe
+from supervisor.spec import JobSpec
+class Stuck:
+    def __init__(self, root, pattern): pass
+    def scan(self, now): threading.Event().wait()
+observe.OutputScanner = Stuck
+observer = observe.Observer(Path({str(tmp_path)!r}))
+job = observe.ObservedJob("j", JobSpec(name="j", command=["true"], output_dir="/x"), 1,
+                          os.getpid(), None, os.getpid())
+observer.observe([job], time.time())
+print(observer.views["j"].progress.observation_error, flush=True)
+"""
+    started = time.monotonic()
+    done = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True,
+                          text=True, timeout=30)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.startswith("output scan still running (")
+    assert time.monotonic() - started < 15
+
+
+def test_honest_readings_are_fresh_and_say_when(tmp_path: Path) -> None:
+    jobs_dir = tmp_path / "jobs"
+    observer = Observer(jobs_dir)
+    job = observed("j", JobSpec(name="x", command=["true"]))
+    for done in (3, 7):
+        write_progress(jobs_dir, "j", done)
+        now = time.time()
+        (sample,) = observer.observe([job], now)
+        shown = observer.views["j"].progress
+        assert (shown.items_done, sample.items_done, shown.observation_error) == (
+            done, done, None)
+        assert shown.observed_at is not None and shown.observed_at.endswith("Z")
+    observer.close()
+
+
+@pytest.mark.parametrize(("pattern", "why"), [
+    ("[z-a]", "reversed"),
+    ("rows_*/[9-0]*.bin", "reversed"),
+    ("", "empty"),
+    ("/", "empty"),
+    ("a\x00b", "NUL"),
+    ("*" * 1025, "1025 characters"),
+])
+def test_an_invalid_pattern_is_refused_naming_the_field(
+        daemon: Daemon, pattern: str, why: str) -> None:
+    response = daemon.http.post("/api/v1/jobs", json={
+        "name": "x", "command": ["true"], "output_dir": "/tmp", "pattern": pattern})
+    assert response.status_code == 422, response.text
+    error = response.json()["error"]
+    assert error.startswith("pattern: ") and why in error, error
+    assert daemon.http.get("/api/v1/jobs").json() == []
+
+
+def test_a_pattern_that_backtracked_for_seconds_is_accepted_and_counts(
+        daemon: Daemon, tmp_path: Path) -> None:
+    """The pattern that froze the daemon (8 stars, a 46-character name): the job is
+    observed and the API answers at once."""
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / ("a" * 45 + "b")).write_bytes(b"x")
+    (out / ("a" * 45 + "c")).write_bytes(b"x")
+    job = daemon.submit(python_job("import time; time.sleep(30)"), output_dir=str(out),
+                        pattern="*a" * 8 + "c")
+    shown = wait_for(lambda: (p := daemon.job(job["id"])["progress"])["files"] == 1 and p,
+                     10, what="the item counted")
+    assert shown.get("observation_error") is None and shown.get("observed_at")
+    started = time.monotonic()
+    assert daemon.http.get("/api/v1/jobs").status_code == 200
+    assert time.monotonic() - started < 2
+    daemon.http.post(f"/api/v1/jobs/{job['id']}/stop")

@@ -1,0 +1,78 @@
+"""A shim that cannot act on its own (stopped with SIGSTOP) still gets its job's exit
+recorded: the stop backstop kills the job's processes but never the shim, and a stopped
+shim whose worker has ended is continued so it reaps the worker and writes the exit."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import time
+from pathlib import Path
+
+import pytest
+
+from supervisor.procfs import is_same_process, process_state
+from tests.conftest import PY, Daemon, exit_recorded, wait_for
+
+IGNORES_SIGTERM = (
+    "import signal, time\n"
+    "signal.signal(signal.SIGTERM, signal.SIG_IGN)\n"
+    "time.sleep(600)\n")
+
+
+def identity(data_dir: Path, job_id: str, name: str) -> tuple[int, float]:
+    info = json.loads((data_dir / "jobs" / job_id / "attempt-1" / name).read_text())
+    return info["pid"], info["create_time"]
+
+
+def running_worker(daemon: Daemon, job_id: str) -> tuple[int, float]:
+    wait_for(lambda: daemon.job(job_id)["pid"], 15, what="the worker started")
+    return identity(daemon.data_dir, job_id, "worker.json")
+
+
+@pytest.mark.timeout(60)
+def test_stop_backstop_kills_the_job_never_the_shim(make_daemon) -> None:
+    daemon: Daemon = make_daemon()
+    job = daemon.submit([PY, "-c", IGNORES_SIGTERM], name="held", stop_grace_s=1)
+    worker = running_worker(daemon, job["id"])
+    shim = identity(daemon.data_dir, job["id"], "shim.json")
+    # the shim cannot act: the SIGTERM the stop sends it stays pending, its grace timer
+    # never runs, so only the daemon's backstop (grace + 5 s) can end the job
+    os.kill(shim[0], signal.SIGSTOP)
+    wait_for(lambda: process_state(shim[0]) == "T", 5, what="shim stopped")
+    t0 = time.monotonic()
+    assert daemon.http.post(f"/api/v1/jobs/{job['id']}/stop").status_code == 202
+    done = daemon.wait_state(job["id"], "stopped", "lost", timeout=20)
+    took = time.monotonic() - t0
+    assert 5.5 < took < 12, took  # the backstop, not the shim's own grace timer
+    assert not is_same_process(*worker)
+    # the shim lived to reap the worker and record how it ended
+    status = daemon.data_dir / "jobs" / job["id"] / "attempt-1" / "status.json"
+    assert exit_recorded(status)
+    recorded = json.loads(status.read_bytes())
+    assert recorded["signal"] == signal.SIGKILL and recorded["stop_requested"] is True
+    assert done["state"] == "stopped" and done["signal"] == signal.SIGKILL, done
+    assert "unknown" not in done["reason"], done["reason"]
+    wait_for(lambda: not is_same_process(*shim), 5, what="the shim to exit on its own")
+    assert "after stop; SIGKILL" in daemon.log()  # the backstop said what it did
+
+
+@pytest.mark.timeout(60)
+def test_stopped_shim_is_continued_when_its_worker_ends(make_daemon, tmp_path: Path) -> None:
+    daemon: Daemon = make_daemon()
+    flag = tmp_path / "go"
+    code = (f"import os, sys, time\nwhile not os.path.exists({str(flag)!r}): "
+            "time.sleep(0.05)\nsys.exit(3)")
+    job = daemon.submit([PY, "-c", code], name="stopped-shim")
+    running_worker(daemon, job["id"])
+    shim = identity(daemon.data_dir, job["id"], "shim.json")
+    os.kill(shim[0], signal.SIGSTOP)
+    wait_for(lambda: process_state(shim[0]) == "T", 5, what="shim stopped")
+    time.sleep(1.5)  # ticks with the shim stopped and the worker alive: nothing to do
+    assert process_state(shim[0]) == "T"
+    assert daemon.job(job["id"])["state"] == "running"
+    flag.touch()  # the worker exits 3; only its stopped parent, the shim, can reap it
+    done = daemon.wait_state(job["id"], "failed", timeout=10)
+    assert (done["exit_code"], done["exit_reason"]) == (3, "exit"), done
+    assert "continuing it (SIGCONT)" in daemon.log()
