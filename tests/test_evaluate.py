@@ -1,0 +1,363 @@
+"""workers.evaluate on CPU: the accept/bonus bookkeeping, the draft at inference against
+training's TTT unroll, speculative decoding with scripted proposers (exact tau and
+per-position rates), the CLI end to end on a tiny random Llama (lossless, eval.json,
+progress metrics), the layer check, prompt selection, bad arguments."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from tests.workers_util import make_model
+from workers import evaluate, heldout, speculative
+from workers.draft import DraftConfig, Eagle3Draft, write_draft
+from workers.serving import default_layer_ids
+from workers.speculative import (
+    Acceptance,
+    DraftState,
+    Target,
+    accept,
+    greedy_decode,
+    speculative_decode,
+)
+
+DRAFT_VOCAB = 64
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread() -> Iterator[None]:
+    """Tiny ops gain nothing from intra-op threads on a busy 2-core machine."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """A tiny random Llama and a random draft for it, saved as workers.train saves one
+    (a 64-id draft vocabulary: every other target id)."""
+    root = tmp_path_factory.mktemp("evaluate")
+    model = make_model(root / "tiny")
+    hf = json.loads((model / "config.json").read_text())
+    config = DraftConfig.from_hf(hf, draft_vocab_size=DRAFT_VOCAB,
+                                 aux_layer_ids=default_layer_ids(hf["num_hidden_layers"]))
+    torch.manual_seed(1)
+    draft = Eagle3Draft(config, embed_weight=torch.zeros(config.vocab_size, config.hidden_size))
+    used = torch.arange(0, 2 * DRAFT_VOCAB, 2)
+    t2d = torch.zeros(config.vocab_size, dtype=torch.bool).index_fill_(0, used, True)
+    draft.set_vocab(used - torch.arange(DRAFT_VOCAB), t2d)
+    write_draft(root / "train", draft, torch.float32)
+    prompts = root / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps(r) + "\n" for r in [
+        {"id": "a", "messages": [{"role": "user", "content": "Explain binary search."}]},
+        {"id": "b", "conversations": [{"from": "human", "value": "Why is the sky blue?"},
+                                      {"from": "gpt", "value": "Rayleigh scattering."}]},
+        {"id": "c", "messages": [{"role": "system", "content": "Be brief."},
+                                 {"role": "user", "content": "Name three primes."}]},
+    ]))
+    return {"root": root, "model": model, "draft": root / "train" / "draft",
+            "prompts": prompts}
+
+
+def cli(tiny: dict[str, Path], out: Path, *extra: str) -> list[str]:
+    return ["--target", str(tiny["model"]), "--draft", str(tiny["draft"]), "--prompts",
+            str(tiny["prompts"]), "--out", str(out), "--device", "cpu", *extra]
+
+
+# -- 1. bookkeeping ------------------------------------------------------------------------
+
+def test_accept_takes_the_matching_prefix_then_the_targets_token() -> None:
+    assert accept([5, 6, 7], [5, 6, 7, 8]) == (3, [5, 6, 7, 8])  # all + bonus
+    assert accept([5, 6, 7], [5, 9, 7, 8]) == (1, [5, 9])  # stops at the first miss
+    assert accept([5, 6, 7], [1, 6, 7, 8]) == (0, [1])  # the target's own token
+    assert accept([], [4]) == (0, [4])
+    with pytest.raises(ValueError, match="3 proposals need 4"):
+        accept([5, 6, 7], [5, 6, 7])
+
+
+def test_acceptance_length_and_per_position_rates() -> None:
+    counts = Acceptance(3)
+    for accepted in (3, 1, 0, 2):  # emitted 4 + 2 + 1 + 3 over 4 passes
+        counts.add(accepted)
+    assert counts.acceptance_length == 10 / 4
+    # position 0: tried 4, accepted 3; 1: tried 3 (those with 0 accepted), accepted 2;
+    # 2: tried 2, accepted 1
+    assert counts.tried == [4, 3, 2] and counts.accepted == [3, 2, 1]
+    assert counts.rates == [3 / 4, 2 / 3, 1 / 2]
+    other = Acceptance(3)
+    other.add(0)
+    counts.merge(other)
+    assert (counts.passes, counts.emitted, counts.rates[0]) == (5, 11, 3 / 5)
+    assert Acceptance(2).acceptance_length is None and Acceptance(2).rates == [None, None]
+    with pytest.raises(ValueError):
+        counts.add(4)
+
+
+# -- 2. the draft at inference is the draft of training ------------------------------------
+
+def test_draft_inference_matches_the_ttt_unroll() -> None:
+    """DraftState (step-0 cache extended in chunks, chained steps) gives, at the last
+    context position, the hidden states `Eagle3Draft.unroll` trains, when the chain is
+    fed the ground-truth tokens."""
+    config = DraftConfig(hidden_size=32, intermediate_size=48, num_attention_heads=4,
+                         num_key_value_heads=2, head_dim=8, vocab_size=40,
+                         draft_vocab_size=40, rope={"rope_type": "default",
+                                                    "rope_theta": 500.0})
+    torch.manual_seed(0)
+    draft = Eagle3Draft(config, embed_weight=torch.randn(40, 32), init_std=0.2).double()
+    length, steps = 12, 4
+    aux = torch.randn(1, length, 96, dtype=torch.float64)
+    ids = torch.randint(0, 40, (1, length))
+    with torch.no_grad():
+        trained = list(draft.unroll(aux, ids, steps))
+        last = length - steps - 1  # the chain at `last` sees tokens up to last + steps
+        state = DraftState(draft)
+        state.extend(aux[:, :5], ids[0, 1:6].tolist())  # the prompt, then a pass's tokens
+        state.extend(aux[:, 5:last + 1], ids[0, 6:last + 2].tolist())
+        hidden: list[torch.Tensor] = []
+        truth = iter(ids[0, last + 2:].tolist())
+
+        def ground_truth(h: torch.Tensor) -> int:
+            hidden.append(h)
+            return next(truth, 0)  # the last proposal feeds no step
+
+        state._propose_token = ground_truth  # type: ignore[method-assign]
+        state.propose(steps)
+    for step in range(steps):
+        torch.testing.assert_close(hidden[step][0, 0], trained[step][0, last], rtol=0,
+                                   atol=1e-12, msg=f"step {step}")
+
+
+# -- 3. speculative decoding with scripted proposers ---------------------------------------
+
+class Scripted:
+    """Proposes the target's own greedy continuation, wrong at chain position
+    `wrong_at` (never, when None)."""
+
+    def __init__(self, continuation: Sequence[int], prompt_length: int,
+                 wrong_at: int | None = None):
+        self.continuation = list(continuation)
+        self.known = 1 - prompt_length  # output tokens passed to extend so far
+        self.wrong_at = wrong_at
+
+    def extend(self, aux: torch.Tensor, next_tokens: Sequence[int]) -> None:
+        assert aux.shape[1] == len(next_tokens)
+        self.known += len(next_tokens)
+
+    def propose(self, k: int) -> list[int]:
+        tokens = self.continuation[self.known:self.known + k]
+        if self.wrong_at is not None:
+            tokens[self.wrong_at] = (tokens[self.wrong_at] + 1) % 100
+        return tokens
+
+
+@pytest.fixture(scope="module")
+def target(tiny: dict[str, Path]) -> Target:
+    model = AutoModelForCausalLM.from_pretrained(tiny["model"], dtype=torch.float32).eval()
+    return Target(model, default_layer_ids(8))
+
+
+PROMPT = [1, 5, 40, 41, 42, 6]
+
+
+@pytest.mark.parametrize("k", [1, 3])
+def test_a_perfect_proposer_gets_k_plus_one_tokens_per_pass(target: Target, k: int) -> None:
+    budget = 1 + 4 * (k + 1)  # the prefill's token, then 4 full passes
+    long = greedy_decode(target, PROMPT, budget + k + 1, stop_ids=()).tokens
+    decoded = speculative_decode(target, Scripted(long, len(PROMPT)), PROMPT, k, budget, ())
+    assert decoded.tokens == long[:budget]
+    assert decoded.acceptance.passes == 4
+    assert decoded.acceptance.acceptance_length == k + 1
+    assert decoded.acceptance.rates == [1.0] * k
+
+
+@pytest.mark.parametrize("wrong_at", [0, 1, 2])
+def test_a_proposer_wrong_at_position_j_gets_j_plus_one(target: Target, wrong_at: int) -> None:
+    """Rejections crop the target's cache; the output stays greedy decoding's."""
+    budget = 25
+    long = greedy_decode(target, PROMPT, budget + 4, stop_ids=()).tokens
+    proposer = Scripted(long, len(PROMPT), wrong_at)
+    decoded = speculative_decode(target, proposer, PROMPT, 3, budget, ())
+    assert decoded.tokens == long[:budget]
+    assert [top.ids[0] for top in decoded.top2] == decoded.tokens  # each token's own pass
+    assert decoded.acceptance.acceptance_length == wrong_at + 1
+    assert decoded.acceptance.rates == [1.0] * wrong_at + [0.0] + [None] * (2 - wrong_at)
+
+
+def test_stop_token_ends_both_decoders_alike(target: Target) -> None:
+    long = greedy_decode(target, PROMPT, 20, stop_ids=()).tokens
+    stop = long[7]
+    reference = greedy_decode(target, PROMPT, 20, stop_ids={stop}).tokens
+    assert reference == long[:long.index(stop) + 1]
+    decoded = speculative_decode(target, Scripted(long + [0] * 8, len(PROMPT)), PROMPT, 3,
+                                 20, {stop})
+    assert decoded.tokens == reference
+
+
+def decoded(tokens: list[int], ties: dict[int, tuple[tuple[int, int], tuple[float, float]]]
+            ) -> speculative.Decoded:
+    top2 = [ties.get(i, ((t, 0), (9.0, 1.0))) for i, t in enumerate(tokens)]
+    return speculative.Decoded(tokens, [speculative.Top2(*t) for t in top2])
+
+
+def test_a_divergence_is_a_near_tie_only_if_both_passes_nearly_tie_the_same_two() -> None:
+    reference = decoded([4, 5, 6, 7], {2: ((6, 8), (10.0, 9.99))})
+    assert speculative.compare(reference, decoded([4, 5, 6, 7], {}), 0.01) is None
+    flipped = decoded([4, 5, 8, 2], {2: ((8, 6), (10.002, 10.0))})
+    tie = speculative.compare(reference, flipped, tie_tolerance=0.01)
+    assert tie is not None and tie["near_tie"] and tie["position"] == 2
+    assert (tie["expected"], tie["got"]) == (6, 8)
+    assert tie["relative_spread"] == pytest.approx(0.012 / 10.002)
+    assert not speculative.compare(reference, flipped, tie_tolerance=0.001)["near_tie"]
+    # other logits at that position (a stale cache): not a tie, however close the top two
+    stale = decoded([4, 5, 8, 2], {2: ((8, 6), (3.0, 2.999))})
+    assert not speculative.compare(reference, stale, 0.01)["near_tie"]
+    other = decoded([4, 5, 8, 2], {2: ((8, 1), (10.0, 9.995))})  # 6 not in its top two
+    assert not speculative.compare(reference, other, 0.01)["near_tie"]
+    shorter = speculative.compare(reference, decoded([4, 5, 6], {}), 0.01)
+    assert shorter is not None and not shorter["near_tie"] and shorter["got"] is None
+
+
+# -- 4. the command line -------------------------------------------------------------------
+
+def test_cli_reports_acceptance_and_checks_losslessness(
+        tiny: dict[str, Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    progress = tmp_path / "progress.json"
+    monkeypatch.setenv("JOBSUP_PROGRESS_FILE", str(progress))
+    out = tmp_path / "out"
+    assert evaluate.main(cli(tiny, out, "-k", "2", "-k", "3", "--max-new-tokens", "12")) == 0
+    report = json.loads((out / "eval.json").read_text())
+    lossless = report["lossless"]
+    assert (lossless["ok"], lossless["runs_compared"], lossless["failures"]) == (True, 9, [])
+    assert lossless["identical"] == 9 - len(lossless["near_ties"])
+    assert report["prompts"]["evaluated"] == ["a", "b", "c"]
+    assert set(report["runs"]) == {"2", "3"}
+    for k, run in report["runs"].items():
+        assert run["k"] == int(k) and len(run["acceptance_rate"]) == int(k)
+        assert 1.0 <= run["acceptance_length"] <= int(k) + 1
+        assert run["emitted"] == run["passes"] + sum(run["accepted_by_position"])
+    assert report["acceptance_length"] == report["runs"]["2"]["acceptance_length"]
+    assert report["baseline"]["k"] == 2 and report["baseline"]["init"] == "random"
+    assert report["layers"] == {"trained_on": [2, 4, 5],
+                                "trained_on_source": "the draft's config.json",
+                                "vllm": [2, 4, 5], "sglang": [2, 4, 5], "target_num_layers": 8,
+                                "ok": True, "problems": []}
+    assert report["reference"]["new_tokens"] == sum(r["new_tokens"]
+                                                    for r in report["per_prompt"])
+    written = json.loads(progress.read_text())
+    assert (written["done"], written["total"], written["unit"]) == (3, 3, "prompt")
+    metrics = written["metrics"]
+    assert metrics["acceptance_length"] == report["acceptance_length"]
+    assert metrics["acceptance_length_k3"] == report["runs"]["3"]["acceptance_length"]
+    assert metrics["baseline_acceptance_length"] == report["baseline"]["acceptance_length"]
+    assert "acceptance_rate_pos0" in metrics and metrics["lossless_failures"] == 0
+    assert report["settings"]["dtype"] == "fp32"  # auto on CPU
+
+
+def test_cli_fails_loudly_when_the_output_changes(
+        tiny: dict[str, Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+        capsys: pytest.CaptureFixture[str]) -> None:
+    """A verification bug (rejected tokens left in the target's cache) is caught."""
+    monkeypatch.setattr(speculative, "crop", lambda cache, tokens_to_remove: None)
+    out = tmp_path / "out"
+    assert evaluate.main(cli(tiny, out, "--max-new-tokens", "12", "--limit", "1",
+                             "--no-baseline")) == evaluate.EXIT_LOSSY
+    assert "where no logit near-tie explains it" in capsys.readouterr().err
+    report = json.loads((out / "eval.json").read_text())
+    assert report["lossless"]["ok"] is False and report["baseline"] is None
+    failure = report["lossless"]["failures"][0]
+    assert failure["prompt"] == "a" and failure["near_tie"] is False
+    assert failure["relative_spread"] > report["settings"]["tie_tolerance"]
+
+
+def write_config(draft: Path, dest: Path, **changes: Any) -> Path:
+    dest.mkdir()
+    config = json.loads((draft / "config.json").read_text())
+    config.update(changes)
+    (dest / "config.json").write_text(json.dumps(config))
+    (dest / "model.safetensors").symlink_to(draft / "model.safetensors")
+    return dest
+
+
+def test_cli_fails_when_an_engine_would_feed_other_layers(
+        tiny: dict[str, Path], tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    # the nested (SGLang) key written as layer inputs, as workers.train once did
+    draft = write_config(tiny["draft"], tmp_path / "draft",
+                         eagle_config={"eagle_aux_hidden_state_layer_ids": [2, 4, 5]})
+    out = tmp_path / "out"
+    argv = cli(tiny, out)
+    argv[argv.index("--draft") + 1] = str(draft)
+    assert evaluate.main(argv) == evaluate.EXIT_LAYERS
+    err = capsys.readouterr().err
+    assert "vLLM [2, 4, 5], SGLang [3, 5, 6], trained on [2, 4, 5]" in err
+    report = json.loads((out / "eval.json").read_text())
+    assert report["layers"]["ok"] is False and len(report["layers"]["problems"]) == 1
+    # a consistent config, but --data says the draft was trained on other layers
+    data = tmp_path / "hidden_states"
+    data.mkdir()
+    (data / "extract_config.json").write_text(json.dumps({"aux_layer_ids": [1, 4, 6]}))
+    assert evaluate.main([*cli(tiny, out), "--data", str(data)]) == evaluate.EXIT_LAYERS
+    err = capsys.readouterr().err
+    assert "vLLM [2, 4, 5], SGLang [2, 4, 5], trained on [1, 4, 6]" in err
+    assert len(json.loads((out / "eval.json").read_text())["layers"]["problems"]) == 2
+
+
+@pytest.mark.parametrize(("argv", "message"), [
+    (["-k", "0"], "argument -k/--num-draft-tokens: must be >= 1, got 0"),
+    (["--max-new-tokens", "many"], "argument --max-new-tokens: not an integer: 'many'"),
+    (["--skip", "-1"], "argument --skip: must be >= 0, got -1"),
+    (["--dtype", "int8"], "argument --dtype: invalid choice: 'int8'"),
+    (["--tie-tolerance", "2"], "--tie-tolerance must be in [0, 1), got 2.0"),
+])
+def test_cli_bad_arguments_are_named(tiny: dict[str, Path], tmp_path: Path, argv: list[str],
+                                     message: str, capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exited:
+        evaluate.main([*cli(tiny, tmp_path / "out"), *argv])
+    assert exited.value.code == 2
+    assert message in capsys.readouterr().err
+
+
+def test_cli_missing_files_are_named(tiny: dict[str, Path], tmp_path: Path,
+                                     capsys: pytest.CaptureFixture[str]) -> None:
+    argv = cli(tiny, tmp_path / "out")
+    argv[argv.index("--draft") + 1] = str(tmp_path / "nowhere")
+    with pytest.raises(SystemExit):
+        evaluate.main(argv)
+    assert f"--draft '{tmp_path / 'nowhere'}' does not exist" in capsys.readouterr().err
+
+
+# -- 5. held-out prompts -------------------------------------------------------------------
+
+def test_prompt_selection_skips_limits_and_excludes_training(tmp_path: Path) -> None:
+    def user(text: str) -> list[dict[str, str]]:
+        return [{"role": "user", "content": text}]
+
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("\n".join(json.dumps(r) for r in [
+        {"id": "p0", "messages": user("zero")},
+        {"id": "p1", "messages": user("one")},
+        "not an object",
+        {"id": "p1", "messages": user("one again")},  # a repeated id: the first counts
+        {"id": "p2", "messages": user("two")},
+        {"id": "p3", "messages": user("three")},  # its text is in the training data
+        {"id": "p4", "conversations": [{"from": "human", "value": "four"},
+                                       {"from": "gpt", "value": "4"}]},
+        {"id": "p5", "messages": [{"role": "assistant", "content": "no user turn"}]},
+        {"id": "p6", "messages": user("six")},
+    ]) + "\n")
+    training = tmp_path / "conversations.jsonl"
+    training.write_text(json.dumps({"id": "other", "messages": [
+        *user("three"), {"role": "assistant", "content": "3", "reasoning_content": None}]}))
+    selected = heldout.select_prompts(prompts, skip=2, limit=2, exclude=training)
+    assert selected.skipped == 2 and selected.excluded == ["p3"]
+    assert [p.id for p in selected.prompts] == ["p2", "p4"]
+    assert selected.prompts[1].messages == [{"role": "user", "content": "four"}]
+    everything = heldout.select_prompts(prompts, skip=0, limit=None, exclude=None)
+    assert [p.id for p in everything.prompts] == ["p0", "p1", "p2", "p3", "p4", "p6"]
