@@ -37,9 +37,13 @@ def client(url: str) -> Client:
 
 
 def fail(exc: JobsupError) -> None:
-    err_console.print(f"[bold red]error:[/] {exc.message}", highlight=False)
+    """`error:` / `hint:` on stderr, each on one line however long (a path or a pattern
+    such as `[z-a]` comes out as it is: no wrapping, no markup)."""
+    err_console.print(Text.assemble(("error:", "bold red"), " ", exc.message),
+                      soft_wrap=True, highlight=False)
     if exc.hint:
-        err_console.print(f"[bold]hint:[/] {exc.hint}", highlight=False)
+        err_console.print(Text.assemble(("hint:", "bold"), " ", exc.hint), soft_wrap=True,
+                          highlight=False)
     raise typer.Exit(1)
 
 
@@ -362,7 +366,8 @@ def pipeline_run(
     gpus_per_model: Annotated[int, typer.Option(
         help="Split the target over K GPUs during extraction (larger than one GPU).")] = 1,
     dtype: Annotated[str, typer.Option(
-        help="bf16 | fp16 | fp32 (extraction, evaluation).")] = "bf16",
+        help="auto | bf16 | fp16 | fp32 (extraction, evaluation; auto: bf16 on a GPU, "
+             "fp32 on a CPU).")] = "auto",
     init: Annotated[Path | None, typer.Option(help="Pre-trained draft to finetune.")] = None,
     eval_prompts: Annotated[int, typer.Option(
         help="Hold the last N prompts out of training to measure the draft on (0: no "

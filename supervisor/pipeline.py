@@ -67,7 +67,9 @@ class Eagle3Pipeline(BaseModel):
         default=1, ge=1, le=MAX_INT64,
         description="split the target over this many GPUs during extraction "
                     "(workers.extract --gpus-per-model)")
-    dtype: Literal["bf16", "fp16", "fp32"] = "bf16"
+    dtype: Literal["auto", "bf16", "fp16", "fp32"] = Field(
+        default="auto", description="extraction and evaluation dtype (auto: bf16 on a "
+                                    "GPU, fp32 on a CPU)")
     max_length: int = Field(default=4096, ge=1, le=MAX_INT64)
     draft_vocab_size: int = Field(default=32000, ge=1, le=MAX_INT64)
     ttt_steps: int = Field(default=7, ge=1, le=MAX_INT64)

@@ -162,14 +162,14 @@ def test_full_vocabulary_draft_writes_no_mapping_and_loads(tmp_path: Path) -> No
 
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    """A tiny Llama (8 layers: captures inputs [2, 4, 5]) extracted with the default
-    dtype (bf16), and its vocab mapping."""
+    """A tiny Llama (8 layers: captures inputs [2, 4, 5]) extracted in bf16 (the GPU
+    default), and its vocab mapping."""
     root = tmp_path_factory.mktemp("serving")
     model = make_model(root / "tiny")
     conversations = make_conversations(root / "conv.jsonl")
     data = root / "extracted"
     assert extract.main(["--model", str(model), "--data", str(conversations), "--out",
-                         str(data), "--device", "cpu", "--limit", "8"]) == 0
+                         str(data), "--device", "cpu", "--dtype", "bf16", "--limit", "8"]) == 0
     assert json.loads((data / "extract_config.json").read_text())["dtype"] == "bf16"
     vocab.main(["--data", str(data), "--tokenizer", str(model), "--draft-vocab-size", "64",
                 "--out", str(root / "vocab.safetensors")])
@@ -246,7 +246,7 @@ def test_vocab_reuses_a_full_vocabulary_drafts_identity_mapping(tiny: dict[str, 
 
 
 def test_default_extract_then_train_on_cpu(tiny: dict[str, Path], tmp_path: Path) -> None:
-    """bf16 hidden states (extract's default) into the fp32 CPU trainer."""
+    """bf16 hidden states (a GPU extraction's default) into the fp32 CPU trainer."""
     out = tmp_path / "out"
     result = subprocess.run(
         [sys.executable, "-m", "workers.train", "--data", str(tiny["data"]), "--target",

@@ -127,7 +127,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--device", default=None,
                         help="device (default cuda if any, else cpu), or a comma-separated "
                              "list to split the model over (e.g. cuda:2,cuda:3)")
-    parser.add_argument("--dtype", choices=sorted(DTYPES), default="bf16")
+    parser.add_argument("--dtype", choices=["auto", *sorted(DTYPES)], default="auto",
+                        help="compute and storage dtype (auto: bf16 on CUDA, fp32 on CPU, "
+                             "where bf16 matmuls run many times slower)")
     parser.add_argument("--max-length", type=int, default=4096,
                         help="longest sample in tokens (default 4096)")
     parser.add_argument("--on-too-long", choices=("truncate", "skip"), default="truncate")
@@ -170,6 +172,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
                      "to choose them, give --device cuda:2,cuda:3 alone")
     if args.device is None:
         args.device = "cuda" if torch.cuda.is_available() else "cpu"
+    if args.dtype == "auto":
+        on_gpu = args.device.startswith("cuda") or args.gpus is not None
+        args.dtype = "bf16" if on_gpu else "fp32"
     return args
 
 

@@ -103,7 +103,9 @@ def run_transformers(args: argparse.Namespace, prompts: list[Prompt], output: Ou
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     try:
         tokenizer = AutoTokenizer.from_pretrained(args.model)
-        model = AutoModelForCausalLM.from_pretrained(args.model, dtype="auto").to(device)
+        # the checkpoint's dtype on a GPU; fp32 on a CPU, where bf16 matmuls crawl
+        dtype = torch.float32 if torch.device(device).type == "cpu" else "auto"
+        model = AutoModelForCausalLM.from_pretrained(args.model, dtype=dtype).to(device)
     except (OSError, ValueError) as exc:
         raise RunError(f"cannot load a model from {args.model}: {exc}", 2) from None
     if not tokenizer.chat_template:

@@ -199,12 +199,14 @@ def first_difference(expected: Sequence[int], got: Sequence[int]) -> int | None:
 def compare(reference: Decoded, decoded: Decoded,
             tie_tolerance: float) -> dict[str, Any] | None:
     """Where `decoded` first differs from plain greedy decoding (None: nowhere), and
-    whether a logit near-tie explains it: both passes rank the same two tokens on top,
-    swapped, with all four logits within `tie_tolerance` (relative to their magnitude)
+    whether a logit near-tie explains it: the token speculative decoding chose is the
+    reference pass's own runner-up, and the reference's top two logits and the
+    speculative pass's top logit lie within `tie_tolerance` (relative to their magnitude)
     of each other. Mathematically both passes compute the same logits there (the tokens
     before are equal); in bf16 a 1-token and a (k+1)-token pass round differently, and
-    a near-tie can flip. A verification bug (a stale or misplaced KV cache) gives other
-    logits altogether."""
+    a near-tie can flip (on SmolLM2 in bf16, three-way ties at equal bf16 logits occur:
+    the speculative pass's runner-up is then a third token). A verification bug (a stale
+    or misplaced KV cache) gives other logits altogether."""
     index = first_difference(reference.tokens, decoded.tokens)
     if index is None:
         return None
@@ -216,12 +218,11 @@ def compare(reference: Decoded, decoded: Decoded,
     if found["expected"] is None or found["got"] is None:
         return found  # the same tokens, one output longer: only a bug does that
     ours, theirs = reference.top2[index], decoded.top2[index]
-    logits = [*ours.logits, *theirs.logits]
+    logits = [*ours.logits, theirs.logits[0]]
     spread = (max(logits) - min(logits)) / max(1.0, *map(abs, logits))
     found.update(reference_top2=dataclasses.asdict(ours),
                  speculative_top2=dataclasses.asdict(theirs), relative_spread=spread,
-                 near_tie=(found["got"] in ours.ids and found["expected"] in theirs.ids
-                           and spread <= tie_tolerance))
+                 near_tie=(found["got"] in ours.ids and spread <= tie_tolerance))
     return found
 
 
