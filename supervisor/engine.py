@@ -90,7 +90,8 @@ class Engine:
         secret = settings.webhook_secret
         self.notifier = Notifier(destinations, sessions, clock=self.clock,
                                  backoff_max_s=settings.notify_backoff_max_s,
-                                 webhook_secret=secret.get_secret_value() if secret else None)
+                                 webhook_secret=secret.get_secret_value() if secret else None,
+                                 wall=time.time)
         self.alerting = AlertRecorder(settings, self.observer, self.notifier)
         self.on_tick: Callable[[float], None] = lambda _seconds: None
         """Called with each tick's duration in seconds (the metrics histogram)."""
@@ -271,12 +272,19 @@ class Engine:
         status = self.backend.read_exit(attempt)  # the shim may have just finished
         if status is not None:
             self._finish(session, job, status, now)
-        elif attempt.shim_pid is None and worker is None:
-            if now - (job.started_at or now) > LAUNCH_CONFIRM_S:
+        elif worker is None:
+            # no worker was ever started: a launch cut short (the daemon died before it
+            # recorded the shim, or the shim exited before claiming, e.g. on a full disk
+            # where it could not reserve its status file). The claim file settles it; a
+            # shim known to be dead needs no waiting
+            if attempt.shim_pid is not None or now - (job.started_at or now) > LAUNCH_CONFIRM_S:
                 fate = self.backend.settle_launch(attempt)
                 if fate is LaunchFate.ABANDONED:
+                    why = ("its shim exited before starting the job (see shim.log)"
+                           if attempt.shim_pid is not None else
+                           "the daemon died while launching")
                     store.transition(session, job, JobState.PENDING, now=now,
-                                     reason="the daemon died while launching; launching again")
+                                     reason=f"{why}; launching again")
                 elif fate is LaunchFate.DEAD:
                     job.exit_reason = ExitReason.LOST.value
                     store.transition(session, job, JobState.LOST, now=now,

@@ -256,18 +256,26 @@ class LocalBackend(Backend):
         data = read_json(attempt.dir / "worker.json")
         if not isinstance(data, dict) or not isinstance(data.get("pid"), int):
             return None
-        return WorkerInfo(data["pid"], data.get("create_time"), float(data["started_at"]))
+        started_at, created = data.get("started_at"), data.get("create_time")
+        return WorkerInfo(data["pid"], created if isinstance(created, int | float) else None,
+                          float(started_at) if isinstance(started_at, int | float) else 0.0)
 
     def read_exit(self, attempt: Attempt) -> ExitStatus | None:
         data = read_json(attempt.dir / STATUS_FILE)
         if not isinstance(data, dict) or not isinstance(data.get("ended_at"), int | float):
             return None  # running: only the shim's reservation, or a torn overwrite
+        def whole(key: str) -> int | None:  # a file in the job's directory: trust no type
+            value = data.get(key)
+            return value if isinstance(value, int) and not isinstance(value, bool) else None
+
+        spawn_error = data.get("spawn_error")
         return ExitStatus(
-            exit_code=data.get("exit_code"), signal=data.get("signal"),
+            exit_code=whole("exit_code"), signal=whole("signal"),
             ended_at=float(data["ended_at"]), stop_requested=bool(data.get("stop_requested")),
             killed_after_grace=bool(data.get("killed_after_grace")),
-            max_rss_bytes=int(data.get("max_rss_bytes") or 0),
-            spawn_error=data.get("spawn_error"), oom_kills=data.get("oom_kills"),
+            max_rss_bytes=whole("max_rss_bytes") or 0,
+            spawn_error=spawn_error if isinstance(spawn_error, str) else None,
+            oom_kills=whole("oom_kills"),
         )
 
     def shim_alive(self, attempt: Attempt) -> bool:
@@ -421,7 +429,11 @@ def check_runnable(spec: JobSpec, *, default_cwd: str) -> JobSpec:
     cwd = Path(spec.cwd or default_cwd)
     if not cwd.is_absolute():
         cwd = Path(default_cwd) / cwd
-    if not cwd.is_dir():
+    try:
+        is_dir = cwd.is_dir()
+    except OSError as exc:  # a name too long, a loop of links
+        raise InvalidSpec(f"cwd: {exc.strerror}", field="cwd") from None
+    if not is_dir:
         raise InvalidSpec(f"cwd: directory {str(cwd)!r} does not exist", field="cwd")
     program = spec.command[0]
     if "/" in program:

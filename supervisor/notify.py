@@ -244,11 +244,16 @@ class Notifier:
 
     def __init__(self, destinations: list[Destination], sessions: sessionmaker[Session], *,
                  clock: Callable[[], float] = time.time, backoff_max_s: float = BACKOFF_MAX_S,
-                 webhook_secret: str | None = None):
+                 webhook_secret: str | None = None,
+                 wall: Callable[[], float] | None = None):
         self.destinations = {d.name: d for d in destinations}
         self.backoff_max_s = backoff_max_s
         self.sessions = sessions
         self.clock = clock
+        """Delays and backoffs (the daemon's steady clock)."""
+        self.wall = wall or clock
+        """What another machine compares with: the signature's timestamp, a
+        `Retry-After` HTTP date (the system clock; default: `clock`)."""
         self.webhook_secret = webhook_secret
         """Signs the generic webhook's requests when set."""
         self.sent: Counter[str] = Counter()
@@ -360,7 +365,7 @@ class Notifier:
               attempt: int, redelivery: bool, now: float) -> httpx.Response | Exception:
         body, headers = destination.request(message, event_id=event_id, attempt=attempt,
                                             redelivery=redelivery, secret=self.webhook_secret,
-                                            now=now)
+                                            now=self.wall())
         try:
             return self._http.post(destination.url, content=body, headers=headers)
         except (httpx.HTTPError, httpx.InvalidURL, ValueError) as exc:
@@ -386,7 +391,7 @@ class Notifier:
             return True
         if response.status_code == 429 or response.status_code >= 500:
             self.retried[destination.name] += 1
-            delay = retry_after_s(response.headers.get("retry-after"), now)
+            delay = retry_after_s(response.headers.get("retry-after"), self.wall())
             item["next_attempt_at"] = now + (delay if delay is not None
                                              else min(self.backoff_max_s,
                                                       2.0 ** item["attempts"]))
@@ -427,7 +432,7 @@ class Notifier:
             log.info("job %s: %s notification %d (event %s) sent to %s", row.job_id, row.kind,
                      row_id, event_id, name)
         elif response.status_code == 429:
-            delay = retry_after_s(response.headers.get("retry-after"), now)
+            delay = retry_after_s(response.headers.get("retry-after"), self.wall())
             self.retried[name] += 1
             outcome["next_attempt_at"] = now + (delay if delay is not None
                                                 else self._backoff(attempt))

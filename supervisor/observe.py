@@ -55,9 +55,11 @@ SCAN_BUDGET_S = 1.0
 """Default of the longest a tick waits for the jobs' file readings, in seconds: half the
 default sample interval (pass `scan_budget_s`, e.g. `sample_interval / 2`)."""
 
-FILE_WORKERS = 4
-"""Threads reading the jobs' output trees and progress files (I/O bound: a few suffice;
-a slow tree holds one of them, the others serve the other jobs)."""
+FILE_WORKERS = 64
+"""Most threads reading the jobs' output trees and progress files. A thread is started
+only when every thread is busy, and each job has at most one reading in flight, so a
+reading stuck on a dead file server holds one thread and the other jobs get new ones
+(I/O bound: a handful serve hundreds of healthy jobs)."""
 
 
 @dataclass(frozen=True)
@@ -238,6 +240,9 @@ class _Workers:
         self._tasks: queue.SimpleQueue[tuple[Future[Any], Callable[[], Any]] | None] = (
             queue.SimpleQueue())
         self._threads: list[threading.Thread] = []
+        self._outstanding = 0
+        """Tasks submitted and not finished (under `_lock`): more than there are threads,
+        and a task would wait behind a reading that may never end."""
         self._lock = threading.Lock()
         self._closed = False
 
@@ -246,7 +251,8 @@ class _Workers:
         with self._lock:
             if self._closed:
                 raise RuntimeError("the observer is closed")
-            if len(self._threads) < self.size:
+            self._outstanding += 1
+            if len(self._threads) < self.size and self._outstanding > len(self._threads):
                 thread = threading.Thread(target=self._work, daemon=True,
                                           name=f"jobsup-observe-{len(self._threads)}")
                 thread.start()
@@ -274,14 +280,18 @@ class _Workers:
     def _work(self) -> None:
         while (queued := self._tasks.get()) is not None:
             future, task = queued
-            if not future.set_running_or_notify_cancel():
-                continue
             try:
-                result = task()
-            except BaseException as error:  # whatever it is, the future must complete
-                future.set_exception(error)
-            else:
-                future.set_result(result)
+                if not future.set_running_or_notify_cancel():
+                    continue
+                try:
+                    result = task()
+                except BaseException as error:  # whatever it is, the future must complete
+                    future.set_exception(error)
+                else:
+                    future.set_result(result)
+            finally:
+                with self._lock:
+                    self._outstanding -= 1
 
 
 def disk_free(path: str | None) -> tuple[int | None, int | None]:

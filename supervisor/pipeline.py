@@ -110,8 +110,15 @@ class Eagle3Pipeline(BaseModel):
 
 
 def count_prompts(path: Path) -> int:
-    with open(path, encoding="utf-8") as f:
-        return sum(1 for line in f if line.strip())
+    try:
+        with open(path, encoding="utf-8") as f:
+            return sum(1 for line in f if line.strip())
+    except UnicodeDecodeError as exc:
+        raise InvalidSpec(f"prompts: {str(path)!r} is not UTF-8 text ({exc.reason} at byte "
+                          f"{exc.start})", field="prompts") from None
+    except OSError as exc:
+        raise InvalidSpec(f"prompts: cannot read {str(path)!r}: {exc.strerror}",
+                          field="prompts") from None
 
 
 def eagle3_jobs(p: Eagle3Pipeline, *, resolve: Callable[[int], str]) -> Iterator[JobSpec]:

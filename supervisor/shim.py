@@ -245,7 +245,9 @@ class Shim:
             "stop_requested": self.stop_requested,
             "killed_after_grace": self.killed,
             "max_rss_bytes": max_rss_kb * 1024,
-            "spawn_error": spawn_error[:1024] if spawn_error else None,
+            # 300 characters: JSON escapes a non-ASCII one to up to 12 bytes, and the
+            # whole status must fit its 4 KiB reservation
+            "spawn_error": spawn_error[:300] if spawn_error else None,
             "oom_kills": _delta(self.oom_kills_at_start, oom_kill_count()),
         })
 

@@ -344,3 +344,19 @@ def test_a_pattern_that_backtracked_for_seconds_is_accepted_and_counts(
     assert daemon.http.get("/api/v1/jobs").status_code == 200
     assert time.monotonic() - started < 2
     daemon.http.post(f"/api/v1/jobs/{job['id']}/stop")
+
+
+def test_readings_stuck_on_a_dead_server_do_not_starve_the_others() -> None:
+    """Each stuck reading holds one thread; a new one is started while every thread is
+    busy, so a healthy job's reading still runs at once (a fixed pool of 4 starved it
+    behind 4 readings hung on a dead NFS mount)."""
+    workers = observe._Workers(observe.FILE_WORKERS)
+    hung = threading.Event()
+    try:
+        stuck = [workers.submit(hung.wait) for _ in range(6)]
+        healthy = workers.submit(lambda: "read")
+        assert healthy.result(timeout=2) == "read"
+        assert not any(f.done() for f in stuck)
+    finally:
+        hung.set()
+        workers.close()

