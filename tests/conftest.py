@@ -10,6 +10,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -267,3 +268,18 @@ def exit_recorded(status_file: Path) -> bool:
         return "ended_at" in json.loads(status_file.read_bytes())
     except (OSError, ValueError):
         return False
+
+
+@contextmanager
+def tmpfs(path: Path, size: str) -> Iterator[Path]:
+    """A tmpfs of `size` (e.g. "16m") mounted at `path` for the block: a disk a test can
+    fill to the last byte. Needs root (CI and the dev machines run as root)."""
+    path.mkdir(parents=True, exist_ok=True)
+    if os.geteuid() != 0:
+        pytest.fail(f"this test mounts a {size} tmpfs and needs root")
+    subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(path)],
+                   check=True)
+    try:
+        yield path
+    finally:
+        subprocess.run(["umount", "-l", str(path)], check=False)

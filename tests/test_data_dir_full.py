@@ -7,26 +7,19 @@ from __future__ import annotations
 
 import errno
 import json
-import os
-import subprocess
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
-from tests.conftest import Daemon, exit_recorded, python_job, wait_for
+from tests.conftest import Daemon, exit_recorded, python_job, tmpfs, wait_for
 
 
 @pytest.fixture
-def small_disk(tmp_path: Path):
-    disk = tmp_path / "disk"
-    disk.mkdir()
-    if os.geteuid() != 0:
-        pytest.fail("this test mounts a 16 MB tmpfs and needs root (CI and the dev "
-                    "machines run as root)")
-    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=16m", "tmpfs", str(disk)], check=True)
-    yield disk
-    subprocess.run(["umount", "-l", str(disk)], check=False)
+def small_disk(tmp_path: Path) -> Iterator[Path]:
+    with tmpfs(tmp_path / "disk", "16m") as disk:
+        yield disk
 
 
 def fill(path: Path) -> None:
@@ -91,3 +84,23 @@ def test_jobs_ending_on_a_full_data_dir_keep_their_exit(small_disk: Path, make_d
     # and the daemon takes jobs again
     after = daemon.submit(python_job("pass"), name="after")
     daemon.wait_state(after["id"], "succeeded", timeout=15)
+
+
+@pytest.mark.timeout(60)
+def test_a_shim_that_cannot_reserve_its_status_file_is_launched_again(
+        make_daemon, tmp_path: Path) -> None:
+    """The shim exits before claiming the launch when it cannot reserve `status.json`
+    (a full disk; here a directory in its way): the daemon claims the attempt and
+    launches the job again instead of calling it lost."""
+    daemon: Daemon = make_daemon()
+    flag = tmp_path / "go"
+    gate = daemon.submit(python_job(WAITS_THEN_EXITS) + [str(flag), "0"], name="gate")
+    job = daemon.submit(python_job("print('ran')"), name="after-gate", depends_on=[gate["id"]])
+    (daemon.data_dir / "jobs" / job["id"] / "attempt-1" / "status.json").mkdir(parents=True)
+    flag.touch()
+    done = daemon.wait_state(job["id"], "succeeded", "lost", "failed", timeout=20)
+    assert done["state"] == "succeeded" and done["attempt"] == 2, done
+    reasons = [e["reason"] or "" for e in daemon.events(job["id"])]
+    assert any("its shim exited before starting the job" in r for r in reasons), reasons
+    shim_log = daemon.data_dir / "jobs" / job["id"] / "attempt-1" / "shim.log"
+    assert "cannot reserve status.json" in shim_log.read_text()

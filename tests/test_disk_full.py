@@ -6,14 +6,14 @@ from __future__ import annotations
 
 import os
 import sqlite3
-import subprocess
 import time
+from collections.abc import Iterator
 from datetime import datetime
 from pathlib import Path
 
 import pytest
 
-from tests.conftest import Daemon, Receiver, python_job, wait_for
+from tests.conftest import Daemon, Receiver, python_job, tmpfs, wait_for
 
 FILLER = """
 import os, sys, time
@@ -40,15 +40,9 @@ while True:        # 256 kB items, then 4 kB ones to fill the last bytes; then w
 
 
 @pytest.fixture
-def small_disk(tmp_path: Path):
-    disk = tmp_path / "disk"
-    disk.mkdir()
-    if os.geteuid() != 0:
-        pytest.fail("this test mounts a 24 MB tmpfs and needs root (CI and the dev "
-                    "machines run as root)")
-    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=24m", "tmpfs", str(disk)], check=True)
-    yield disk
-    subprocess.run(["umount", "-l", str(disk)], check=False)
+def small_disk(tmp_path: Path) -> Iterator[Path]:
+    with tmpfs(tmp_path / "disk", "24m") as disk:
+        yield disk
 
 
 def ts(iso: str) -> float:

@@ -10,7 +10,6 @@ import logging
 import os
 import subprocess
 import sys
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -18,7 +17,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file
 
-from tests.workers_util import make_conversations, make_model
+from tests.workers_util import make_conversations, make_model, one_thread  # noqa: F401 (fixture)
 from workers import extract, serving, vocab
 from workers.draft import (
     DraftConfig,
@@ -35,14 +34,6 @@ REPO = Path(__file__).resolve().parent.parent
 ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
 N = 8
 """Decoder layers of the target in the config tests (and of tests.workers_util's Llama)."""
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread() -> Iterator[None]:
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 def small_draft(*, vocab_size: int = 40, draft_vocab_size: int = 16, hidden: int = 32,

@@ -6,7 +6,7 @@ progress metrics), the layer check, prompt selection, bad arguments."""
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -14,7 +14,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from tests.workers_util import make_model
+from tests.workers_util import make_model, one_thread  # noqa: F401 (fixture)
 from workers import evaluate, heldout, speculative
 from workers.draft import DraftConfig, Eagle3Draft, write_draft
 from workers.serving import default_layer_ids
@@ -28,15 +28,6 @@ from workers.speculative import (
 )
 
 DRAFT_VOCAB = 64
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread() -> Iterator[None]:
-    """Tiny ops gain nothing from intra-op threads on a busy 2-core machine."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 @pytest.fixture(scope="module")

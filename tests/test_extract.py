@@ -88,14 +88,20 @@ def test_batching_keeps_request_identity(tiny: Path, tmp_path: Path) -> None:
                                        atol=1e-4, rtol=1e-4)
 
 
-def test_bf16_is_the_default_and_files_are_sharded(tiny: Path, tmp_path: Path) -> None:
+def test_default_dtype_and_files_are_sharded(tiny: Path, tmp_path: Path) -> None:
+    """The default dtype is `auto`: bf16 on a GPU, fp32 on the CPU (where bf16 matmuls
+    run many times slower); --dtype bf16 stores bf16 anywhere."""
     data = make_conversations(tmp_path / "conv.jsonl")
     out = tmp_path / "out"
-    extract("--model", tiny, "--data", data, "--out", out, "--limit", "5")
+    extract("--model", tiny, "--data", data, "--out", out, "--limit", "5", "--device", "cpu")
     files = sorted(p.relative_to(out).as_posix() for p in out.rglob("*.safetensors"))
     assert files == [f"rows_0-2000/{i:08d}.safetensors" for i in range(5)]
-    tensors = load_file(out / files[0])
-    assert tensors["aux_hidden_states"].dtype == torch.bfloat16
+    assert load_file(out / files[0])["aux_hidden_states"].dtype == torch.float32
+    assert json.loads((out / "extract_config.json").read_text())["dtype"] == "fp32"
+    bf16 = tmp_path / "bf16"
+    extract("--model", tiny, "--data", data, "--out", bf16, "--limit", "1", "--device", "cpu",
+            "--dtype", "bf16")
+    assert load_file(bf16 / files[0])["aux_hidden_states"].dtype == torch.bfloat16
 
 
 def test_resume_after_sigkill_completes_without_duplicates(tiny: Path, tmp_path: Path) -> None:

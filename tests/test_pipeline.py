@@ -148,3 +148,14 @@ def test_cli_pipeline_run_prints_the_job_ids(daemon: Daemon, tiny: Path, tmp_pat
     first = lines[0].split()[0]
     daemon.http.post(f"/api/v1/jobs/{first}/stop")
     assert json.loads(daemon.http.get(f"/api/v1/jobs/{first}").text)["id"] == first
+
+
+def test_a_prompts_file_that_is_not_utf8_is_refused_naming_the_field(tmp_path: Path) -> None:
+    from supervisor.errors import InvalidSpec
+    from supervisor.pipeline import count_prompts
+
+    bad = tmp_path / "prompts.jsonl"
+    bad.write_bytes(b'{"id": "a", "messages": []}\n\xff\xfe\n')
+    with pytest.raises(InvalidSpec) as caught:
+        count_prompts(bad)
+    assert caught.value.field == "prompts" and "not UTF-8" in caught.value.message

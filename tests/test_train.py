@@ -10,7 +10,6 @@ import signal
 import subprocess
 import sys
 from collections import Counter
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -21,7 +20,7 @@ from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 from tests.conftest import wait_for
-from tests.workers_util import make_conversations, make_model
+from tests.workers_util import make_conversations, make_model, one_thread  # noqa: F401 (fixture)
 from workers import extract, vocab
 from workers.draft import DraftConfig, Eagle3Draft, ttt_losses
 from workers.train import (
@@ -39,16 +38,6 @@ LM_HEAD_SHARPENING = 30.0
 """A random tiny Llama's lm_head gives near-uniform distributions (entropy ~ ln 64 over
 the draft vocabulary), which no draft can beat by much; scaled x30 the target's
 entropy is ~0.23 nats, so there is something to learn."""
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread() -> Iterator[None]:
-    """Tiny ops gain nothing from intra-op threads, and on a busy 2-core machine two
-    spinning OpenMP threads made a 0.1 s step take 8 s."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 @pytest.fixture(scope="module")

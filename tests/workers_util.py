@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import json
+from collections.abc import Iterator
 from pathlib import Path
+
+import pytest
 
 from workers.tiny import DEMO_PROMPTS, build_tiny_llama
 
@@ -27,3 +30,16 @@ def make_conversations(path: Path, copies: int = 1) -> Path:
                 f.write(json.dumps(record) + "\n")
                 n += 1
     return path
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread() -> Iterator[None]:
+    """Import into a test module of tiny torch models: tiny ops gain nothing from
+    intra-op threads, and on a busy 2-core machine two spinning OpenMP threads made a
+    0.1 s step take 8 s."""
+    import torch
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
