@@ -418,7 +418,8 @@ def demo(
     model: Annotated[DemoModel, typer.Option(
         help="tiny: a random Llama built locally (fast, its draft learns nothing); "
              "smollm2: SmolLM2-135M-Instruct from the package registry (a real chat "
-             "model, whose draft's acceptance means something)")] = DemoModel.TINY,
+             "model, whose draft's acceptance means something; ~7 min on 2 cores)")] = \
+        DemoModel.SMOLLM2,
     max_tokens: Annotated[int | None, typer.Option(
         help="Tokens generated per prompt (default: 48 tiny, 64 smollm2).")] = None,
     epochs: Annotated[int | None, typer.Option(

@@ -21,7 +21,7 @@ def test_demo_runs_the_whole_pipeline(make_daemon, tmp_path: Path) -> None:
     env = {k: v for k, v in os.environ.items() if not k.startswith("JOBSUP_")}
     result = subprocess.run(
         [sys.executable, "-m", "supervisor", "demo", "--url", daemon.url,
-         "--data-dir", str(tmp_path / "demo-data"), "--max-tokens", "24"],
+         "--data-dir", str(tmp_path / "demo-data"), "--max-tokens", "24", "--model", "tiny"],
         capture_output=True, text=True, timeout=580, cwd=REPO, env={**env, "COLUMNS": "200"})
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     assert "using the jobsup daemon at" in result.stdout
