@@ -337,7 +337,9 @@ class Engine:
         ended_at = min(status.ended_at, now)
         if job.stop_requested_at is not None or status.stop_requested:
             job.exit_reason = ExitReason.STOPPED.value
-            how = "SIGKILL after the grace" if status.killed_after_grace else "SIGTERM"
+            how = ("SIGKILL after the grace" if status.killed_after_grace else
+                   "SIGKILL by the daemon's backstop"
+                   if (job.id, job.attempt) in self._killed else "SIGTERM")
             why = ("because the jobs it served have ended"
                    if self._served_its_purpose(session, job) else "on request")
             store.transition(session, job, JobState.STOPPED, now=ended_at,

@@ -53,7 +53,7 @@ def test_stop_backstop_kills_the_job_never_the_shim(make_daemon) -> None:
     recorded = json.loads(status.read_bytes())
     assert recorded["signal"] == signal.SIGKILL and recorded["stop_requested"] is True
     assert done["state"] == "stopped" and done["signal"] == signal.SIGKILL, done
-    assert "unknown" not in done["reason"], done["reason"]
+    assert "unknown" not in done["reason"] and "backstop" in done["reason"], done["reason"]
     wait_for(lambda: not is_same_process(*shim), 5, what="the shim to exit on its own")
     assert "after stop; SIGKILL" in daemon.log()  # the backstop said what it did
 
