@@ -20,6 +20,16 @@ def setup_logging(verbose: bool = False, prefix: str = "") -> None:
                         format=f"%(asctime)s {prefix}%(levelname)s %(name)s: %(message)s")
 
 
+def write_json(path: Path, data: Any) -> Path:
+    """A worker's JSON report (summary, config, eval.json), indented, written to a temp
+    name beside it and renamed: a reader never sees half of it."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    tmp.write_text(json.dumps(data, indent=2) + "\n", encoding="utf-8")
+    os.replace(tmp, path)
+    return path
+
+
 def fail(message: str, code: int = 2) -> None:
     """A user mistake: one clear line, no traceback."""
     print(f"error: {message}", file=sys.stderr)

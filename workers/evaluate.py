@@ -42,15 +42,14 @@ from __future__ import annotations
 import argparse
 import json
 import logging
-import os
 import sys
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from workers.common import ProgressReporter, setup_logging
+from workers.common import ProgressReporter, setup_logging, write_json
 from workers.eval_checks import Lossless, layer_error, layer_report
 from workers.heldout import select_prompts
 
@@ -276,34 +275,25 @@ def metrics(runs: Mapping[str, Run], checks: Lossless) -> dict[str, float]:
 
 
 def write_report(out: Path, report: Mapping[str, Any]) -> Path:
-    out.mkdir(parents=True, exist_ok=True)
-    final = out / "eval.json"
-    tmp = out / f".eval.json.tmp-{os.getpid()}"
-    tmp.write_text(json.dumps(report, indent=2) + "\n", encoding="utf-8")
-    os.replace(tmp, final)
-    return final
+    return write_json(out / "eval.json", report)
 
 
 # -- command line ------------------------------------------------------------------------
 
-def positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be >= 1, got {text}")
-    return value
+def int_at_least(minimum: int) -> Callable[[str], int]:
+    """An argparse `type`: an integer >= `minimum`."""
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
+        if value < minimum:
+            raise argparse.ArgumentTypeError(f"must be >= {minimum}, got {text}")
+        return value
+    return parse
 
 
-def non_negative_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"must be >= 0, got {text}")
-    return value
+positive_int, non_negative_int = int_at_least(1), int_at_least(0)
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:

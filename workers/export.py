@@ -52,7 +52,7 @@ from typing import Any
 import torch
 from safetensors import safe_open
 
-from workers.common import ProgressReporter, fail, read_jsonl, setup_logging
+from workers.common import ProgressReporter, fail, read_jsonl, setup_logging, write_json
 from workers.hidden_files import (
     PRENORM_KEY,
     SHARD_SIZE,
@@ -454,9 +454,7 @@ def export(args: argparse.Namespace) -> Stats:
     summary = {"to": args.to, "hidden_states": str(source.root), "samples": stats.total,
                "aux_layer_ids": source.config.get("aux_layer_ids"),
                "hidden_size": source.hidden, "vocab": str(args.vocab) if args.vocab else None}
-    tmp = out / ".export.json.tmp"
-    tmp.write_text(json.dumps(summary, indent=2) + "\n", encoding="utf-8")
-    os.replace(tmp, record)
+    write_json(record, summary)
     return stats
 
 

@@ -31,7 +31,6 @@ from __future__ import annotations
 import argparse
 import json
 import logging
-import os
 import sys
 import time
 from collections.abc import Iterator, Sequence
@@ -49,6 +48,7 @@ from workers.common import (
     require_file,
     setup_logging,
     tokenize_conversation,
+    write_json,
 )
 from workers.extractor import Extractor, Sample, Stats, capture_layers
 from workers.hidden_files import (
@@ -302,11 +302,7 @@ def write_summary(out: Path, stats: Stats, name: str = "extract_summary.json") -
                "nonfinite_skipped": stats.nonfinite,
                "too_long_skipped": stats.too_long_skipped, "truncated": stats.truncated,
                "empty_skipped": stats.empty, "malformed_lines": stats.malformed_lines}
-    target = out / name
-    target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = target.with_name(f".{target.name}.tmp")
-    tmp.write_text(json.dumps(summary, indent=2) + "\n")
-    os.replace(tmp, target)
+    write_json(out / name, summary)
 
 
 if __name__ == "__main__":

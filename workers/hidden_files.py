@@ -15,7 +15,7 @@ from typing import Any
 import torch
 from safetensors import safe_open
 
-from workers.common import read_jsonl
+from workers.common import read_jsonl, write_json
 
 SHARD_SIZE = 2000
 """Samples per sub-directory: no directory holds 100k entries."""
@@ -146,6 +146,4 @@ def merge_summaries(out: Path, world_size: int) -> None:
             else:
                 merged[key] = merged.get(key, 0) + value
     if merged:
-        tmp = out / ".extract_summary.json.tmp"
-        tmp.write_text(json.dumps(merged, indent=2) + "\n")
-        os.replace(tmp, out / "extract_summary.json")
+        write_json(out / "extract_summary.json", merged)
