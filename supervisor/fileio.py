@@ -74,20 +74,30 @@ def read_at(fd: int, offset: int, length: int) -> bytes:
     return b"".join(chunks)
 
 
-def atomic_write_json(path: str | os.PathLike[str], data: Any) -> None:
-    """Write JSON so readers see the old file or the whole new one, never a torn one:
-    write a temp file beside it, fsync, rename over the target."""
-    target = Path(path)
+def _synced_temp_json(target: Path, data: Any) -> Path:
+    """`data` as JSON in a temp file beside `target`, on disk (fsync); on failure (a
+    full disk) no temp file is left behind."""
     tmp = target.with_name(f".{target.name}.{os.getpid()}.tmp")
     try:
         with open(tmp, "w", encoding="utf-8") as f:
             json.dump(data, f)
             f.flush()
             os.fsync(f.fileno())
-        os.replace(tmp, target)
     except BaseException:
-        tmp.unlink(missing_ok=True)  # a full disk leaves no temp file behind
+        tmp.unlink(missing_ok=True)
         raise
+    return tmp
+
+
+def atomic_write_json(path: str | os.PathLike[str], data: Any) -> None:
+    """Write JSON so readers see the old file or the whole new one, never a torn one:
+    write a temp file beside it, fsync, rename over the target."""
+    target = Path(path)
+    tmp = _synced_temp_json(target, data)
+    try:
+        os.replace(tmp, target)
+    finally:
+        tmp.unlink(missing_ok=True)  # gone once renamed; else no temp file is left
 
 
 def create_json_exclusive(path: str | os.PathLike[str], data: Any) -> bool:
@@ -95,12 +105,8 @@ def create_json_exclusive(path: str | os.PathLike[str], data: Any) -> bool:
     The content is written to a temp file first and hard-linked into place, so the
     file is never seen empty or half-written, and of two racing callers one wins."""
     target = Path(path)
-    tmp = target.with_name(f".{target.name}.{os.getpid()}.tmp")
+    tmp = _synced_temp_json(target, data)
     try:
-        with open(tmp, "w", encoding="utf-8") as f:
-            json.dump(data, f)
-            f.flush()
-            os.fsync(f.fileno())
         os.link(tmp, target)
     except FileExistsError:
         return False

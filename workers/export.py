@@ -43,6 +43,7 @@ import shutil
 import sys
 import time
 import uuid
+from abc import ABC, abstractmethod
 from collections.abc import Iterator, Sequence
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
@@ -177,29 +178,31 @@ class Job:
     row: int
 
 
-class Format:
+class Format(ABC):
     name = ""
 
     def __init__(self, source: Source, out: Path, fsync: bool):
         self.source, self.out, self.fsync = source, out, fsync
 
-    def check(self) -> None:
+    def check(self) -> None:  # noqa: B027 - a hook: formats with nothing to check skip it
         """Refuse before writing anything."""
 
+    @abstractmethod
     def jobs(self) -> list[Job]:
-        raise NotImplementedError
+        """One job per sample: where its output goes."""
 
     def done(self, job: Job) -> bool:
         return job.path.is_file()
 
+    @abstractmethod
     def convert(self, job: Job) -> int:
         """Writes one output file; returns its size in bytes."""
-        raise NotImplementedError
 
+    @abstractmethod
     def write_vocab(self, d2t: torch.Tensor, t2d: torch.Tensor) -> Path:
-        raise NotImplementedError
+        """The vocabulary mapping in the tool's own file format."""
 
-    def finish(self, jobs: list[Job]) -> None:
+    def finish(self, jobs: list[Job]) -> None:  # noqa: B027 - a hook, as check()
         """After every sample file is there."""
 
 
