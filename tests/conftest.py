@@ -283,3 +283,28 @@ def tmpfs(path: Path, size: str) -> Iterator[Path]:
         yield path
     finally:
         subprocess.run(["umount", "-l", str(path)], check=False)
+
+
+@contextmanager
+def in_process_engine(data_dir: Path) -> Iterator[tuple[Any, Any]]:
+    """An `Engine` over a fresh SQLite database in `data_dir`, ticked by the test itself
+    (a 60 s interval: no tick of its own); (engine, sessions). Its observer's threads,
+    its backend and every job it started end with the block."""
+    from supervisor.config import Settings
+    from supervisor.db import make_engine, make_sessionmaker, upgrade
+    from supervisor.engine import Engine
+
+    settings = Settings(data_dir=data_dir, sample_interval=60)
+    settings.jobs_dir.mkdir(parents=True)
+    db = make_engine(settings.resolved_database_url)
+    upgrade(db)
+    sessions = make_sessionmaker(db)
+    engine = Engine(settings, sessions)
+    try:
+        yield engine, sessions
+    finally:
+        engine.observer.close()
+        engine.backend.close()
+        kill_jobs_of(settings.data_dir)
+        db.dispose()
+

@@ -23,15 +23,13 @@ import pytest
 from sqlalchemy.orm import Session, sessionmaker
 
 from supervisor import observe, store
-from supervisor.config import Settings
-from supervisor.db import make_engine, make_sessionmaker, upgrade
 from supervisor.engine import Engine
 from supervisor.launcher import progress_path
 from supervisor.observe import ObservedJob, Observer
 from supervisor.scanner import OutputScanner, ScanResult
 from supervisor.spec import JobSpec
 from supervisor.submission import submit_job
-from tests.conftest import REPO, Daemon, kill_jobs_of, python_job, wait_for
+from tests.conftest import REPO, Daemon, in_process_engine, python_job, wait_for
 
 pytestmark = pytest.mark.timeout(90)
 
@@ -98,20 +96,11 @@ def scanners(special: dict[str, type]) -> Callable[[str, str], Any]:
 
 @pytest.fixture
 def engine(tmp_path: Path) -> Iterator[tuple[Engine, sessionmaker[Session]]]:
-    settings = Settings(data_dir=tmp_path / "data", sample_interval=60)
-    settings.jobs_dir.mkdir(parents=True)
-    db = make_engine(settings.resolved_database_url)
-    upgrade(db)
-    sessions = make_sessionmaker(db)
-    engine = Engine(settings, sessions)
-    yield engine, sessions
-    BlockingScanner.release.set()
-    close = getattr(engine.observer, "close", None)
-    if close is not None:
-        close()
-    engine.backend.close()
-    kill_jobs_of(settings.data_dir)
-    db.dispose()
+    with in_process_engine(tmp_path / "data") as pair:
+        try:
+            yield pair
+        finally:
+            BlockingScanner.release.set()
 
 
 def submit(sessions: sessionmaker[Session], name: str, command: list[str],

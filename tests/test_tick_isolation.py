@@ -12,29 +12,19 @@ import pytest
 from sqlalchemy.orm import Session, sessionmaker
 
 from supervisor import store
-from supervisor.config import Settings
-from supervisor.db import make_engine, make_sessionmaker, upgrade
 from supervisor.engine import Engine
 from supervisor.models import Job
 from supervisor.spec import JobSpec, JobState
 from supervisor.submission import submit_job
-from tests.conftest import kill_jobs_of, python_job, wait_for
+from tests.conftest import in_process_engine, python_job, wait_for
 
 pytestmark = pytest.mark.timeout(60)
 
 
 @pytest.fixture
 def engine(tmp_path: Path) -> Iterator[tuple[Engine, sessionmaker[Session]]]:
-    settings = Settings(data_dir=tmp_path / "data", sample_interval=60)
-    settings.jobs_dir.mkdir(parents=True)
-    db = make_engine(settings.resolved_database_url)
-    upgrade(db)
-    sessions = make_sessionmaker(db)
-    engine = Engine(settings, sessions)
-    yield engine, sessions
-    engine.backend.close()
-    kill_jobs_of(settings.data_dir)
-    db.dispose()
+    with in_process_engine(tmp_path / "data") as pair:
+        yield pair
 
 
 def submit(sessions: sessionmaker[Session], code: str, name: str) -> str:
