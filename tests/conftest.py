@@ -16,7 +16,9 @@ from typing import Any
 
 import httpx
 import pytest
+from sqlalchemy.orm import Session, sessionmaker
 
+from supervisor.notify import Destination, Notifier
 from supervisor.procfs import is_same_process
 
 REPO = Path(__file__).resolve().parent.parent
@@ -308,3 +310,39 @@ def in_process_engine(data_dir: Path) -> Iterator[tuple[Any, Any]]:
         kill_jobs_of(settings.data_dir)
         db.dispose()
 
+
+T0 = 1_700_000_000.0
+"""A fake clock's start, seconds since the epoch."""
+
+
+class Clock:
+    """A fake clock the test moves by hand (notifier and engine unit tests)."""
+
+    def __init__(self, t: float = T0) -> None:
+        self.t = t
+
+    def __call__(self) -> float:
+        return self.t
+
+    def advance(self, seconds: float) -> None:
+        self.t += seconds
+
+
+@pytest.fixture
+def clock() -> Clock:
+    return Clock()
+
+
+@pytest.fixture
+def make_notifier(sessions: sessionmaker[Session],
+                  clock: Clock) -> Iterator[Callable[..., Notifier]]:
+    made: list[Notifier] = []
+
+    def make(*destinations: Destination, secret: str | None = None) -> Notifier:
+        notifier = Notifier(list(destinations), sessions, clock=clock, webhook_secret=secret)
+        made.append(notifier)
+        return notifier
+
+    yield make
+    for notifier in made:
+        notifier.stop()  # no thread was started: this closes its HTTP client

@@ -27,7 +27,7 @@ from supervisor.db import alembic_config, make_engine, make_sessionmaker, upgrad
 from supervisor.models import Notification
 from supervisor.notify import Destination, Notifier, compose
 from tests.conftest import Receiver, free_port, wait_for
-from tests.test_notify_unit import ALERT, JOB, LOG_TAIL, T0, Clock
+from tests.test_notify_unit import ALERT, JOB, LOG_TAIL, T0
 
 SECRET = "whsec-test-0123456789"
 HF_TOKEN = "hf_secretvalue_xyz"
@@ -71,27 +71,6 @@ def sessions(db_path: Path) -> Iterator[sessionmaker[Session]]:
     upgrade(engine)
     yield make_sessionmaker(engine)
     engine.dispose()
-
-
-@pytest.fixture
-def clock() -> Clock:
-    return Clock()
-
-
-@pytest.fixture
-def make_notifier(sessions: sessionmaker[Session],
-                  clock: Clock) -> Iterator[Callable[..., Notifier]]:
-    made: list[Notifier] = []
-
-    def make(*destinations: Destination, secret: str | None = None) -> Notifier:
-        signing: dict[str, Any] = {"webhook_secret": secret} if secret else {}
-        notifier = Notifier(list(destinations), sessions, clock=clock, **signing)
-        made.append(notifier)
-        return notifier
-
-    yield make
-    for notifier in made:
-        notifier.stop()
 
 
 @pytest.fixture

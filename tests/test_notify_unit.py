@@ -4,7 +4,7 @@ a clock the test moves by hand, and `deliver_due()` called directly (no thread).
 from __future__ import annotations
 
 import copy
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from email.utils import formatdate
 from pathlib import Path
 from typing import Any
@@ -17,21 +17,7 @@ from supervisor import notify
 from supervisor.db import make_engine, make_sessionmaker, upgrade
 from supervisor.models import Notification
 from supervisor.notify import Destination, Notifier, compose, retry_after_s
-from tests.conftest import Receiver, free_port
-
-T0 = 1_700_000_000.0  # the fake clock's start, seconds since the epoch
-
-
-class Clock:
-    def __init__(self, t: float = T0) -> None:
-        self.t = t
-
-    def __call__(self) -> float:
-        return self.t
-
-    def advance(self, seconds: float) -> None:
-        self.t += seconds
-
+from tests.conftest import T0, Receiver, free_port
 
 JOB: dict[str, Any] = {
     "id": "a1b2c3", "name": "extract-hidden", "state": "running",
@@ -69,26 +55,6 @@ def sessions(tmp_path: Path) -> Iterator[sessionmaker[Session]]:
     upgrade(engine)
     yield make_sessionmaker(engine)
     engine.dispose()
-
-
-@pytest.fixture
-def clock() -> Clock:
-    return Clock()
-
-
-@pytest.fixture
-def make_notifier(sessions: sessionmaker[Session],
-                  clock: Clock) -> Iterator[Callable[..., Notifier]]:
-    made: list[Notifier] = []
-
-    def make(*destinations: Destination) -> Notifier:
-        notifier = Notifier(list(destinations), sessions, clock=clock)
-        made.append(notifier)
-        return notifier
-
-    yield make
-    for notifier in made:
-        notifier.stop()  # no thread was started: this closes its HTTP client
 
 
 def enqueue(notifier: Notifier, sessions: sessionmaker[Session], msg: dict[str, Any],
