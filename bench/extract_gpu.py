@@ -4,9 +4,12 @@ samples. Measured side by side in one run:
 1. prefill ceiling: the same packed batches through the model with the capture hooks,
    nothing copied or written (tokens/s);
 2. disk ceiling: files of the same sizes written by the same number of threads from
-   memory (GB/s);
+   memory, as the worker writes them (GB/s);
 3. the worker with overlap (pinned async copies on a side stream, writer pool);
-4. the worker without overlap (compute, then copy, then write).
+4. the worker without overlap (compute, then copy, then write);
+
+each in every `--writeback` mode (default all: fsync, range, none), the final sync
+counted.
 
 Run on the H200: `python bench/extract_gpu.py --out /tmp/bench-extract`. `--tiny` runs
 a small config on the CPU to check the script. Prints a markdown table; `--json FILE`
@@ -24,7 +27,6 @@ import shutil
 import statistics
 import subprocess
 import sys
-import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -34,6 +36,13 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from workers.extractor import Capture, Extractor, Sample, Stats, pack_batches  # noqa: E402
+from workers.hidden_files import (  # noqa: E402
+    WRITEBACK_MODES,
+    Writeback,
+    sample_path,
+    write_atomically,
+)
+from workers.target import Target  # noqa: E402
 
 
 def build_model(tiny: bool, device: str) -> torch.nn.Module:
@@ -101,45 +110,35 @@ def file_sizes(samples: list[Sample], hidden: int) -> list[int]:
     return [len(s.input_ids) * (4 * hidden * 2 + 8 + 1) + 512 for s in samples]
 
 
-def disk_ceiling(out: Path, sizes: list[int], writers: int, fsync: bool) -> float:
-    """GB/s writing files of these sizes with `writers` threads (temp + rename)."""
-    out.mkdir(parents=True, exist_ok=True)
-    blob = os.urandom(max(sizes))
-    lock = threading.Lock()
-    written = [0]
+def disk_ceiling(out: Path, sizes: list[int], writers: int, writeback: str) -> float:
+    """GB/s writing files of these sizes with `writers` threads as the worker writes
+    them (temp + rename, `writeback` mode), the final sync counted."""
+    blob = memoryview(os.urandom(max(sizes)))
+    policy = Writeback(writeback, in_flight_files=writers)
 
     def write(i: int) -> None:
-        path = out / f"rows_0-2000/{i:08d}.safetensors"
-        path.parent.mkdir(exist_ok=True)
-        tmp = path.with_name(f".{path.name}.tmp")
-        with open(tmp, "wb") as f:
-            f.write(memoryview(blob)[: sizes[i]])
-            if fsync:
-                f.flush()
-                os.fsync(f.fileno())
-        os.replace(tmp, path)
-        with lock:
-            written[0] += sizes[i]
+        write_atomically(sample_path(out, i), [blob[: sizes[i]]], writeback=policy)
 
     t0 = time.perf_counter()
     with ThreadPoolExecutor(writers) as pool:
         list(pool.map(write, range(len(sizes))))
-    if not fsync:
-        os.sync()  # count the writeback, as the disk must take it in the end
-    return written[0] / (time.perf_counter() - t0) / 1e9
+    policy.close()
+    os.sync()  # count the writeback, as the disk must take it in the end
+    return sum(sizes) / (time.perf_counter() - t0) / 1e9
 
 
 def run_worker(model: torch.nn.Module, samples: list[Sample], out: Path, *, overlap: bool,
-               batch_tokens: int, writers: int, fsync: bool, device: str) -> tuple[float, float]:
+               batch_tokens: int, writers: int, writeback: str,
+               device: str) -> tuple[float, float]:
     out.mkdir(parents=True, exist_ok=True)
     stats = Stats(total=len(samples))
-    extractor = Extractor(model, out, batch_tokens=batch_tokens, writers=writers,
-                          queue_depth=3, overlap=overlap, fsync=fsync, stats=stats)
+    extractor = Extractor(Target.of(model), out, batch_tokens=batch_tokens, writers=writers,
+                          queue_depth=3, overlap=overlap, writeback=writeback,
+                          stats=stats)
     sync(device)
     t0 = time.perf_counter()
     extractor.run(samples)
-    if not fsync:
-        os.sync()
+    os.sync()  # count the writeback, as the disk must take it in the end
     elapsed = time.perf_counter() - t0
     assert stats.written == len(samples), (stats.written, len(samples))
     return stats.tokens / elapsed, stats.bytes_written / elapsed / 1e9
@@ -161,7 +160,8 @@ def main() -> int:
     parser.add_argument("--batch-tokens", type=int, default=16384)
     parser.add_argument("--writers", type=int, default=8)
     parser.add_argument("--repeats", type=int, default=2)
-    parser.add_argument("--fsync", choices=("on", "off", "both"), default="both")
+    parser.add_argument("--writeback", nargs="+", choices=WRITEBACK_MODES,
+                        default=list(WRITEBACK_MODES), help="modes to run (default all)")
     parser.add_argument("--tiny", action="store_true", help="small CPU config (a smoke run)")
     parser.add_argument("--json", type=Path)
     args = parser.parse_args()
@@ -182,21 +182,19 @@ def main() -> int:
         prefill_ceiling(model, samples[:16], args.batch_tokens, device)
 
     results: dict[str, list[float]] = {}
-    fsync_modes = {"on": [True], "off": [False], "both": [False, True]}[args.fsync]
     for _ in range(args.repeats):
         results.setdefault("prefill tokens/s", []).append(
             prefill_ceiling(model, samples, args.batch_tokens, device))
-        for fsync in fsync_modes:
-            tag = "fsync" if fsync else "no fsync"
+        for tag in args.writeback:
             clean(args.out)
             results.setdefault(f"disk GB/s ({tag})", []).append(
-                disk_ceiling(args.out / "raw", sizes, args.writers, fsync))
+                disk_ceiling(args.out / "raw", sizes, args.writers, tag))
             for overlap in (True, False):
                 clean(args.out)
                 name = f"worker {'overlap' if overlap else 'serial'} ({tag})"
                 tps, gbs = run_worker(model, samples, args.out / "w", overlap=overlap,
                                       batch_tokens=args.batch_tokens, writers=args.writers,
-                                      fsync=fsync, device=device)
+                                      writeback=tag, device=device)
                 results.setdefault(f"{name} tokens/s", []).append(tps)
                 results.setdefault(f"{name} GB/s", []).append(gbs)
         print(json.dumps({k: round(v[-1], 3) for k, v in results.items()}), flush=True)
@@ -208,8 +206,7 @@ def main() -> int:
     print("| --- | ---: | ---: | ---: |")
     print(f"| prefill ceiling (hooks, no copy, no write) | {median['prefill tokens/s']:,.0f} | "
           f"{median['prefill tokens/s'] * gb_per_token:.2f} | |")
-    for fsync in fsync_modes:
-        tag = "fsync" if fsync else "no fsync"
+    for tag in args.writeback:
         disk = median[f"disk GB/s ({tag})"]
         ceiling_tps = min(median["prefill tokens/s"], disk / gb_per_token)
         print(f"| disk ceiling ({tag}, {args.writers} threads) | {disk / gb_per_token:,.0f} | "

@@ -70,9 +70,9 @@ def forward_ceiling(model_dir: Path, devices: list[str], samples: int) -> float:
     from workers.extract import load_model
     from workers.extractor import Capture, Extractor, pack_batches
 
-    model, _ = load_model(model_dir, device=",".join(devices), dtype=torch.bfloat16)
-    extractor = Extractor(model, Path("/dev/null"), overlap=False)
-    batch = make_samples(samples, 1450, model.config.vocab_size)
+    target, _ = load_model(model_dir, device=",".join(devices), dtype=torch.bfloat16)
+    extractor = Extractor(target, Path("/dev/null"), overlap=False)
+    batch = make_samples(samples, 1450, target.vocab_size)
     batches = pack_batches(batch, extractor.batch_tokens)
     capture = Capture(extractor.base, extractor.layer_ids)
     with torch.inference_mode():

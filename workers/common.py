@@ -10,7 +10,7 @@ import time
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 log = logging.getLogger("workers")
 
@@ -30,7 +30,7 @@ def write_json(path: Path, data: Any) -> Path:
     return path
 
 
-def fail(message: str, code: int = 2) -> None:
+def fail(message: str, code: int = 2) -> NoReturn:
     """A user mistake: one clear line, no traceback."""
     print(f"error: {message}", file=sys.stderr)
     raise SystemExit(code)

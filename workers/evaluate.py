@@ -100,19 +100,20 @@ def target_num_layers(target_config: Mapping[str, Any]) -> int:
 
 # -- models ------------------------------------------------------------------------------
 
-def load_target(path: Path, device: str, dtype: str) -> tuple[Any, Any]:
+def load_target_model(path: Path, device: str, dtype: str) -> tuple[Any, Any]:
     import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from workers.target import TargetError, load_target, load_tokenizer
 
     torch_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
     try:
-        tokenizer = AutoTokenizer.from_pretrained(path)
-        model: Any = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch_dtype[dtype])
-    except (OSError, ValueError) as exc:
+        tokenizer = load_tokenizer(path)
+        model = load_target(path, device=device, dtype=torch_dtype[dtype]).model
+    except (OSError, ValueError, TargetError) as exc:
         raise EvalError(f"--target: cannot load a model from {path}: {exc}") from None
     if not tokenizer.chat_template:
         raise EvalError(f"--target: the tokenizer in {path} has no chat template")
-    return model.to(device).eval(), tokenizer
+    return model, tokenizer
 
 
 def load_trained_draft(path: Path, embedding: Any, num_layers: int) -> Any:
@@ -182,7 +183,7 @@ def evaluate(args: argparse.Namespace, progress: ProgressReporter) -> dict[str, 
                         f"--skip {args.skip} and {len(selection.excluded)} seen in training)")
     log.info("loading %s on %s", args.target, args.device)
     started = time.monotonic()
-    model, tokenizer = load_target(args.target, args.device, args.dtype)
+    model, tokenizer = load_target_model(args.target, args.device, args.dtype)
     embedding = model.get_input_embeddings().weight.detach()
     draft = load_trained_draft(args.draft, embedding, num_layers)
     baseline = None if args.no_baseline else untrained_draft(draft, args.seed)

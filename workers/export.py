@@ -58,6 +58,7 @@ from workers.hidden_files import (
     PRENORM_KEY,
     SHARD_SIZE,
     DiskFull,
+    Writeback,
     safetensors_parts,
     write_atomically,
 )
@@ -155,8 +156,8 @@ def read_sample(source: Source, entry: Entry, keys: Sequence[str]) -> dict[str, 
     return tensors
 
 
-def atomic_bytes(path: Path, data: memoryview, fsync: bool) -> None:
-    write_atomically(path, [data], fsync=fsync)
+def atomic_bytes(path: Path, data: memoryview, writeback: Writeback) -> None:
+    write_atomically(path, [data], writeback=writeback)
 
 
 def saved_bytes(obj: Any) -> memoryview:
@@ -182,7 +183,8 @@ class Format(ABC):
     name = ""
 
     def __init__(self, source: Source, out: Path, fsync: bool):
-        self.source, self.out, self.fsync = source, out, fsync
+        self.source, self.out = source, out
+        self.writeback = Writeback("fsync" if fsync else "none")  # neither holds files
 
     def check(self) -> None:  # noqa: B027 - a hook: formats with nothing to check skip it
         """Refuse before writing anything."""
@@ -229,13 +231,14 @@ class SpecForge(Format):
                   "hidden_state": t["hidden_state"].unsqueeze(0)}
         data = saved_bytes(record)
         # the temp name ends in .tmp: SpecForge lists only *.ckpt, so never a partial file
-        atomic_bytes(job.path, data, self.fsync)
+        atomic_bytes(job.path, data, self.writeback)
         return data.nbytes
 
     def write_vocab(self, d2t: torch.Tensor, t2d: torch.Tensor) -> Path:
         path = self.out / "vocab_mapping" / "vocab_mapping.pt"
         atomic_bytes(path, saved_bytes({"d2t": d2t.to(torch.int64).contiguous(),
-                                        "t2d": t2d.to(torch.bool).contiguous()}), self.fsync)
+                                        "t2d": t2d.to(torch.bool).contiguous()}),
+                     self.writeback)
         return path
 
 
@@ -303,12 +306,14 @@ class Speculators(Format):
         parts = safetensors_parts(
             {"hidden_states": stacked, "token_ids": t["input_ids"].to(torch.int64)},
             {"jobsup_index": str(job.entry.index), "jobsup_id": job.entry.id})
-        write_atomically(job.path, parts, fsync=self.fsync)
+        write_atomically(job.path, parts, writeback=self.writeback)
         return sum(p.nbytes for p in parts)
 
     def write_vocab(self, d2t: torch.Tensor, t2d: torch.Tensor) -> Path:
-        atomic_bytes(self.out / "d2t.npy", npy_bytes(d2t.to(torch.int64).numpy()), self.fsync)
-        atomic_bytes(self.out / "t2d.npy", npy_bytes(t2d.to(torch.bool).numpy()), self.fsync)
+        atomic_bytes(self.out / "d2t.npy", npy_bytes(d2t.to(torch.int64).numpy()),
+                     self.writeback)
+        atomic_bytes(self.out / "t2d.npy", npy_bytes(t2d.to(torch.bool).numpy()),
+                     self.writeback)
         return self.out / "d2t.npy"
 
     def finish(self, jobs: list[Job]) -> None:

@@ -14,16 +14,30 @@ overlap. Batches are packed by length (`--batch-tokens`), captured states are co
 into a pool of pinned host buffers with non-blocking copies on a side stream, and a
 bounded pool of writer threads turns them into files while the next batch computes.
 `--no-overlap` runs the same work one step after the other (for comparison).
+Writeback is steady by default (`--writeback fsync`: each file is fsynced, then its
+pages leave the page cache): left to the kernel (`--writeback none`, or `--no-fsync`),
+dirty pages pile up until the writers are throttled (on an H200: 80 % of HF's own
+prefill on a 61-layer MoE, against 99 % with fsync; docs/benchmarks.md) and a long
+run evicts the whole page cache. `--writeback range` starts each file's writeback at
+once and waits for it a few files later (bench/writeback.py compares the three).
 
 Several GPUs: `--gpus N` runs one process per GPU, each taking every N-th sample into
 the same tree and manifest (workers/ranks.py); `--gpus-per-model K` splits the model's
 layers over K GPUs for a target larger than one (workers/split.py), N/K copies with
 `--gpus N`.
 
-Resume: samples whose file exists are skipped (their manifest line is restored if the
-crash came between the rename and the append). Samples with NaN/Inf hidden states are
-skipped and counted, never written. A full disk stops the run cleanly (exit 4), with
-no partial file left behind.
+Batch invariance: `--check-batch-invariance N` re-runs N of the samples alone and
+compares them with the same samples inside their packed batches (per-layer relative
+differences, MoE routing flips, lm_head argmax changes: workers/batch_invariance.py),
+writes `batch_invariance.json`, logs a table and exits without extracting. In bf16 a
+mixture-of-experts target is not batch-invariant: near-tie top-k routing decisions flip
+with what a sample is batched with, and every later layer inherits the flip.
+
+Resume: samples whose file exists whole are skipped (their manifest line is restored
+if the crash came between the rename and the append); a file cut short (a power loss
+before its data reached the disk, possible without fsync) is written again. Samples
+with NaN/Inf hidden states are skipped and counted, never written. A full disk stops
+the run cleanly (exit 4), with no partial file left behind.
 """
 
 from __future__ import annotations
@@ -39,6 +53,7 @@ from typing import Any
 
 import torch
 
+from workers.batch_invariance import CheckError, check_batch_invariance, format_report
 from workers.common import (
     JsonlStats,
     ProgressReporter,
@@ -52,14 +67,17 @@ from workers.common import (
 )
 from workers.extractor import Extractor, Sample, Stats, capture_layers
 from workers.hidden_files import (
+    DEFAULT_WRITEBACK,
     PRENORM_KEY,
+    WRITEBACK_MODES,
     DiskFull,
     existing_indexes,
     merge_summaries,
     restore_manifest,
 )
 from workers.ranks import rank_argv, run_ranks
-from workers.split import load_split, parse_devices
+from workers.split import parse_devices
+from workers.target import Target, TargetError, load_target, load_tokenizer
 
 log = logging.getLogger("workers.extract")
 
@@ -102,17 +120,14 @@ def load_samples(data: Path, tokenizer: Any, *, max_length: int | None, on_too_l
     stats.malformed_lines = jsonl.malformed
 
 
-def load_model(path: Path, *, device: str, dtype: torch.dtype) -> tuple[Any, Any]:
-    """The model on `device`, or split over a comma-separated list of devices."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    tokenizer = AutoTokenizer.from_pretrained(path)
-    devices = parse_devices(device)
-    if len(devices) > 1:
-        return load_split(path, devices, dtype), tokenizer
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
-    model.to(device).eval()
-    return model, tokenizer
+def load_model(path: Path, *, device: str, dtype: torch.dtype) -> tuple[Target, Any]:
+    """The target (a causal LM, or a multimodal model's language model: see
+    workers/target.py) on `device`, or split over a comma-separated list of devices."""
+    try:
+        tokenizer = load_tokenizer(path)
+        return load_target(path, device=parse_devices(device), dtype=dtype), tokenizer
+    except TargetError as exc:
+        fail(f"--model: {exc}")
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
@@ -140,7 +155,17 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
                         help="batches copied but not yet written (default 3)")
     parser.add_argument("--no-overlap", action="store_true",
                         help="compute, then copy, then write (for comparison)")
-    parser.add_argument("--fsync", action="store_true", help="fsync each file before rename")
+    writeback = parser.add_mutually_exclusive_group()
+    writeback.add_argument("--writeback", choices=WRITEBACK_MODES, default=DEFAULT_WRITEBACK,
+                           help="how each file goes to the disk: fsync (before its rename, "
+                                "then its pages leave the page cache), range (writeback "
+                                "started at once, waited for a few files later, pages "
+                                "dropped; not durable against a power loss), none (the "
+                                f"kernel's dirty limits decide). Default {DEFAULT_WRITEBACK}")
+    writeback.add_argument("--fsync", dest="writeback", action="store_const", const="fsync",
+                           help="--writeback fsync")
+    writeback.add_argument("--no-fsync", dest="writeback", action="store_const",
+                           const="none", help="--writeback none")
     parser.add_argument("--keep-prenorm-last", action="store_true",
                         help=f"also store the last layer's output BEFORE the final norm "
                              f"({PRENORM_KEY} [S, H]), which vLLM's speculators train on "
@@ -157,10 +182,30 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
                         help="data-parallel processes on --device (e.g. CPU ranks for tests)")
     parser.add_argument("--rank", type=int, default=None, help=argparse.SUPPRESS)
     parser.add_argument("--world-size", type=int, default=1, help=argparse.SUPPRESS)
+    parser.add_argument("--check-batch-invariance", type=int, default=None, metavar="N",
+                        help="instead of extracting, re-run N of the samples alone and compare "
+                             "them with the same samples in their packed --batch-tokens "
+                             "batches (per-layer differences, MoE routing flips, lm_head "
+                             "argmax changes); writes OUT/batch_invariance.json, logs a table "
+                             "and exits. A diagnostic that decides how to extract (--dtype, "
+                             "--batch-tokens), so it does not also commit to an extraction; "
+                             "one process: not with --gpus or --ranks")
+    parser.add_argument("--check-fp32-router", action="store_true",
+                        help="with --check-batch-invariance: compute the MoE routers' logits "
+                             "in fp32 during the check (the remedy to measure; DeepSeek-V3's "
+                             "router already does, Qwen3-MoE's and Mixtral's do not)")
     parser.add_argument("-v", "--verbose", action="store_true")
     args = parser.parse_args(argv)
     if args.batch_tokens < 1 or args.max_length < 1 or args.writers < 1 or args.queue_depth < 1:
         parser.error("--batch-tokens, --max-length, --writers, --queue-depth must be >= 1")
+    if args.check_batch_invariance is not None:
+        if args.check_batch_invariance < 1:
+            parser.error("--check-batch-invariance must be >= 1")
+        if args.gpus is not None or args.ranks is not None:
+            parser.error("--check-batch-invariance runs in one process: drop --gpus and "
+                         "--ranks (--device or --gpus-per-model K still split a large model)")
+    elif args.check_fp32_router:
+        parser.error("--check-fp32-router goes with --check-batch-invariance")
     if args.gpus_per_model < 1:
         parser.error("--gpus-per-model must be >= 1")
     if args.gpus_per_model > 1 and args.ranks is not None:
@@ -224,15 +269,25 @@ def main(argv: Sequence[str] | None = None) -> int:
     progress = ProgressReporter(None, "sample")
     progress.update(0, force=True)  # the model load can take minutes: say we are alive
     t0 = time.monotonic()
-    model, tokenizer = load_model(args.model, device=args.device, dtype=DTYPES[args.dtype])
-    log.info("loaded %s in %.1f s: %d layers, hidden %d, capturing layers %s", args.model,
-             time.monotonic() - t0, model.config.num_hidden_layers, model.config.hidden_size,
-             capture_layers(model.config.num_hidden_layers))
+    target, tokenizer = load_model(args.model, device=args.device, dtype=DTYPES[args.dtype])
+    log.info("loaded %s (%s) in %.1f s: %d layers, hidden %d, capturing layers %s",
+             args.model, type(target.model).__name__, time.monotonic() - t0,
+             target.num_layers, target.hidden_size, capture_layers(target.num_layers))
 
     stats = Stats()
     done = restore_manifest(args.out) if args.rank is None else existing_indexes(args.out)
     samples = list(load_samples(args.data, tokenizer, max_length=args.max_length,
                                 on_too_long=args.on_too_long, stats=stats, limit=args.limit))
+    if args.check_batch_invariance is not None:  # the diagnostic instead of the extraction
+        try:
+            report = check_batch_invariance(
+                target.decoder, target.lm_head, samples, n=args.check_batch_invariance,
+                batch_tokens=args.batch_tokens, fp32_router=args.check_fp32_router)
+        except CheckError as exc:
+            fail(f"--check-batch-invariance: {exc}")
+        path = write_json(args.out / "batch_invariance.json", report)
+        log.info("%s\nreport: %s", format_report(report), path)
+        return 0
     if args.rank is not None:  # this rank's shard: every world_size-th sample
         samples = [s for s in samples if s.index % args.world_size == args.rank]
     stats.total = len(samples)
@@ -240,12 +295,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     stats.done_before = stats.total - len(todo)
     progress.total = stats.total
     if args.rank in (None, 0):
-        write_config(args, model)
+        write_config(args, target)
     log.info("%d samples: %d already done, %d to extract", stats.total, stats.done_before,
              len(todo))
-    extractor = Extractor(model, args.out, batch_tokens=args.batch_tokens,
+    extractor = Extractor(target, args.out, batch_tokens=args.batch_tokens,
                           writers=args.writers, queue_depth=args.queue_depth,
-                          overlap=not args.no_overlap, fsync=args.fsync, progress=progress,
+                          overlap=not args.no_overlap, writeback=args.writeback,
+                          progress=progress,
                           stats=stats, keep_prenorm=args.keep_prenorm_last)
     summary_name = ("extract_summary.json" if args.rank is None
                     else f".ranks/extract_summary.rank{args.rank}.json")
@@ -286,13 +342,12 @@ def check_prenorm_setting(out: Path, keep: bool) -> None:
              f"rerun {'with' if before else 'without'} it to resume, or use a new --out")
 
 
-def write_config(args: argparse.Namespace, model: Any) -> None:
-    config = {"model": str(args.model), "num_layers": model.config.num_hidden_layers,
-              "hidden_size": model.config.hidden_size,
-              "vocab_size": model.config.vocab_size,
-              "aux_layer_ids": capture_layers(model.config.num_hidden_layers),
+def write_config(args: argparse.Namespace, target: Target) -> None:
+    config = {"model": str(args.model), "num_layers": target.num_layers,
+              "hidden_size": target.hidden_size, "vocab_size": target.vocab_size,
+              "aux_layer_ids": capture_layers(target.num_layers),
               "dtype": args.dtype, "max_length": args.max_length,
-              "keep_prenorm_last": args.keep_prenorm_last}
+              "keep_prenorm_last": args.keep_prenorm_last, "writeback": args.writeback}
     (args.out / "extract_config.json").write_text(json.dumps(config, indent=2) + "\n")
 
 

@@ -21,13 +21,16 @@ import torch
 
 from workers.common import ProgressReporter
 from workers.hidden_files import (
+    DEFAULT_WRITEBACK,
     PRENORM_KEY,
+    Writeback,
     append_manifest,
     safetensors_parts,
     sample_path,
     write_atomically,
 )
 from workers.split import to_device
+from workers.target import Target
 
 log = logging.getLogger("workers.extract")  # one log for the whole extract worker
 
@@ -76,6 +79,18 @@ def pack_batches(samples: Sequence[Sample], batch_tokens: int) -> list[list[Samp
     return batches
 
 
+def pad_batch(batch: Sequence[Sample]) -> tuple[torch.Tensor, torch.Tensor]:
+    """(input_ids, attention_mask) [B, longest] int64 on the CPU, padded on the right
+    with zeros (a causal model's real positions do not see the pads)."""
+    longest = max(len(s.input_ids) for s in batch)
+    ids = torch.zeros((len(batch), longest), dtype=torch.long)
+    attention = torch.zeros((len(batch), longest), dtype=torch.long)
+    for row, sample in enumerate(batch):
+        ids[row, : len(sample.input_ids)] = torch.tensor(sample.input_ids)
+        attention[row, : len(sample.input_ids)] = 1
+    return ids, attention
+
+
 class Capture:
     """Forward hooks that keep the inputs of the chosen layers and the final norm's
     output (and with `prenorm`, its input: the last layer's output before the final
@@ -106,31 +121,30 @@ class Capture:
 
 
 class Extractor:
-    """The extraction loop over tokenized samples, given a loaded model."""
+    """The extraction loop over tokenized samples, given a loaded target (its text
+    decoder: a multimodal model's language model is hooked the same way)."""
 
-    def __init__(self, model: Any, out: Path, *, batch_tokens: int = 16384, writers: int = 4,
-                 queue_depth: int = 3, overlap: bool = True, fsync: bool = False,
-                 progress: ProgressReporter | None = None, stats: Stats | None = None,
-                 keep_prenorm: bool = False):
-        self.model = model
+    def __init__(self, target: Target, out: Path, *, batch_tokens: int = 16384,
+                 writers: int = 4, queue_depth: int = 3, overlap: bool = True,
+                 writeback: str = DEFAULT_WRITEBACK, progress: ProgressReporter | None = None,
+                 stats: Stats | None = None, keep_prenorm: bool = False):
         # also store the last layer's output before the final norm (PRENORM_KEY): what
         # vLLM's speculators train on; +1/4 disk. Carried next to the normed final state
         # as one [.., 2H] tensor through the copy and write path.
         self.keep_prenorm = keep_prenorm
-        self.base = model.get_decoder() if hasattr(model, "get_decoder") else model.model
-        if not hasattr(self.base, "layers") or not hasattr(self.base, "norm"):
-            raise ValueError("the model has no `layers`/`norm` decoder (Llama-style needed)")
-        self.num_layers = len(self.base.layers)
+        self.base = target.decoder
+        self.num_layers = target.num_layers
         self.layer_ids = capture_layers(self.num_layers)
-        self.hidden = model.config.hidden_size
+        self.hidden = target.hidden_size
         # a split model takes its input on the embedding's device and ends on the norm's
         self.input_device = self.base.get_input_embeddings().weight.device
         self.device = self.base.norm.weight.device
-        self.dtype = next(model.parameters()).dtype
+        self.dtype = target.dtype
         self.out = out
         self.batch_tokens = batch_tokens
         self.overlap = overlap and self.device.type == "cuda"
-        self.fsync = fsync
+        # one of WRITEBACK_MODES; "range" keeps up to one file per writer thread in flight
+        self.writeback = Writeback(writeback, in_flight_files=writers)
         self.progress = progress or ProgressReporter(None, "sample")
         self.stats = stats or Stats()
         self.writers = ThreadPoolExecutor(max_workers=writers, thread_name_prefix="writer")
@@ -167,6 +181,7 @@ class Extractor:
         finally:
             capture.remove()
             self.writers.shutdown(wait=True)
+            self.writeback.close()
         return self.stats
 
     def _forward(self, batch: Sequence[Sample],
@@ -175,12 +190,7 @@ class Extractor:
         not see the pads). Returns aux [B, L, 3H], final [B, L, H] (with keep_prenorm
         [B, L, 2H]: the normed state, then the one before the norm) and a per-sample
         all-finite flag [B], still on the device."""
-        longest = max(len(s.input_ids) for s in batch)
-        ids = torch.zeros((len(batch), longest), dtype=torch.long)
-        attention = torch.zeros((len(batch), longest), dtype=torch.long)
-        for row, sample in enumerate(batch):
-            ids[row, : len(sample.input_ids)] = torch.tensor(sample.input_ids)
-            attention[row, : len(sample.input_ids)] = 1
+        ids, attention = pad_batch(batch)
         ids = ids.to(self.input_device, non_blocking=True)
         attention = attention.to(self.input_device, non_blocking=True)
         capture.states.clear()
@@ -204,6 +214,8 @@ class Extractor:
         buffer = self._buffers.get()  # blocks when `queue_depth` batches are in flight
         b, length, _ = aux.shape
         n_aux, n_final = aux.numel(), final.numel()
+        if buffer.numel() < n_aux + n_final:  # a sample longer than batch_tokens, alone
+            buffer = torch.empty(n_aux + n_final, dtype=self.dtype, pin_memory=True)
         host_aux = buffer[:n_aux].view(b, length, 3 * self.hidden)
         host_final = buffer[n_aux:n_aux + n_final].view(b, length, final.shape[-1])
         host_finite = torch.empty(b, dtype=torch.bool, pin_memory=True)
@@ -271,7 +283,7 @@ class Extractor:
         parts = safetensors_parts(tensors, {"id": sample.id, "index": str(sample.index)})
         size = sum(p.nbytes for p in parts)
         path = sample_path(self.out, sample.index)
-        write_atomically(path, parts, fsync=self.fsync)
+        write_atomically(path, parts, writeback=self.writeback)
         with self.manifest_lock:
             append_manifest(self.out, {
                 "index": sample.index, "id": sample.id,

@@ -98,15 +98,17 @@ def run_transformers(args: argparse.Namespace, prompts: list[Prompt], output: Ou
     log.info("loading %s", args.model)
     started = time.monotonic()
     import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from workers.target import TargetError, load_target, load_tokenizer
 
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     try:
-        tokenizer = AutoTokenizer.from_pretrained(args.model)
-        # the checkpoint's dtype on a GPU; fp32 on a CPU, where bf16 matmuls crawl
+        tokenizer = load_tokenizer(args.model)
+        # the checkpoint's dtype on a GPU; fp32 on a CPU, where bf16 matmuls crawl. A
+        # multimodal target (Kimi-K2.5) generates from text alone through its wrapper.
         dtype = torch.float32 if torch.device(device).type == "cpu" else "auto"
-        model = AutoModelForCausalLM.from_pretrained(args.model, dtype=dtype).to(device)
-    except (OSError, ValueError) as exc:
+        model = load_target(args.model, device=device, dtype=dtype).model
+    except (OSError, ValueError, TargetError) as exc:
         raise RunError(f"cannot load a model from {args.model}: {exc}", 2) from None
     if not tokenizer.chat_template:
         raise RunError(f"the tokenizer in {args.model} has no chat template", 2)

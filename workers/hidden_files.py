@@ -1,14 +1,21 @@
 """The files of a hidden-state extraction: one safetensors file per sample under
-`rows_<a>-<b>/`, written whole or not at all, and `manifest.jsonl` listing them.
-Used by the extraction worker and its data-parallel ranks; the trainer takes the
-torn-line repair for its own JSONL file."""
+`rows_<a>-<b>/`, written whole or not at all, and `manifest.jsonl` listing them; how
+each file goes to the disk (fsync, sync_file_range, or the kernel's choice) and what a
+crash can leave behind in each case is `Writeback`'s. Used by the extraction worker
+and its data-parallel ranks; the trainer takes the torn-line repair for its own JSONL
+file."""
 
 from __future__ import annotations
 
+import ctypes
 import errno
+import functools
 import json
+import logging
 import os
-from collections.abc import Sequence
+import threading
+from collections import deque
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -16,6 +23,8 @@ import torch
 from safetensors import safe_open
 
 from workers.common import read_jsonl, write_json
+
+log = logging.getLogger(__name__)
 
 SHARD_SIZE = 2000
 """Samples per sub-directory: no directory holds 100k entries."""
@@ -32,7 +41,8 @@ def sample_path(out: Path, index: int) -> Path:
 
 
 class DiskFull(Exception):
-    """ENOSPC or EDQUOT while writing a sample; its temp file is already removed."""
+    """ENOSPC or EDQUOT while writing a sample, or writing it back: its temp file, or
+    the file whose writeback failed, is already removed."""
 
 
 SAFETENSORS_DTYPES = {torch.bfloat16: "BF16", torch.float16: "F16", torch.float32: "F32",
@@ -60,22 +70,145 @@ def safetensors_parts(tensors: dict[str, torch.Tensor],
     return [memoryview(len(encoded).to_bytes(8, "little") + encoded), *parts]
 
 
-def write_atomically(path: Path, parts: Sequence[memoryview | bytes], *, fsync: bool) -> None:
-    """Write to `.name.tmp` beside it, then rename: the final name only ever holds a
-    whole file. On ENOSPC the temp file is removed and DiskFull raised."""
+WRITEBACK_MODES = ("fsync", "range", "none")
+"""How a written sample file is handed to the disk (`Writeback`); `--writeback`."""
+
+DEFAULT_WRITEBACK = "fsync"
+"""Steady writeback: on an H200 the worker ran at 99.2 % of HF's own prefill of a
+61-layer MoE with per-file fsync, 99.2 % with "range" and 79.7 % with "none"
+(docs/benchmarks.md); fsync is the one that also keeps every final name whole across a
+power loss. bench/writeback.py compares the modes on the machine at hand."""
+
+_SYNC_FILE_RANGE_WAIT_BEFORE, _SYNC_FILE_RANGE_WRITE, _SYNC_FILE_RANGE_WAIT_AFTER = 1, 2, 4
+
+
+@functools.cache
+def _libc_sync_file_range() -> Callable[..., int] | None:
+    """glibc's sync_file_range (Linux), or None where there is none: logged once."""
+    try:
+        function = ctypes.CDLL(None, use_errno=True).sync_file_range
+    except (OSError, AttributeError):
+        log.warning("sync_file_range is not available here: --writeback range falls back "
+                    "to fsync")
+        return None
+    function.argtypes = [ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint]
+    function.restype = ctypes.c_int
+    return function
+
+
+def sync_file_range(fd: int, flags: int) -> None:
+    """sync_file_range(2) over the whole file (ctypes releases the GIL meanwhile);
+    OSError on failure."""
+    function = _libc_sync_file_range()
+    assert function is not None, "Writeback checks availability first"
+    if function(fd, 0, 0, flags) != 0:
+        code = ctypes.get_errno()
+        raise OSError(code, os.strerror(code))
+
+
+def drop_cached_pages(fd: int) -> None:
+    """Evict the file's clean pages from the page cache (dirty or in-flight ones stay)."""
+    os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+
+
+class Writeback:
+    """How `write_atomically` hands each written file to the disk; one per run, shared
+    by its writer threads, `close()`d at the end (it may hold files still in flight).
+
+    - "fsync": fsync before the rename, then drop the file's pages from the page cache.
+      A crash (of the process or the machine) leaves each final name whole or absent.
+    - "range": start the file's writeback (sync_file_range WRITE) before the rename and
+      return at once; once more than `in_flight_files` files are started, the oldest is
+      waited for (WAIT_BEFORE|WRITE|WAIT_AFTER) and its pages dropped. A writer never
+      waits for the file it just wrote, and the data dirty or under writeback stays
+      bounded to about (`in_flight_files` + writer threads) files. Not a durability guarantee (no
+      metadata, no disk-cache flush): after a power loss a final name may hold a short
+      file, which `existing_indexes` does not count, so a resume writes it again.
+      Where sync_file_range is missing (not Linux), "fsync" instead, with a warning.
+    - "none": nothing; the kernel writes back when its dirty limits say so. A process
+      crash still leaves whole files (temp + rename); a power loss may leave short ones.
+
+    Errors of the writeback (ENOSPC, EDQUOT) are DiskFull, as those of the write."""
+
+    def __init__(self, mode: str, *, in_flight_files: int = 4):
+        if mode not in WRITEBACK_MODES:
+            raise ValueError(f"writeback mode {mode!r} is not one of {WRITEBACK_MODES}")
+        if in_flight_files < 1:
+            raise ValueError("in_flight_files must be >= 1")
+        self.mode = "fsync" if mode == "range" and _libc_sync_file_range() is None else mode
+        self.in_flight_files = in_flight_files
+        self._lock = threading.Lock()
+        self._in_flight: deque[tuple[int, Path]] = deque()  # (fd, final path), oldest first
+
+    def before_rename(self, fd: int) -> None:
+        """The temp file's last byte is written."""
+        if self.mode == "fsync":
+            os.fsync(fd)
+            drop_cached_pages(fd)
+        elif self.mode == "range":
+            sync_file_range(fd, _SYNC_FILE_RANGE_WRITE)
+
+    def after_rename(self, fd: int, path: Path) -> None:
+        """Takes `fd` (now `path`): closes it, or in "range" keeps it until its
+        writeback is waited for, which finishes the oldest files over the bound."""
+        if self.mode != "range":
+            os.close(fd)
+            return
+        with self._lock:
+            self._in_flight.append((fd, path))
+            over = [self._in_flight.popleft()
+                    for _ in range(len(self._in_flight) - self.in_flight_files)]
+        self._finish(over)
+
+    def close(self) -> None:
+        """Waits for the files still in flight and drops their pages."""
+        with self._lock:
+            pending, self._in_flight = list(self._in_flight), deque()
+        self._finish(pending)
+
+    @staticmethod
+    def _finish(files: list[tuple[int, Path]]) -> None:
+        """Wait for each file's writeback, drop its pages, close it. A file whose
+        writeback failed is removed (a resume writes it again); the first error is
+        raised once every file is closed."""
+        failed: tuple[OSError, Path] | None = None
+        for fd, path in files:
+            try:
+                sync_file_range(fd, _SYNC_FILE_RANGE_WAIT_BEFORE | _SYNC_FILE_RANGE_WRITE
+                                | _SYNC_FILE_RANGE_WAIT_AFTER)
+                drop_cached_pages(fd)
+            except OSError as exc:
+                path.unlink(missing_ok=True)
+                failed = failed or (exc, path)
+            finally:
+                os.close(fd)
+        if failed is not None:
+            error, path = failed
+            if error.errno in (errno.ENOSPC, errno.EDQUOT):
+                raise DiskFull(f"disk full while writing back {path}") from error
+            raise error
+
+
+def write_atomically(path: Path, parts: Sequence[memoryview | bytes], *,
+                     writeback: Writeback) -> None:
+    """Write to `.name.tmp` beside it, hand it to `writeback`, then rename: the final
+    name only ever holds a whole file (after a power loss, only with "fsync"; see
+    Writeback). On ENOSPC the temp file is removed and DiskFull raised."""
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.tmp")
     try:
-        with open(tmp, "wb", buffering=0) as f:
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o666)
+        try:
             for part in parts:
                 view = memoryview(part).cast("B")
-                while view:  # a raw write may be short
-                    written = f.write(view)
-                    view = view[written:]
-            if fsync:
-                f.flush()
-                os.fsync(f.fileno())
-        os.replace(tmp, path)
+                while view:  # a write may be short
+                    view = view[os.write(fd, view):]
+            writeback.before_rename(fd)
+            os.replace(tmp, path)
+        except BaseException:
+            os.close(fd)
+            raise
+        writeback.after_rename(fd, path)
     except OSError as exc:
         tmp.unlink(missing_ok=True)
         if exc.errno in (errno.ENOSPC, errno.EDQUOT):
@@ -99,15 +232,39 @@ def truncate_torn_line(path: Path) -> None:
             f.truncate(data.rfind(b"\n") + 1)
 
 
+def is_whole(path: Path) -> bool:
+    """The file is as long as its safetensors header says: not cut short, as a power
+    loss can leave a file written without fsync (its rename on disk, its data not)."""
+    try:
+        with open(path, "rb") as f:
+            size = os.fstat(f.fileno()).st_size
+            header_bytes = int.from_bytes(f.read(8), "little")
+            if 8 + header_bytes > size:
+                return False
+            header = json.loads(f.read(header_bytes))
+            data_bytes = max((int(v["data_offsets"][1]) for k, v in header.items()
+                              if k != "__metadata__"), default=0)
+            return size == 8 + header_bytes + data_bytes
+    except (OSError, ValueError, TypeError, KeyError, IndexError, AttributeError):
+        return False
+
+
 def existing_indexes(out: Path) -> set[int]:
-    """Indexes whose file exists (a rank's view; the parent settled the manifest)."""
+    """Indexes whose file exists whole (a rank's view; the parent settled the
+    manifest). A short file is not counted: the resume writes it again, renamed over
+    it; a missing one (a rename lost in a crash) is written again too."""
     found = set()
     for path in out.glob("rows_*/*.safetensors"):
         if not path.name.startswith("."):
             try:
-                found.add(int(path.stem))
+                index = int(path.stem)
             except ValueError:
                 continue
+            if is_whole(path):
+                found.add(index)
+            else:
+                log.warning("%s is cut short (a crash before its data reached the disk); "
+                            "it is written again", path)
     return found
 
 

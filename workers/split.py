@@ -8,8 +8,9 @@ last. Sizes come from the model built on the meta device, so planning reads the 
 alone, and the weights load straight onto their devices (host memory never holds the
 whole model).
 
-Only the decoder (`model.model`) gets these hooks: the extraction never calls the
-lm_head, which sits on the last device (or, tied to the embedding, on the first).
+Only the text decoder (`Target.decoder`, workers/target.py) gets these hooks: the
+extraction never calls the lm_head, which sits on the last device (or, tied to the
+embedding, on the first).
 
 Why not accelerate's hooks, which `from_pretrained` installs: they move every layer's
 inputs (the rotary cos/sin, the attention mask) again for each layer, and a copy
@@ -63,28 +64,48 @@ def _param_bytes(module: torch.nn.Module) -> int:
 
 
 def plan_device_map(config: Any, devices: Sequence[str], dtype: torch.dtype) -> dict[str, str]:
-    """{module name: device} for `from_pretrained(device_map=...)`: the decoder's
+    """{module name: device} for `from_pretrained(device_map=...)`: the text decoder's
     embedding, layers and norm in order, balanced over `devices`; modules that hold no
-    weights (the rotary embedding) beside the embedding; the lm_head on the last device
-    (with the embedding when the two are tied: they are one tensor)."""
-    from transformers import AutoModelForCausalLM
+    weights (the rotary embedding) and the parts of a multimodal model outside its
+    language model (vision tower, projector) beside the embedding; the lm_head on the
+    last device (with the embedding when the two are tied: they are one tensor)."""
+    from workers.target import Target, model_class
 
     with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(config, dtype=dtype)
-    prefix = model.base_model_prefix
-    base = getattr(model, prefix)
-    if not hasattr(base, "layers") or not hasattr(base, "embed_tokens"):
-        raise ValueError("the model has no `embed_tokens`/`layers` decoder (Llama-style needed)")
-    tied = getattr(config, "tie_word_embeddings", False)
-    ordered = [(f"{prefix}.embed_tokens", base.embed_tokens)]
-    ordered += [(f"{prefix}.layers.{i}", layer) for i, layer in enumerate(base.layers)]
-    ordered += [(f"{prefix}.{name}", module) for name, module in base.named_children()
-                if name not in ("embed_tokens", "layers")]
-    heads = [(name, module) for name, module in model.named_children() if name != prefix]
-    ordered += heads
-    tied_heads = {name for name, _ in heads} if tied else set()
+        model = model_class(config).from_config(config, dtype=dtype)
+    target = Target.of(model)
+    decoder, head = target.decoder, target.lm_head
+    names = {id(module): name for name, module in model.named_modules()}
+    prefix = names[id(decoder)]
+    embedding = decoder.get_input_embeddings()
+
+    def is_ancestor(name: str) -> bool:  # of the decoder (the root included)
+        return name == "" or prefix == name or prefix.startswith(name + ".")
+
+    outside: list[tuple[str, torch.nn.Module]] = []  # vision tower, projector, lm_head
+    stack = [("", model)]
+    while stack:
+        name, module = stack.pop()
+        for child_name, child in module.named_children():
+            full = f"{name}.{child_name}" if name else child_name
+            if full == prefix:
+                continue
+            if is_ancestor(full):
+                stack.append((full, child))
+            else:
+                outside.append((full, child))
+    head_names = {names[id(head)]} if head is not None else set()
+    first = [(n, m) for n, m in outside if n not in head_names]
+    ordered = [*first, (names[id(embedding)], embedding)]
+    ordered += [(f"{prefix}.layers.{i}", layer) for i, layer in enumerate(decoder.layers)]
+    ordered += [(f"{prefix}.{name}", module) for name, module in decoder.named_children()
+                if module is not embedding and name != "layers"]
+    ordered += [(n, m) for n, m in outside if n in head_names]
+    tied = head is not None and head.weight is embedding.weight  # one tensor
+    tied_heads = head_names if tied else set()
     sizes = [0 if name in tied_heads else _param_bytes(module) for name, module in ordered]
-    parts = balanced_assignment(sizes, len(devices))
+    # the modules before the embedding go with it: only the decoder is balanced
+    parts = [0] * len(first) + balanced_assignment(sizes[len(first):], len(devices))
     # weightless modules (the rotary embedding, a tied lm_head) stay with the embedding
     return {name: devices[part if size else 0]
             for (name, _), size, part in zip(ordered, sizes, parts, strict=True)}
@@ -99,17 +120,20 @@ def device_bytes(model: torch.nn.Module) -> dict[str, int]:
     return out
 
 
-def load_split(path: Path, devices: Sequence[str], dtype: torch.dtype) -> Any:
-    """The causal LM at `path` with its layers placed over `devices` (see module doc)."""
+def load_split(path: Path, devices: Sequence[str], dtype: Any, *, config: Any,
+               model_cls: Any) -> Any:
+    """The model at `path` (`config`, built by `model_cls`, see workers/target.py) with
+    its decoder layers placed over `devices` (see module doc)."""
     from accelerate.hooks import remove_hook_from_submodules
-    from transformers import AutoConfig, AutoModelForCausalLM
 
-    config = AutoConfig.from_pretrained(path)
-    plan = plan_device_map(config, devices, dtype)
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, device_map=plan)
+    from workers.target import Target
+
+    plan_dtype = dtype if isinstance(dtype, torch.dtype) else torch.bfloat16
+    plan = plan_device_map(config, devices, plan_dtype)
+    model = model_cls.from_pretrained(path, dtype=dtype, device_map=plan)
     model.eval()
     remove_hook_from_submodules(model)
-    Transfers(getattr(model, model.base_model_prefix))
+    Transfers(Target.of(model).decoder)
     placed = ", ".join(f"{d} {n / 1e9:.2f} GB" for d, n in sorted(device_bytes(model).items()))
     log.info("model split over %d devices: %s", len(devices), placed)
     return model

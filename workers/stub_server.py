@@ -100,12 +100,14 @@ class Engine:
         try:
             time.sleep(self.settings.load_delay_s)
             import torch
-            from transformers import AutoModelForCausalLM, AutoTokenizer
+
+            from workers.target import load_target, load_tokenizer
 
             self.torch = torch
-            self.tokenizer = AutoTokenizer.from_pretrained(self.settings.model)
-            self.model = AutoModelForCausalLM.from_pretrained(self.settings.model).eval()
-            self.stop_ids = {self.tokenizer.eos_token_id, self.model.config.eos_token_id}
+            self.tokenizer = load_tokenizer(self.settings.model)
+            self.model = load_target(self.settings.model, dtype=torch.float32).model
+            eos = self.model.config.get_text_config(decoder=True).eos_token_id
+            self.stop_ids = {self.tokenizer.eos_token_id, eos}
             self.complete([{"role": "user", "content": "warm up"}], 2, 0.0, None)
         except Exception as exc:  # any load failure ends the server
             self.load_error = repr(exc)

@@ -47,7 +47,7 @@ import shutil
 import signal
 import sys
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -92,24 +92,33 @@ def _tensor_files(model_dir: Path) -> dict[str, Path]:
     return names
 
 
-def load_target(model_dir: Path, device: torch.device,
-                dtype: torch.dtype) -> tuple[dict[str, Any], torch.Tensor, torch.Tensor]:
+def load_target_head(model_dir: Path, device: torch.device,
+                     dtype: torch.dtype) -> tuple[dict[str, Any], torch.Tensor, torch.Tensor]:
     """(config.json, embed_tokens [V, H], lm_head [V, H]) of the target, reading only
-    those two tensors; lm_head is the embedding when the target ties them."""
+    those two tensors; lm_head is the embedding when the target ties them. A multimodal
+    target's are its language model's (Kimi-K2.5: `language_model.model.embed_tokens`,
+    `language_model.lm_head`), never a vision tower's."""
     config_file = model_dir / "config.json"
     if not config_file.is_file():
         raise TrainError(f"--target {str(model_dir)!r} has no config.json")
     config = json.loads(config_file.read_text(encoding="utf-8"))
     files = _tensor_files(model_dir)
-    embeds = sorted((n for n in files if n.endswith("embed_tokens.weight")), key=len)
-    heads = [n for n in files if n == "lm_head.weight" or n.endswith(".lm_head.weight")]
+
+    def text_first(names: Iterable[str]) -> list[str]:  # the language model's, then shortest
+        return sorted(names, key=lambda n: ("language_model" not in n, len(n)))
+
+    embeds = text_first(n for n in files if n.endswith("embed_tokens.weight"))
+    heads = text_first(n for n in files if n == "lm_head.weight" or n.endswith(".lm_head.weight"))
     if not embeds:
         raise TrainError(f"--target {str(model_dir)!r}: no embed_tokens weight in its "
                          "safetensors files")
-    tied = (config.get("text_config") or config).get("tie_word_embeddings", False)
+    text = config.get("text_config") or config
+    tied = text.get("tie_word_embeddings", config.get("tie_word_embeddings", False))
     if not heads and not tied:
+        quantized = any(n.endswith("lm_head.weight_packed") for n in files)
         raise TrainError(f"--target {str(model_dir)!r}: no lm_head weight and the "
-                         "embeddings are not tied")
+                         "embeddings are not tied" + (" (its lm_head is quantized; the "
+                         "training targets need it in full precision)" if quantized else ""))
 
     def read(name: str) -> torch.Tensor:
         with safe_open(str(files[name]), framework="pt") as f:
@@ -243,7 +252,7 @@ def check_init_layers(init: Path, extracted: list[int], target_num_layers: int) 
 def build_model(args: argparse.Namespace, data: ExtractedData,
                 device: torch.device) -> tuple[Eagle3Draft, TargetHead]:
     dtype = compute_dtype(device)
-    target_config, embed, lm_head = load_target(args.target, device, dtype)
+    target_config, embed, lm_head = load_target_head(args.target, device, dtype)
     target_layers = int((target_config.get("text_config") or target_config)
                         .get("num_hidden_layers") or 0)
     layers = extracted_layers(data, target_layers)
