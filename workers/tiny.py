@@ -95,7 +95,7 @@ def _text_config(layout: str, vocab_size: int, layers: int, hidden: int, tokeniz
     if layout == "qwen3_moe":  # layer 0 dense (mlp_only_layers), the rest 8 experts top-2
         return Qwen3MoeConfig(intermediate_size=2 * hidden, moe_intermediate_size=hidden // 2,
                               num_experts=8, num_experts_per_tok=2, num_attention_heads=4,
-                              num_key_value_heads=2, head_dim=16, mlp_only_layers=[0],
+                              num_key_value_heads=2, mlp_only_layers=[0],
                               **special)
     # DeepSeek-V3 (and Kimi-K2's language model): MLA, a first dense layer, 8 routed
     # experts in 2 groups (top-1 group, top-2 experts) plus a shared one
