@@ -18,9 +18,9 @@ from sqlalchemy import func, insert, select
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench.machine import describe  # noqa: E402
-from supervisor import store  # noqa: E402
-from supervisor.db import make_engine, make_sessionmaker, upgrade  # noqa: E402
-from supervisor.models import Job, Sample  # noqa: E402
+from supervisor.storage import store  # noqa: E402
+from supervisor.storage.database import make_engine, make_sessionmaker, upgrade  # noqa: E402
+from supervisor.storage.tables import Job, Sample  # noqa: E402
 
 
 def main() -> int:

@@ -1,4 +1,4 @@
-"""ETA accuracy of `supervisor.forecast.forecast_job` against two common baselines.
+"""ETA accuracy of `supervisor.observe.forecast.forecast_job` against two common baselines.
 
 Simulates a job shaped like the EAGLE-3 hidden-state step, deterministically per seed:
 a model load with no items, then batches of 32 items whose files land together, item
@@ -29,7 +29,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from supervisor.forecast import Observation, forecast_job  # noqa: E402
+from supervisor.observe.forecast import Observation, forecast_job  # noqa: E402
 
 CHECKPOINTS = (0.10, 0.25, 0.50, 0.75)
 METHODS = ("forecast_job", "naive elapsed", "tqdm EMA 0.3", "oracle: true mean rate")

@@ -61,7 +61,7 @@ sys.path.insert(0, str(REPO / "bench"))
 
 from machine import describe  # noqa: E402
 
-from supervisor.procfs import is_same_process  # noqa: E402
+from supervisor.runtime.procfs import is_same_process  # noqa: E402
 
 EXPECTED_ITEMS = 3600
 """Items each job announces: an hour at one a second, so none ends during the run."""

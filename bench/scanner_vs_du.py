@@ -32,7 +32,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from machine import describe  # noqa: E402
 
-from supervisor.scanner import OutputScanner, ScanResult  # noqa: E402
+from supervisor.observe.outputs import OutputScanner, ScanResult  # noqa: E402
 
 MARKER = ".bench_tree.json"  # a dotfile: never an item, never counted by the scanner
 PATTERN = "rows_*/*.bin"

@@ -5,7 +5,7 @@ from __future__ import annotations
 from alembic import context
 from sqlalchemy import create_engine
 
-from supervisor.models import Base
+from supervisor.storage.tables import Base
 
 config = context.config
 target_metadata = Base.metadata

@@ -11,7 +11,7 @@ from typing import Annotated, Any
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from supervisor.errors import InvalidSpec
-from supervisor.scanner import check_pattern
+from supervisor.observe.outputs import check_pattern
 
 log = logging.getLogger(__name__)
 

@@ -18,8 +18,8 @@ import httpx
 import pytest
 from sqlalchemy.orm import Session, sessionmaker
 
-from supervisor.notify import Destination, Notifier
-from supervisor.procfs import is_same_process
+from supervisor.alerting.notify import Destination, Notifier
+from supervisor.runtime.procfs import is_same_process
 
 REPO = Path(__file__).resolve().parent.parent
 PY = sys.executable
@@ -265,7 +265,7 @@ def receiver() -> Iterator[Receiver]:
 
 def exit_recorded(status_file: Path) -> bool:
     """The shim has recorded the worker's exit (the file exists from the launch on,
-    holding a reservation, see `supervisor.shim.STATUS_RESERVED_BYTES`)."""
+    holding a reservation, see `supervisor.runtime.shim.STATUS_RESERVED_BYTES`)."""
     try:
         return "ended_at" in json.loads(status_file.read_bytes())
     except (OSError, ValueError):
@@ -293,8 +293,8 @@ def in_process_engine(data_dir: Path) -> Iterator[tuple[Any, Any]]:
     (a 60 s interval: no tick of its own); (engine, sessions). Its observer's threads,
     its backend and every job it started end with the block."""
     from supervisor.config import Settings
-    from supervisor.db import make_engine, make_sessionmaker, upgrade
-    from supervisor.engine import Engine
+    from supervisor.daemon.loop import Engine
+    from supervisor.storage.database import make_engine, make_sessionmaker, upgrade
 
     settings = Settings(data_dir=data_dir, sample_interval=60)
     settings.jobs_dir.mkdir(parents=True)

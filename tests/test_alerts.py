@@ -7,8 +7,8 @@ from typing import Any
 
 import pytest
 
-from supervisor import alerts
-from supervisor.alerts import AlertSettings, Firing, JobFacts, OpenAlert
+from supervisor.alerting import rules as alert_rules
+from supervisor.alerting.rules import AlertSettings, Firing, JobFacts, OpenAlert
 
 T0 = 1_700_000_000.0  # a job's start, seconds since the epoch
 SETTINGS = AlertSettings()
@@ -26,7 +26,7 @@ def facts(**changes: Any) -> JobFacts:
 
 
 def rules(job: JobFacts, now: float, settings: AlertSettings = SETTINGS) -> dict[str, Firing]:
-    firing = alerts.evaluate(job, now=now, settings=settings)
+    firing = alert_rules.evaluate(job, now=now, settings=settings)
     by_rule = {f.rule: f for f in firing}
     assert len(by_rule) == len(firing), "a rule fired twice for one job"
     return by_rule
@@ -37,13 +37,13 @@ def rules(job: JobFacts, now: float, settings: AlertSettings = SETTINGS) -> dict
 def test_warming_up_with_recent_activity_is_not_stalled() -> None:
     # loading a model for 24 minutes: no item, but CPU/reads/GPU memory keep moving
     job = facts(activity_at=T0 + 1430)
-    assert alerts.stall_message(job, T0 + 1440) is None
+    assert alert_rules.stall_message(job, T0 + 1440) is None
     assert "stalled" not in rules(job, T0 + 1440)
 
 
 def test_no_activity_for_longer_than_stall_timeout_before_first_item_is_stalled() -> None:
     job = facts(activity_at=T0 + 100)
-    assert alerts.stall_message(job, T0 + 100 + 599) is None
+    assert alert_rules.stall_message(job, T0 + 100 + 599) is None
     firing = rules(job, T0 + 100 + 601)
     assert "no activity" in firing["stalled"].message
     assert "before its first item" in firing["stalled"].message
@@ -52,21 +52,21 @@ def test_no_activity_for_longer_than_stall_timeout_before_first_item_is_stalled(
 
 def test_no_activity_ever_counts_from_the_start() -> None:
     job = facts(activity_at=None)
-    assert alerts.stall_message(job, T0 + 599) is None
-    message = alerts.stall_message(job, T0 + 601)
+    assert alert_rules.stall_message(job, T0 + 599) is None
+    message = alert_rules.stall_message(job, T0 + 601)
     assert message is not None and "no activity" in message
 
 
 def test_startup_timeout_stalls_even_with_activity() -> None:
     job = facts(startup_timeout_s=1800.0, activity_at=T0 + 1899)
-    assert alerts.stall_message(job, T0 + 1799) is None
-    message = alerts.stall_message(job, T0 + 1900)
+    assert alert_rules.stall_message(job, T0 + 1799) is None
+    message = alert_rules.stall_message(job, T0 + 1900)
     assert message is not None
     assert "no first item" in message and "startup timeout" in message
 
 
 def test_a_job_not_yet_started_is_not_stalled() -> None:
-    assert alerts.stall_message(facts(started_at=None), T0 + 10_000) is None
+    assert alert_rules.stall_message(facts(started_at=None), T0 + 10_000) is None
 
 
 # -- stalled, after the first item ----------------------------------------------------------
@@ -86,19 +86,19 @@ def test_recent_item_is_not_stalled() -> None:
 def test_after_first_item_quiet_process_with_recent_item_is_not_stalled() -> None:
     # activity flat for ages, but items keep coming (e.g. the work is on another host)
     job = facts(first_item_at=T0 + 10, last_progress_at=T0 + 5000, activity_at=T0 + 10)
-    assert alerts.stall_message(job, T0 + 5100) is None
+    assert alert_rules.stall_message(job, T0 + 5100) is None
 
 
 def test_after_first_item_without_last_progress_counts_from_first_item() -> None:
     job = facts(first_item_at=T0 + 100)
-    assert alerts.stall_message(job, T0 + 699) is None
-    message = alerts.stall_message(job, T0 + 701)
+    assert alert_rules.stall_message(job, T0 + 699) is None
+    message = alert_rules.stall_message(job, T0 + 701)
     assert message is not None and "no new item" in message
 
 
 def test_startup_timeout_does_not_apply_after_the_first_item() -> None:
     job = facts(startup_timeout_s=60.0, first_item_at=T0 + 30, last_progress_at=T0 + 5000)
-    assert alerts.stall_message(job, T0 + 5100) is None
+    assert alert_rules.stall_message(job, T0 + 5100) is None
 
 
 @pytest.mark.parametrize("state", ["pending", "succeeded", "failed", "stopped", "lost"])
@@ -286,41 +286,41 @@ def test_every_rule_at_once_with_its_severity() -> None:
 
 
 def test_severity_table_covers_every_rule() -> None:
-    assert set(alerts.SEVERITY) == set(alerts.RULES)
-    assert alerts.SEVERITY == {
+    assert set(alert_rules.SEVERITY) == set(alert_rules.RULES)
+    assert alert_rules.SEVERITY == {
         "crashed": "critical", "stalled": "warning", "disk_will_fill": "critical",
         "disk_low": "warning", "gpu_memory_high": "warning", "incomplete": "warning",
         "low_acceptance": "warning"}
-    assert sorted(alerts.EVENT_RULES) == ["crashed", "incomplete", "low_acceptance"]
+    assert sorted(alert_rules.EVENT_RULES) == ["crashed", "incomplete", "low_acceptance"]
 
 
 # -- reconcile ------------------------------------------------------------------------------
 
 def firing_of(job_id: str, rule: str, message: str = "m") -> Firing:
-    return Firing(job_id, rule, alerts.SEVERITY[rule], message)
+    return Firing(job_id, rule, alert_rules.SEVERITY[rule], message)
 
 
 def test_reconcile_opens_new_alerts() -> None:
     new = [firing_of("a", "stalled"), firing_of("a", "disk_low"), firing_of("b", "crashed")]
-    changes = alerts.reconcile(new, [], {})
+    changes = alert_rules.reconcile(new, [], {})
     assert changes.opened == tuple(new)
     assert changes.resolved == () and changes.updated == ()
 
 
 def test_reconcile_never_duplicates_an_open_alert() -> None:
     open_alert = OpenAlert(7, "a", "stalled")
-    changes = alerts.reconcile([firing_of("a", "stalled", "same")], [open_alert], {7: "same"})
-    assert changes == alerts.Changes((), (), ())
+    changes = alert_rules.reconcile([firing_of("a", "stalled", "same")], [open_alert], {7: "same"})
+    assert changes == alert_rules.Changes((), (), ())
 
 
 def test_reconcile_dedupes_one_rule_firing_twice_in_one_batch() -> None:
     twice = [firing_of("a", "stalled", "one"), firing_of("a", "stalled", "two")]
-    (opened,) = alerts.reconcile(twice, [], {}).opened
+    (opened,) = alert_rules.reconcile(twice, [], {}).opened
     assert (opened.job_id, opened.rule) == ("a", "stalled")
 
 
 def test_reconcile_same_rule_on_another_job_is_a_new_alert() -> None:
-    changes = alerts.reconcile([firing_of("b", "stalled")], [OpenAlert(1, "a", "stalled")],
+    changes = alert_rules.reconcile([firing_of("b", "stalled")], [OpenAlert(1, "a", "stalled")],
                                {1: "m"})
     assert [(f.job_id, f.rule) for f in changes.opened] == [("b", "stalled")]
     assert changes.resolved == ()  # job a was not evaluated: left alone
@@ -328,7 +328,7 @@ def test_reconcile_same_rule_on_another_job_is_a_new_alert() -> None:
 
 def test_reconcile_reports_a_changed_message() -> None:
     open_alert = OpenAlert(3, "a", "stalled")
-    changes = alerts.reconcile([firing_of("a", "stalled", "no new item for 15 min")],
+    changes = alert_rules.reconcile([firing_of("a", "stalled", "no new item for 15 min")],
                                [open_alert], {3: "no new item for 11 min"})
     assert changes.updated == ((open_alert, "no new item for 15 min"),)
     assert changes.opened == () and changes.resolved == ()
@@ -336,7 +336,7 @@ def test_reconcile_reports_a_changed_message() -> None:
 
 def test_reconcile_resolves_what_stopped_firing_for_settled_jobs() -> None:
     stalled, disk = OpenAlert(1, "a", "stalled"), OpenAlert(2, "a", "disk_low")
-    changes = alerts.reconcile([firing_of("a", "disk_low")], [stalled, disk],
+    changes = alert_rules.reconcile([firing_of("a", "disk_low")], [stalled, disk],
                                {1: "m", 2: "m"}, settled_job_ids=["a"])
     assert changes.resolved == (stalled,)
     assert changes.opened == () and changes.updated == ()
@@ -345,21 +345,22 @@ def test_reconcile_resolves_what_stopped_firing_for_settled_jobs() -> None:
 def test_reconcile_a_job_with_something_firing_counts_as_evaluated() -> None:
     # job a is not in settled_job_ids, but it fired this time: it was evaluated
     stalled = OpenAlert(1, "a", "stalled")
-    changes = alerts.reconcile([firing_of("a", "disk_low")], [stalled], {1: "m"})
+    changes = alert_rules.reconcile([firing_of("a", "disk_low")], [stalled], {1: "m"})
     assert changes.resolved == (stalled,)
 
 
 def test_reconcile_a_settled_job_with_nothing_firing_resolves_everything() -> None:
     open_alerts = [OpenAlert(1, "a", "stalled"), OpenAlert(2, "a", "gpu_memory_high")]
-    changes = alerts.reconcile([], open_alerts, {1: "m", 2: "m"}, settled_job_ids={"a"})
+    changes = alert_rules.reconcile([], open_alerts, {1: "m", 2: "m"}, settled_job_ids={"a"})
     assert changes.resolved == tuple(open_alerts)
 
 
 def test_reconcile_leaves_alerts_of_jobs_not_evaluated_alone() -> None:
     mine, other = OpenAlert(1, "a", "stalled"), OpenAlert(2, "b", "stalled")
-    changes = alerts.reconcile([], [mine, other], {1: "m", 2: "m"}, settled_job_ids=["a"])
+    changes = alert_rules.reconcile([], [mine, other], {1: "m", 2: "m"}, settled_job_ids=["a"])
     assert changes.resolved == (mine,)
-    assert alerts.reconcile([], [mine, other], {1: "m", 2: "m"}) == alerts.Changes((), (), ())
+    assert alert_rules.reconcile([], [mine, other], {1: "m", 2: "m"}) == \
+        alert_rules.Changes((), (), ())
 
 
 def test_reconcile_end_to_end_over_ticks() -> None:
@@ -372,7 +373,7 @@ def test_reconcile_end_to_end_over_ticks() -> None:
     for now in (T0 + 600, T0 + 701, T0 + 800, T0 + 1000):
         if now == T0 + 1000:
             job = dataclasses.replace(job, last_progress_at=T0 + 990, items_done=6)
-        changes = alerts.reconcile(alerts.evaluate(job, now=now, settings=SETTINGS),
+        changes = alert_rules.reconcile(alert_rules.evaluate(job, now=now, settings=SETTINGS),
                                    open_alerts, messages, settled_job_ids=[job.job_id])
         for f in changes.opened:
             open_alerts.append(OpenAlert(next_id, f.job_id, f.rule))
@@ -392,13 +393,13 @@ def test_reconcile_end_to_end_over_ticks() -> None:
 # -- classify_exit --------------------------------------------------------------------------
 
 def test_sigkill_with_oom_kills_is_oom() -> None:
-    notes, reason = alerts.classify_exit(exit_code=None, signal=9, oom_kills=1, log_tail=[])
+    notes, reason = alert_rules.classify_exit(exit_code=None, signal=9, oom_kills=1, log_tail=[])
     assert reason == "oom"
     assert notes is not None and "OOM-killed" in notes and "rose by 1" in notes
 
 
 def test_sigkill_without_oom_kills_is_a_labelled_guess() -> None:
-    notes, reason = alerts.classify_exit(exit_code=None, signal=9, oom_kills=0, log_tail=[])
+    notes, reason = alert_rules.classify_exit(exit_code=None, signal=9, oom_kills=0, log_tail=[])
     assert reason is None
     assert notes is not None
     assert "possibly" in notes and "a guess" in notes and "OOM" in notes
@@ -420,13 +421,13 @@ def test_sigkill_without_oom_kills_is_a_labelled_guess() -> None:
 ])
 def test_log_signatures_are_recognised(line: str, meaning: str) -> None:
     tail = ["loading model", line, "Traceback follows"]
-    notes, reason = alerts.classify_exit(exit_code=1, signal=None, oom_kills=0, log_tail=tail)
+    notes, reason = alert_rules.classify_exit(exit_code=1, signal=None, oom_kills=0, log_tail=tail)
     assert notes is not None and meaning in notes and "seen in the log" in notes
     assert reason is None  # a log line explains, but only the cgroup counter proves an OOM kill
 
 
 def test_cuda_oom_is_not_mistaken_for_host_memory_error() -> None:
-    notes, _ = alerts.classify_exit(
+    notes, _ = alert_rules.classify_exit(
         exit_code=1, signal=None, oom_kills=0,
         log_tail=["torch.cuda.OutOfMemoryError: CUDA out of memory."])
     assert notes == "CUDA out of memory (seen in the log)"
@@ -435,7 +436,7 @@ def test_cuda_oom_is_not_mistaken_for_host_memory_error() -> None:
 def test_the_failed_rank_of_a_data_parallel_worker_is_named() -> None:
     tail = ["rank 1 12:00:01 CUDA out of memory. Tried to allocate 8.00 GiB",
             "12:00:02 rank 1 (cuda:1) failed (exit code 1); stopping the other ranks"]
-    notes, _ = alerts.classify_exit(exit_code=1, signal=None, oom_kills=0, log_tail=tail)
+    notes, _ = alert_rules.classify_exit(exit_code=1, signal=None, oom_kills=0, log_tail=tail)
     assert notes == ("rank 1 (cuda:1) failed first: exit code 1; "
                      "CUDA out of memory (seen in the log)")
 
@@ -460,12 +461,12 @@ Root Cause (first observed failure):
   exitcode  : -9 (pid: 4241)
   error_file: <N/A>
 ============================================================""".splitlines()
-    notes, _ = alerts.classify_exit(exit_code=1, signal=None, oom_kills=0, log_tail=tail)
+    notes, _ = alert_rules.classify_exit(exit_code=1, signal=None, oom_kills=0, log_tail=tail)
     assert notes == "rank 2 (local rank 2) failed first: exitcode -9"
 
 
 def test_oom_kill_and_a_log_signature_both_reported() -> None:
-    notes, reason = alerts.classify_exit(exit_code=None, signal=9, oom_kills=2,
+    notes, reason = alert_rules.classify_exit(exit_code=None, signal=9, oom_kills=2,
                                          log_tail=["MemoryError"])
     assert reason == "oom"
     assert notes == ("OOM-killed: the cgroup's oom_kill count rose by 2; "
@@ -474,15 +475,15 @@ def test_oom_kill_and_a_log_signature_both_reported() -> None:
 
 def test_plain_exit_without_a_signature_has_no_explanation() -> None:
     tail = ["step 10/100", "ValueError: bad shape"]
-    assert alerts.classify_exit(exit_code=3, signal=None, oom_kills=0, log_tail=tail) == (
+    assert alert_rules.classify_exit(exit_code=3, signal=None, oom_kills=0, log_tail=tail) == (
         None, None)
-    assert alerts.classify_exit(exit_code=3, signal=None, oom_kills=0, log_tail=[]) == (
+    assert alert_rules.classify_exit(exit_code=3, signal=None, oom_kills=0, log_tail=[]) == (
         None, None)
 
 
 def test_other_signals_are_not_guessed_at() -> None:
-    assert alerts.classify_exit(exit_code=None, signal=15, oom_kills=0, log_tail=[]) == (
+    assert alert_rules.classify_exit(exit_code=None, signal=15, oom_kills=0, log_tail=[]) == (
         None, None)
     # an oom_kill count without SIGKILL is not an OOM kill of this job
-    assert alerts.classify_exit(exit_code=1, signal=None, oom_kills=3, log_tail=[]) == (
+    assert alert_rules.classify_exit(exit_code=1, signal=None, oom_kills=3, log_tail=[]) == (
         None, None)

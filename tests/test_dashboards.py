@@ -45,7 +45,7 @@ CONTRACT_METRICS = frozenset({
     "jobsup_job_metric", "jobsup_filesystem_free_bytes", "jobsup_alerts_firing",
     "jobsup_tick_duration_seconds_bucket", "jobsup_tick_duration_seconds_count",
     "jobsup_tick_duration_seconds_sum",
-    # also exported by supervisor/metrics.py
+    # also exported by supervisor/api/metrics.py
     "jobsup_job_projected_total_bytes", "jobsup_job_will_fit", "jobsup_job_stalled",
     "jobsup_job_exit_code", "jobsup_job_restarts", "jobsup_job_gpu_device_memory_bytes",
     "jobsup_notifications_sent_total",

@@ -19,14 +19,14 @@ from typing import Any
 
 import pytest
 
-from supervisor import recovery
-from supervisor.db import make_engine, make_sessionmaker, upgrade
+from supervisor.api.submission import submit_job
+from supervisor.daemon import recovery
 from supervisor.errors import DatabaseDamaged, JobRecordUnwritable
-from supervisor.fileio import atomic_write_json
-from supervisor.models import Job, JobEvent
-from supervisor.procfs import create_time, is_same_process
+from supervisor.runtime.fileio import atomic_write_json
+from supervisor.runtime.procfs import create_time, is_same_process
 from supervisor.spec import JobSpec, RestartPolicy
-from supervisor.submission import submit_job
+from supervisor.storage.database import make_engine, make_sessionmaker, upgrade
+from supervisor.storage.tables import Job, JobEvent
 from tests.conftest import PY, REPO, Daemon, python_job, wait_for
 
 LOOP = """

@@ -20,8 +20,8 @@ from typing import Any
 import httpx
 import pytest
 
-from supervisor.fileio import read_json
-from supervisor.procfs import create_time, is_same_process, parse_stat
+from supervisor.runtime.fileio import read_json
+from supervisor.runtime.procfs import create_time, is_same_process, parse_stat
 from supervisor.timefmt import iso
 from tests.conftest import PY, Daemon, exit_recorded, python_job, wait_for
 

@@ -7,7 +7,7 @@ import random
 
 import pytest
 
-from supervisor.forecast import (
+from supervisor.observe.forecast import (
     DiskRunway,
     JobDiskDemand,
     Observation,

@@ -26,15 +26,15 @@ import pytest
 from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
-from supervisor import procfs
-from supervisor.db import make_engine, make_sessionmaker, upgrade
-from supervisor.gpu import GpuReader
-from supervisor.metrics import JobsCollector, build_registry
-from supervisor.models import Job
-from supervisor.observe import ObservedJob, Observer
-from supervisor.sampler import Sampler, TreeTarget
+from supervisor.api.metrics import JobsCollector, build_registry
+from supervisor.client.tui import gpu_cell, gpu_memory_text
+from supervisor.observe.gpu import GpuReader
+from supervisor.observe.observer import ObservedJob, Observer
+from supervisor.observe.sampler import Sampler, TreeTarget
+from supervisor.runtime import procfs
 from supervisor.spec import JobSpec
-from supervisor.tui import gpu_cell, gpu_memory_text
+from supervisor.storage.database import make_engine, make_sessionmaker, upgrade
+from supervisor.storage.tables import Job
 from tests.conftest import PY, Daemon, python_job, wait_for
 from tests.test_cli import jobsup
 

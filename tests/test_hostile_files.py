@@ -6,8 +6,9 @@ both on every tick, on every failure and for `GET /jobs/ID/logs`. A FIFO there u
 block the engine thread for good (while /healthz went on answering 200), /dev/zero was
 read until MemoryError, and a log without newlines (tqdm's \\r redraws) was read whole.
 
-The first part tests the helpers in `supervisor/fileio.py` and `supervisor/progress.py`
-on real files; the second runs real daemons and real jobs that do these things.
+The first part tests the helpers in `supervisor/runtime/fileio.py` and
+`supervisor/observe/progress_file.py` on real files; the second runs real daemons and real
+jobs that do these things.
 """
 
 from __future__ import annotations
@@ -26,7 +27,8 @@ from typing import Any
 import httpx
 import pytest
 
-from supervisor.fileio import (
+from supervisor.observe.progress_file import COUNT_MAX, Reported, from_log, from_progress_file
+from supervisor.runtime.fileio import (
     JSON_MAX_BYTES,
     TAIL_LINE_MAX_BYTES,
     TAIL_MAX_BYTES,
@@ -36,7 +38,6 @@ from supervisor.fileio import (
     read_json,
     tail_lines,
 )
-from supervisor.progress import COUNT_MAX, Reported, from_log, from_progress_file
 from tests.conftest import Daemon, python_job, wait_for
 
 pytestmark = pytest.mark.timeout(120)

@@ -17,16 +17,16 @@ from pathlib import Path
 import pytest
 from sqlalchemy.orm import Session, sessionmaker
 
+from supervisor.api.submission import submit_job
 from supervisor.config import Settings
-from supervisor.db import make_engine, make_sessionmaker, upgrade
-from supervisor.engine import LAUNCH_CONFIRM_S, Engine
-from supervisor.fileio import create_json_exclusive
-from supervisor.launcher import attempt_dir
-from supervisor.models import Job
-from supervisor.procfs import create_time
-from supervisor.shim import CLAIM_FILE
+from supervisor.daemon.loop import LAUNCH_CONFIRM_S, Engine
+from supervisor.runtime.fileio import create_json_exclusive
+from supervisor.runtime.launcher import attempt_dir
+from supervisor.runtime.procfs import create_time
+from supervisor.runtime.shim import CLAIM_FILE
 from supervisor.spec import JobSpec
-from supervisor.submission import submit_job
+from supervisor.storage.database import make_engine, make_sessionmaker, upgrade
+from supervisor.storage.tables import Job
 from tests.conftest import kill_jobs_of, wait_for
 
 pytestmark = pytest.mark.timeout(60)
@@ -101,7 +101,7 @@ def test_a_late_shim_does_not_run_a_relaunched_job(
     launch = json.loads((attempt_dir(settings.jobs_dir, job_id, 2) / "launch.json").read_text())
     (first / "launch.json").write_text(json.dumps({**launch, "attempt": 1,
                                                    "log_path": str(first / "output.log")}))
-    late = subprocess.run([sys.executable, "-m", "supervisor.shim", str(first)],
+    late = subprocess.run([sys.executable, "-m", "supervisor.runtime.shim", str(first)],
                           capture_output=True, text=True, timeout=30)
     assert late.returncode == 0 and "gave this launch up" in late.stderr
     assert not (first / "worker.json").exists() and not (first / "shim.json").exists()

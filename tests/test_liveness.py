@@ -8,7 +8,7 @@ import time
 
 import httpx
 
-from supervisor.api import tick_stalled_after_s
+from supervisor.api.routes import tick_stalled_after_s
 from tests.conftest import Daemon, python_job, wait_for
 
 INTERVAL = 0.5  # JOBSUP_SAMPLE_INTERVAL of the test daemon

@@ -22,10 +22,10 @@ from alembic import command
 from sqlalchemy import event, select, text
 from sqlalchemy.orm import Session, sessionmaker
 
-from supervisor import notify
-from supervisor.db import alembic_config, make_engine, make_sessionmaker, upgrade
-from supervisor.models import Notification
-from supervisor.notify import Destination, Notifier, compose
+from supervisor.alerting import notify
+from supervisor.alerting.notify import Destination, Notifier, compose
+from supervisor.storage.database import alembic_config, make_engine, make_sessionmaker, upgrade
+from supervisor.storage.tables import Notification
 from tests.conftest import Receiver, free_port, wait_for
 from tests.test_notify_unit import ALERT, JOB, LOG_TAIL, T0
 

@@ -13,10 +13,10 @@ import pytest
 from sqlalchemy import select
 from sqlalchemy.orm import Session, sessionmaker
 
-from supervisor import notify
-from supervisor.db import make_engine, make_sessionmaker, upgrade
-from supervisor.models import Notification
-from supervisor.notify import Destination, Notifier, compose, retry_after_s
+from supervisor.alerting import notify
+from supervisor.alerting.notify import Destination, Notifier, compose, retry_after_s
+from supervisor.storage.database import make_engine, make_sessionmaker, upgrade
+from supervisor.storage.tables import Notification
 from tests.conftest import T0, Receiver, free_port
 
 JOB: dict[str, Any] = {

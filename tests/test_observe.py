@@ -8,9 +8,9 @@ from typing import Any
 
 from sqlalchemy import event, insert, select
 
-from supervisor import store
-from supervisor.db import make_engine, make_sessionmaker, upgrade
-from supervisor.models import Job, Sample
+from supervisor.storage import store
+from supervisor.storage.database import make_engine, make_sessionmaker, upgrade
+from supervisor.storage.tables import Job, Sample
 from tests.conftest import Daemon, python_job, wait_for
 
 WRITER = """

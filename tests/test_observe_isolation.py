@@ -3,7 +3,7 @@ figures (and says so), a slow output scan holds neither the tick nor the other j
 ended job's last scan still lands, and no stuck scan keeps the daemon from exiting.
 
 Engine-level tests: an in-process engine over a real SQLite database with real job
-processes, the scanner of one job replaced (through `supervisor.observe.OutputScanner`)
+processes, the scanner of one job replaced (through `supervisor.observe.observer.OutputScanner`)
 by one that raises or blocks. Observer-level tests: real files and a real process tree
 (the test's own), the progress file written by the test."""
 
@@ -22,13 +22,14 @@ from typing import Any
 import pytest
 from sqlalchemy.orm import Session, sessionmaker
 
-from supervisor import observe, store
-from supervisor.engine import Engine
-from supervisor.launcher import progress_path
-from supervisor.observe import ObservedJob, Observer
-from supervisor.scanner import OutputScanner, ScanResult
+from supervisor.api.submission import submit_job
+from supervisor.daemon.loop import Engine
+from supervisor.observe import observer as observer_module
+from supervisor.observe.observer import ObservedJob, Observer
+from supervisor.observe.outputs import OutputScanner, ScanResult
+from supervisor.runtime.launcher import progress_path
 from supervisor.spec import JobSpec
-from supervisor.submission import submit_job
+from supervisor.storage import store
 from tests.conftest import REPO, Daemon, in_process_engine, python_job, wait_for
 
 pytestmark = pytest.mark.timeout(90)
@@ -132,7 +133,7 @@ def test_a_failing_reading_costs_only_its_job(
         monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
     eng, sessions = engine
     broken_dir = str(tmp_path / "broken")
-    monkeypatch.setattr(observe, "OutputScanner", scanners({broken_dir: FailingScanner}))
+    monkeypatch.setattr(observer_module, "OutputScanner", scanners({broken_dir: FailingScanner}))
     broken = submit(sessions, "broken", python_job("import time; time.sleep(60)"),
                     output_dir=broken_dir)
     honest = submit(sessions, "honest", python_job(WRITER) + [str(tmp_path / "out")],
@@ -174,7 +175,7 @@ def test_a_slow_scan_holds_neither_the_tick_nor_the_other_jobs(
     (huge / "rows_0").mkdir(parents=True)
     for i in range(5):
         (huge / "rows_0" / f"item{i}.bin").write_bytes(b"x" * 10)
-    monkeypatch.setattr(observe, "OutputScanner", scanners({str(huge): BlockingScanner}))
+    monkeypatch.setattr(observer_module, "OutputScanner", scanners({str(huge): BlockingScanner}))
     slow = submit(sessions, "slow", python_job("import time; time.sleep(60)"),
                   output_dir=str(huge), pattern="**/*.bin")
     honest = submit(sessions, "honest", python_job(WRITER) + [str(tmp_path / "out")],
@@ -229,7 +230,7 @@ def test_an_ended_job_gets_its_final_scan_and_close_waits_for_nothing(
     jobs_dir = tmp_path / "jobs"
     out = tmp_path / "out"
     out.mkdir()
-    monkeypatch.setattr(observe, "OutputScanner", scanners({str(out): BlockingScanner}))
+    monkeypatch.setattr(observer_module, "OutputScanner", scanners({str(out): BlockingScanner}))
     observer = Observer(jobs_dir)
     job = observed("ending", JobSpec(name="x", command=["true"], output_dir=str(out),
                                      pattern="*.bin"))
@@ -263,14 +264,14 @@ def test_a_stuck_scan_does_not_keep_the_process_from_exiting(tmp_path: Path) -> 
     code = f"""
 import os, threading, time
 from pathlib import Path
-from supervisor import observe
+from supervisor.observe import observer as observer_module
 from supervisor.spec import JobSpec
 class Stuck:
     def __init__(self, root, pattern): pass
     def scan(self, now): threading.Event().wait()
-observe.OutputScanner = Stuck
-observer = observe.Observer(Path({str(tmp_path)!r}))
-job = observe.ObservedJob("j", JobSpec(name="j", command=["true"], output_dir="/x"), 1,
+observer_module.OutputScanner = Stuck
+observer = observer_module.Observer(Path({str(tmp_path)!r}))
+job = observer_module.ObservedJob("j", JobSpec(name="j", command=["true"], output_dir="/x"), 1,
                           os.getpid(), None, os.getpid())
 observer.observe([job], time.time())
 print(observer.views["j"].progress.observation_error, flush=True)
@@ -339,7 +340,7 @@ def test_readings_stuck_on_a_dead_server_do_not_starve_the_others() -> None:
     """Each stuck reading holds one thread; a new one is started while every thread is
     busy, so a healthy job's reading still runs at once (a fixed pool of 4 starved it
     behind 4 readings hung on a dead NFS mount)."""
-    workers = observe._Workers(observe.FILE_WORKERS)
+    workers = observer_module._Workers(observer_module.FILE_WORKERS)
     hung = threading.Event()
     try:
         stuck = [workers.submit(hung.wait) for _ in range(6)]

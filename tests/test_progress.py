@@ -1,6 +1,6 @@
 """Progress from a worker's progress file and from the tail of its log, on real files.
 
-What the log patterns accept (see `supervisor/progress.py`):
+What the log patterns accept (see `supervisor/observe/progress_file.py`):
 
 * a tqdm bar, `|<spaces>N/TOTAL<spaces>[` or `|<spaces>N/?<spaces>[` (total unknown):
   taken as is, even when N > TOTAL (tqdm overshoots); TOTAL 0 means unknown;
@@ -23,8 +23,8 @@ from pathlib import Path
 
 import pytest
 
-from supervisor.fileio import atomic_write_json
-from supervisor.progress import LOG_TAIL_BYTES, Reported, from_log, from_progress_file
+from supervisor.observe.progress_file import LOG_TAIL_BYTES, Reported, from_log, from_progress_file
+from supervisor.runtime.fileio import atomic_write_json
 
 pytestmark = pytest.mark.timeout(10)
 

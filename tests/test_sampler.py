@@ -17,9 +17,9 @@ from typing import Any
 import psutil
 import pytest
 
-from supervisor import procfs
-from supervisor.gpu import GpuReader
-from supervisor.sampler import Sampler, TreeReading, TreeTarget
+from supervisor.observe.gpu import GpuReader
+from supervisor.observe.sampler import Sampler, TreeReading, TreeTarget
+from supervisor.runtime import procfs
 from tests.conftest import PY, wait_for
 
 pytestmark = pytest.mark.timeout(30)

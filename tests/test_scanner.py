@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from supervisor.scanner import (
+from supervisor.observe.outputs import (
     MAX_PATTERN_CHARS,
     GlobMatcher,
     OutputScanner,

@@ -15,9 +15,9 @@ from typing import Any
 import httpx
 import pytest
 
-from supervisor import guard as guard_module
+from supervisor.api import guard as guard_module
+from supervisor.api.guard import Guard, allowed_hosts, same_origin, split_host
 from supervisor.config import Settings
-from supervisor.guard import Guard, allowed_hosts, same_origin, split_host
 from supervisor.spec import CODE_LOADING_ENV, refused_env
 from tests.conftest import PY, Daemon, python_job
 

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from supervisor.procfs import is_same_process, process_state
+from supervisor.runtime.procfs import is_same_process, process_state
 from tests.conftest import PY, Daemon, exit_recorded, wait_for
 
 IGNORES_SIGTERM = (

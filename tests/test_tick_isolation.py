@@ -11,11 +11,11 @@ from pathlib import Path
 import pytest
 from sqlalchemy.orm import Session, sessionmaker
 
-from supervisor import store
-from supervisor.engine import Engine
-from supervisor.models import Job
+from supervisor.api.submission import submit_job
+from supervisor.daemon.loop import Engine
 from supervisor.spec import JobSpec, JobState
-from supervisor.submission import submit_job
+from supervisor.storage import store
+from supervisor.storage.tables import Job
 from tests.conftest import in_process_engine, python_job, wait_for
 
 pytestmark = pytest.mark.timeout(60)
@@ -57,7 +57,7 @@ def test_failing_steps_do_not_stop_the_rest_of_the_tick(
     monkeypatch.setattr(eng.observer, "observe", broken)
     monkeypatch.setattr(eng.alerting, "record", broken)
     waiting = submit(sessions, "import time; time.sleep(30)", "waiting")
-    with caplog.at_level(logging.ERROR, logger="supervisor.engine"):
+    with caplog.at_level(logging.ERROR, logger="supervisor.daemon.loop"):
         eng.tick()
     assert state(sessions, quick) == "succeeded"  # settled before the broken steps
     assert state(sessions, waiting) == "running"  # started after them

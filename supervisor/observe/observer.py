@@ -32,13 +32,12 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Protocol, TypeVar
 
-from supervisor import forecast as fc
-from supervisor import progress as reports
-from supervisor.launcher import log_path, progress_path
-from supervisor.models import Sample
-from supervisor.sampler import Sampler, TreeGpuMemory, TreeReading, TreeTarget
-from supervisor.scanner import OutputScanner, ScanResult
+from supervisor.observe import forecast, progress_file
+from supervisor.observe.outputs import OutputScanner, ScanResult
+from supervisor.observe.sampler import Sampler, TreeGpuMemory, TreeReading, TreeTarget
+from supervisor.runtime.launcher import log_path, progress_path
 from supervisor.spec import Forecast, GpuDeviceUse, JobSpec, Progress, Resources
+from supervisor.storage.tables import Sample
 from supervisor.timefmt import iso
 
 log = logging.getLogger(__name__)
@@ -116,7 +115,7 @@ class FileReading:
     files: int
     bytes_written: int
     scanned: bool  # the job has an output directory
-    reported: reports.Reported | None  # from the progress file, else the log
+    reported: progress_file.Reported | None  # from the progress file, else the log
     source: str | None  # "progress_file", "log", or None when neither reports
     free_bytes: int | None
     device: int | None
@@ -142,10 +141,10 @@ class _FileSide:
             scan = self.scanner.scan(time.time())
             files, bytes_written = scan.files, scan.bytes
         free_bytes, device = disk_free(spec.output_dir or spec.cwd)
-        reported = reports.from_progress_file(progress_path(self.jobs_dir, job.job_id))
+        reported = progress_file.from_progress_file(progress_path(self.jobs_dir, job.job_id))
         source: str | None = "progress_file"
         if reported is None:
-            reported = reports.from_log(log_path(self.jobs_dir, job.job_id, job.attempt))
+            reported = progress_file.from_log(log_path(self.jobs_dir, job.job_id, job.attempt))
             source = "log" if reported is not None else None
         return FileReading(now, files, bytes_written, bool(spec.output_dir), reported,
                            source, free_bytes, device)
@@ -163,7 +162,7 @@ class _Inflight:
 @dataclass
 class _JobState:
     files: _FileSide
-    history: list[fc.Observation] = field(default_factory=list)
+    history: list[forecast.Observation] = field(default_factory=list)
     last_items: int | None = None
     last_progress_at: float | None = None
     baseline_items: int | None = None
@@ -374,8 +373,8 @@ class Observer:
             concurrent.futures.wait(
                 waiting, timeout=max(0.0, started + self.scan_budget_s - time.monotonic()))
         samples, views = [], dict(self.views)
-        demands: dict[int, list[tuple[str, fc.JobDiskDemand, int, float]]] = {}
-        forecasts: dict[str, fc.Forecast] = {}
+        demands: dict[int, list[tuple[str, forecast.JobDiskDemand, int, float]]] = {}
+        forecasts: dict[str, forecast.Forecast] = {}
         for job, state in zip(jobs, states, strict=True):
             state.pick_up()
             tree = readings.get(job.job_id)
@@ -397,15 +396,15 @@ class Observer:
             reading = state.reading
             if view.disk_device is not None and reading is not None \
                     and reading.free_bytes is not None:
-                demand = fc.disk_demand(job.job_id, job_forecast,
+                demand = forecast.disk_demand(job.job_id, job_forecast,
                                         bytes_written=view.progress.bytes_written)
                 demands.setdefault(view.disk_device, []).append(
                     (job.job_id, demand, reading.free_bytes, reading.t))
         for group in demands.values():
             free_bytes = max(group, key=lambda entry: entry[3])[2]  # the newest reading's
             try:
-                runway = fc.disk_runway([d for _, d, _, _ in group], free_bytes=free_bytes)
-                shared = {job_id: fc.with_runway(forecasts[job_id], runway, job_id)
+                runway = forecast.disk_runway([d for _, d, _, _ in group], free_bytes=free_bytes)
+                shared = {job_id: forecast.with_runway(forecasts[job_id], runway, job_id)
                           for job_id, _, _, _ in group}
             except Exception:  # these jobs keep their own forecasts, as if alone
                 log.exception("disk runway of jobs %s failed", [g[0] for g in group])
@@ -504,7 +503,7 @@ class Observer:
         return readings, errors
 
     def _observe_one(self, job: ObservedJob, state: _JobState, tree: TreeReading,
-                     now: float) -> tuple[JobView, Sample | None, fc.Forecast]:
+                     now: float) -> tuple[JobView, Sample | None, forecast.Forecast]:
         spec = job.spec
         outcome, state.outcome = state.outcome, None
         previous = self.views.get(job.job_id)
@@ -512,7 +511,7 @@ class Observer:
             state.reading = fresh = outcome
             items_done, items_total, metrics, source = _items(spec, fresh)
             state.note_items(items_done, fresh.t)
-            self._remember(state, fc.Observation(fresh.t, items_done, fresh.bytes_written))
+            self._remember(state, forecast.Observation(fresh.t, items_done, fresh.bytes_written))
             progress = Progress(
                 items_done=items_done, items_total=items_total, files=fresh.files,
                 bytes_written=fresh.bytes_written, source=source,
@@ -531,7 +530,7 @@ class Observer:
                   else previous.disk_device if previous is not None else None)
 
         state.note_activity(tree, progress.bytes_written, now)
-        job_forecast = fc.forecast_job(
+        job_forecast = forecast.forecast_job(
             state.history, items_total=progress.items_total, now=now,
             disk_free_bytes=free_bytes, declared_bytes_per_item=spec.bytes_per_item)
         resources = Resources(
@@ -628,7 +627,7 @@ class Observer:
             self.views = views
 
     @staticmethod
-    def _remember(state: _JobState, observation: fc.Observation) -> None:
+    def _remember(state: _JobState, observation: forecast.Observation) -> None:
         history = state.history
         if history:
             last = history[-1]
@@ -646,13 +645,13 @@ class Observer:
         state = self._state.setdefault(job.job_id, _JobState(
             _FileSide(self.jobs_dir, self.make_scanner), activity_at=job.started_at))
         for row in rows:
-            self._remember(state, fc.Observation(row.t, row.items_done, row.bytes_written))
+            self._remember(state, forecast.Observation(row.t, row.items_done, row.bytes_written))
             state.note_items(row.items_done, row.t)
         if rows:  # the daemon was down: count its restart as activity, not as a stall
             state.activity_at = max(state.activity_at or 0.0, rows[-1].t)
 
 
-def _with_forecast(view: JobView, f: fc.Forecast) -> JobView:
+def _with_forecast(view: JobView, f: forecast.Forecast) -> JobView:
     shown = Forecast(
         rate_items_per_s=f.rate_items_per_s, eta_s=f.eta_s, eta_at=iso(f.eta_at),
         bytes_per_item=f.bytes_per_item, projected_total_bytes=f.projected_total_bytes,
@@ -686,7 +685,7 @@ def preflight_warnings(spec: JobSpec, views: Mapping[str, JobView],
         f = view.forecast
         if view.disk_device == device and f.projected_total_bytes is not None:
             others += max(f.projected_total_bytes - view.progress.bytes_written, 0)
-    warning = fc.preflight(expected_items=spec.expected_items, bytes_per_item=bytes_per_item,
+    warning = forecast.preflight(expected_items=spec.expected_items, bytes_per_item=bytes_per_item,
                            free_bytes=free_bytes, other_remaining_bytes=others)
     return [warning] if warning else []
 

@@ -7,8 +7,7 @@ from collections.abc import Sequence
 
 from pydantic import ValidationError
 
-from supervisor.models import Alert, Job, Sample
-from supervisor.observe import JobView
+from supervisor.observe.observer import JobView
 from supervisor.spec import (
     AlertOut,
     ExitReason,
@@ -18,6 +17,7 @@ from supervisor.spec import (
     SampleOut,
     stored_spec,
 )
+from supervisor.storage.tables import Alert, Job, Sample
 from supervisor.timefmt import iso
 
 log = logging.getLogger(__name__)

@@ -9,12 +9,12 @@ from pathlib import Path
 
 from sqlalchemy.orm import Session
 
-from supervisor import store
 from supervisor.errors import InvalidSpec
-from supervisor.launcher import check_runnable
-from supervisor.models import Job
-from supervisor.observe import JobView, preflight_warnings
+from supervisor.observe.observer import JobView, preflight_warnings
+from supervisor.runtime.launcher import check_runnable
 from supervisor.spec import JobSpec
+from supervisor.storage import store
+from supervisor.storage.tables import Job
 
 
 def submit_job(session: Session, spec: JobSpec, *, default_cwd: str,

@@ -1,4 +1,4 @@
-"""The per-job shim: `python -m supervisor.shim ATTEMPT_DIR`.
+"""The per-job shim: `python -m supervisor.runtime.shim ATTEMPT_DIR`.
 
 The daemon never owns a job directly. It starts this small process in a new session;
 the shim starts the worker in a process group of its own, waits for it and writes the
@@ -32,8 +32,8 @@ from pathlib import Path
 from types import FrameType
 from typing import Any
 
-from supervisor.fileio import atomic_write_json, create_json_exclusive, read_json
-from supervisor.procfs import all_stats, create_time, group_alive, signal_group
+from supervisor.runtime.fileio import atomic_write_json, create_json_exclusive, read_json
+from supervisor.runtime.procfs import all_stats, create_time, group_alive, signal_group
 
 PR_SET_CHILD_SUBREAPER = 36
 CLAIM_FILE = "claim.json"
@@ -311,7 +311,7 @@ def _kill(pid: int, sig: signal.Signals) -> None:
 
 def main(argv: list[str]) -> int:
     if len(argv) != 1:
-        print("usage: python -m supervisor.shim ATTEMPT_DIR", file=sys.stderr)
+        print("usage: python -m supervisor.runtime.shim ATTEMPT_DIR", file=sys.stderr)
         return 2
     attempt_dir = Path(argv[0])
     launch = read_json(attempt_dir / "launch.json")

@@ -41,16 +41,20 @@ from sqlalchemy import Engine, inspect, select
 from sqlalchemy.exc import DBAPIError
 from sqlalchemy.orm import Session
 
-from supervisor import alerts
+from supervisor.alerting import rules
 from supervisor.config import Settings
-from supervisor.db import make_engine, make_sessionmaker, sqlite_path, upgrade
-from supervisor.engine import LOG_TAIL_LINES, signal_name
+from supervisor.daemon.loop import LOG_TAIL_LINES, signal_name
 from supervisor.errors import DatabaseDamaged
-from supervisor.fileio import read_json, tail_lines
-from supervisor.launcher import WorkerInfo, attempt_dir, log_path, progress_path, worker_group_alive
-from supervisor.models import Job, JobEvent
-from supervisor.procfs import is_same_process
-from supervisor.progress import from_progress_file
+from supervisor.observe.progress_file import from_progress_file
+from supervisor.runtime.fileio import read_json, tail_lines
+from supervisor.runtime.launcher import (
+    WorkerInfo,
+    attempt_dir,
+    log_path,
+    progress_path,
+    worker_group_alive,
+)
+from supervisor.runtime.procfs import is_same_process
 from supervisor.spec import (
     ExitReason,
     JobSpec,
@@ -59,7 +63,9 @@ from supervisor.spec import (
     RestartPolicy,
     stored_spec,
 )
-from supervisor.store import JOB_RECORD
+from supervisor.storage.database import make_engine, make_sessionmaker, sqlite_path, upgrade
+from supervisor.storage.store import JOB_RECORD
+from supervisor.storage.tables import Job, JobEvent
 
 log = logging.getLogger(__name__)
 
@@ -261,7 +267,7 @@ def _ended(jobs_dir: Path, job: Job, spec: JobSpec, status: dict[str, Any],
     lines, _ = tail_lines(log_path(jobs_dir, job.id, job.attempt), LOG_TAIL_LINES)
     oom_kills = status.get("oom_kills")
     oom_kills = oom_kills if isinstance(oom_kills, int) else 0
-    notes, oom = alerts.classify_exit(exit_code=exit_code, signal=sig, oom_kills=oom_kills,
+    notes, oom = rules.classify_exit(exit_code=exit_code, signal=sig, oom_kills=oom_kills,
                                       log_tail=lines)
     if oom:
         job.exit_reason = ExitReason.OOM.value

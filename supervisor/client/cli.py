@@ -16,11 +16,11 @@ from rich.console import Console
 from rich.table import Table
 from rich.text import Text
 
-from supervisor.client import Client
+from supervisor.client.http import Client
+from supervisor.client.tui import follow_jobs, gpu_memory_text, job_detail, jobs_table, state_text
 from supervisor.config import Settings
 from supervisor.errors import JobsupError
 from supervisor.pipeline import DEFAULT_MIN_ACCEPTANCE_LENGTH
-from supervisor.tui import follow_jobs, gpu_memory_text, job_detail, jobs_table, state_text
 
 app = typer.Typer(add_completion=False, no_args_is_help=True,
                   help="jobsup: launch, watch and forecast long-running ML jobs.")
@@ -79,7 +79,7 @@ def serve(
              "rebuild the jobs from DATA_DIR/jobs. A sound database is left alone.")] = False,
 ) -> None:
     """Run the daemon (foreground)."""
-    from supervisor.daemon import serve as run_daemon
+    from supervisor.daemon.app import serve as run_daemon
 
     overrides: dict[str, Any] = {"host": host, "port": port, "rebuild_db": rebuild_db}
     if data_dir is not None:
@@ -429,7 +429,7 @@ def demo(
 ) -> None:
     """The EAGLE-3 pipeline on a local model under the daemon (starts one if none
     answers at --url)."""
-    from supervisor.demo import run_demo
+    from supervisor.client.demo import run_demo
 
     try:
         code = run_demo(url=url, data_dir=data_dir, keep_daemon=keep_daemon, console=console,

@@ -16,11 +16,11 @@ from prometheus_client.registry import Collector
 from sqlalchemy import or_, select
 from sqlalchemy.orm import Session, sessionmaker
 
-from supervisor import alerts as rules
-from supervisor.models import Alert, Job
-from supervisor.notify import Notifier
-from supervisor.observe import JobView
+from supervisor.alerting import rules
+from supervisor.alerting.notify import Notifier
+from supervisor.observe.observer import JobView
 from supervisor.spec import AlertState, JobState, stored_spec
+from supervisor.storage.tables import Alert, Job
 
 JOB_LABELS = ["job_id", "job_name"]
 TICK_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)

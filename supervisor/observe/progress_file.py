@@ -9,7 +9,7 @@ import os
 import re
 from dataclasses import dataclass, field
 
-from supervisor.fileio import open_regular, read_at, read_json
+from supervisor.runtime.fileio import open_regular, read_at, read_json
 
 PROGRESS_MAX_BYTES = 1 << 20
 """A progress file larger than this is malformed (a real one is under a KB)."""

@@ -1,4 +1,4 @@
-"""The engine's alert step: evaluate the pure rules (`alerts.py`) over what the observer
+"""The engine's alert step: evaluate the pure rules (`rules.py`) over what the observer
 knows of each job, record what opened, resolved or changed, and put the messages in the
 outbox in the same transaction. With the database's disk full, new alerts are sent
 straight away from memory and recorded (never sent twice) once space returns."""
@@ -11,15 +11,16 @@ from typing import Any
 
 from sqlalchemy.orm import Session
 
-from supervisor import alerts, store
+from supervisor.alerting import rules
+from supervisor.alerting.notify import Notifier, compose
+from supervisor.api.views import alert_out, job_out
 from supervisor.config import Settings
-from supervisor.fileio import tail_lines
-from supervisor.launcher import log_path
-from supervisor.models import Alert, Job
-from supervisor.notify import Notifier, compose
-from supervisor.observe import Observer
-from supervisor.present import alert_out, job_out
+from supervisor.observe.observer import Observer
+from supervisor.runtime.fileio import tail_lines
+from supervisor.runtime.launcher import log_path
 from supervisor.spec import AlertState, JobState, stored_spec
+from supervisor.storage import store
+from supervisor.storage.tables import Alert, Job
 
 log = logging.getLogger(__name__)
 
@@ -35,7 +36,7 @@ class AlertRecorder:
         self.settings = settings
         self.observer = observer
         self.notifier = notifier
-        self.rules = alerts.AlertSettings(
+        self.rules = rules.AlertSettings(
             disk_low_bytes=settings.disk_low_bytes,
             gpu_memory_high_fraction=settings.gpu_memory_high_fraction,
             ended_alert_ttl_s=settings.ended_alert_ttl_s)
@@ -52,7 +53,7 @@ class AlertRecorder:
         memory, once each; they are recorded (and not sent again) when space returns."""
         open_keys = {(a.job_id, a.rule) for a in store.alerts(session, state=AlertState.FIRING)}
         for job in running:
-            for f in alerts.evaluate(self.facts(job, now), now=now,
+            for f in rules.evaluate(self.facts(job, now), now=now,
                                      settings=self.rules):
                 key = (f.job_id, f.rule)
                 if key in open_keys or key in self._sent_unrecorded:
@@ -81,10 +82,10 @@ class AlertRecorder:
             if row.job_id not in jobs:
                 jobs[row.job_id] = store.get_job(session, row.job_id)
         firing = [f for job in jobs.values()
-                  for f in alerts.evaluate(self.facts(job, now), now=now,
+                  for f in rules.evaluate(self.facts(job, now), now=now,
                                            settings=self.rules)]
-        changes = alerts.reconcile(
-            firing, [alerts.OpenAlert(a.id, a.job_id, a.rule) for a in open_rows],
+        changes = rules.reconcile(
+            firing, [rules.OpenAlert(a.id, a.job_id, a.rule) for a in open_rows],
             {a.id: a.message for a in open_rows}, settled_job_ids=jobs)
         rows = {a.id: a for a in open_rows}
         for f in changes.opened:
@@ -102,7 +103,7 @@ class AlertRecorder:
             alert = rows[opened.id]
             alert.state, alert.resolved_at = AlertState.RESOLVED.value, now
             log.info("job %s: alert %s resolved", alert.job_id, alert.rule)
-            if alert.rule not in alerts.EVENT_RULES:  # those only age out
+            if alert.rule not in rules.EVENT_RULES:  # those only age out
                 self._enqueue(session, "resolved", jobs[alert.job_id], alert, now)
         for opened, message in changes.updated:
             rows[opened.id].message = message
@@ -112,7 +113,7 @@ class AlertRecorder:
                 continue  # still firing (recorded above) or its job not evaluated
             recorded.append(key)  # fired and ended while nothing could be written
             rule = key[1]
-            alert = Alert(job_id=key[0], rule=rule, severity=alerts.SEVERITY[rule],
+            alert = Alert(job_id=key[0], rule=rule, severity=rules.SEVERITY[rule],
                           state=AlertState.RESOLVED.value, started_at=started_at,
                           resolved_at=now, message="(sent while the database's disk was full)")
             session.add(alert)
@@ -128,12 +129,12 @@ class AlertRecorder:
                 if job.id not in told:
                     self._enqueue(session, "succeeded", job, None, now)
 
-    def facts(self, job: Job, now: float) -> alerts.JobFacts:
+    def facts(self, job: Job, now: float) -> rules.JobFacts:
         spec = stored_spec(job.spec_json)
         view = self.observer.views.get(job.id)
         progress = view.progress if view else None
         forecast = view.forecast if view else None
-        return alerts.JobFacts(
+        return rules.JobFacts(
             job_id=job.id, name=job.name, state=job.state, reason=job.reason,
             exit_code=job.exit_code, signal=job.signal, exit_reason=job.exit_reason,
             attempt=job.attempt, started_at=job.started_at, ended_at=job.ended_at,

@@ -23,16 +23,16 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.routing import Match
 from starlette.types import Scope
 
-from supervisor import __version__, store
+from supervisor import __version__
+from supervisor.api.guard import Guard
+from supervisor.api.submission import submit_job
+from supervisor.api.views import alert_out, job_out, sample_out
 from supervisor.config import Settings
 from supervisor.errors import Conflict, InvalidSpec, JobsupError
-from supervisor.fileio import read_from, tail_lines
-from supervisor.guard import Guard
-from supervisor.launcher import log_path
-from supervisor.models import Job
-from supervisor.observe import JobView
+from supervisor.observe.observer import JobView
 from supervisor.pipeline import Eagle3Pipeline, eagle3_jobs
-from supervisor.present import alert_out, job_out, sample_out
+from supervisor.runtime.fileio import read_from, tail_lines
+from supervisor.runtime.launcher import log_path
 from supervisor.spec import (
     MAX_INT64,
     AlertOut,
@@ -44,7 +44,8 @@ from supervisor.spec import (
     SampleOut,
     check_env,
 )
-from supervisor.submission import submit_job
+from supervisor.storage import store
+from supervisor.storage.tables import Job
 from supervisor.timefmt import iso
 
 log = logging.getLogger(__name__)

@@ -12,8 +12,8 @@ import os
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
-from supervisor.gpu import GpuDevice, GpuReader
-from supervisor.procfs import start_ticks_to_time
+from supervisor.observe.gpu import GpuDevice, GpuReader
+from supervisor.runtime.procfs import start_ticks_to_time
 
 PAGE_SIZE = os.sysconf("SC_PAGE_SIZE")
 CLOCK_TICKS = os.sysconf("SC_CLK_TCK")

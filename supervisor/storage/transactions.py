@@ -1,6 +1,6 @@
 """How the engine's tick writes: each step in a transaction of its own, a full disk
 under the database survived, and an unexpected error in one step kept from the steps
-after it. Apart from `engine.py` so the tick reads as its steps."""
+after it. Apart from the loop (`daemon/loop.py`) so the tick reads as its steps."""
 
 from __future__ import annotations
 
@@ -12,9 +12,9 @@ from dataclasses import dataclass
 from sqlalchemy.exc import OperationalError
 from sqlalchemy.orm import Session
 
-from supervisor import store
+from supervisor.storage import store
 
-log = logging.getLogger("supervisor.engine")  # the tick's log, whichever module writes it
+log = logging.getLogger("supervisor.daemon.loop")  # the tick's log, whichever module writes it
 
 
 @dataclass

@@ -13,12 +13,15 @@ from collections.abc import Callable, Sequence
 
 from sqlalchemy.orm import Session, sessionmaker
 
-from supervisor import alerts, store
-from supervisor.alerting import AlertRecorder
+from supervisor.alerting import rules
+from supervisor.alerting.notify import Destination, Notifier
+from supervisor.alerting.recorder import AlertRecorder
+from supervisor.api.views import stored_progress
 from supervisor.clock import SteadyClock
 from supervisor.config import Settings
-from supervisor.fileio import tail_lines
-from supervisor.launcher import (
+from supervisor.observe.observer import SCAN_BUDGET_S, ObservedJob, Observer
+from supervisor.runtime.fileio import tail_lines
+from supervisor.runtime.launcher import (
     Attempt,
     Backend,
     ExitStatus,
@@ -26,12 +29,10 @@ from supervisor.launcher import (
     LocalBackend,
     log_path,
 )
-from supervisor.models import Job, Sample
-from supervisor.notify import Destination, Notifier
-from supervisor.observe import SCAN_BUDGET_S, ObservedJob, Observer
-from supervisor.present import stored_progress
 from supervisor.spec import ExitReason, JobSpec, JobState, RestartPolicy, stored_spec
-from supervisor.steps import TickSteps
+from supervisor.storage import store
+from supervisor.storage.tables import Job, Sample
+from supervisor.storage.transactions import TickSteps
 
 log = logging.getLogger(__name__)
 
@@ -361,7 +362,7 @@ class Engine:
             reason = f"exited with code {status.exit_code}"
         lines, _ = tail_lines(log_path(self.settings.jobs_dir, job.id, job.attempt),
                               LOG_TAIL_LINES)
-        notes, oom = alerts.classify_exit(exit_code=status.exit_code, signal=status.signal,
+        notes, oom = rules.classify_exit(exit_code=status.exit_code, signal=status.signal,
                                           oom_kills=status.oom_kills or 0, log_tail=lines)
         if oom:
             job.exit_reason = ExitReason.OOM.value

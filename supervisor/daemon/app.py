@@ -17,13 +17,13 @@ from typing import IO
 import uvicorn
 from fastapi import FastAPI
 
-from supervisor.api import TickTimes, create_app
+from supervisor.api.metrics import JobsCollector, build_registry
+from supervisor.api.routes import TickTimes, create_app
 from supervisor.config import Settings
-from supervisor.db import make_sessionmaker
-from supervisor.engine import Engine
+from supervisor.daemon.loop import Engine
+from supervisor.daemon.recovery import open_database
 from supervisor.errors import DaemonAlreadyRunning, UnsafeBind
-from supervisor.metrics import JobsCollector, build_registry
-from supervisor.recovery import open_database
+from supervisor.storage.database import make_sessionmaker
 
 log = logging.getLogger(__name__)
 

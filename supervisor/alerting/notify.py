@@ -42,7 +42,7 @@ from sqlalchemy import select
 from sqlalchemy.exc import OperationalError
 from sqlalchemy.orm import Session, sessionmaker
 
-from supervisor.models import Notification
+from supervisor.storage.tables import Notification
 
 log = logging.getLogger(__name__)
 

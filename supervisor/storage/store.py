@@ -12,11 +12,11 @@ from pathlib import Path
 from sqlalchemy import Integer, cast, delete, func, select, update
 from sqlalchemy.orm import Session
 
-from supervisor.db import UNCOMMITTED_JOB_RECORDS
 from supervisor.errors import JobNotFound, JobRecordUnwritable
-from supervisor.fileio import atomic_write_json
-from supervisor.models import Alert, Job, JobEvent, Notification, Sample
+from supervisor.runtime.fileio import atomic_write_json
 from supervisor.spec import AlertState, JobSpec, JobState
+from supervisor.storage.database import UNCOMMITTED_JOB_RECORDS
+from supervisor.storage.tables import Alert, Job, JobEvent, Notification, Sample
 
 log = logging.getLogger(__name__)
 

@@ -21,10 +21,10 @@ from urllib.parse import urlparse
 
 from rich.console import Console
 
-from supervisor.client import Client
+from supervisor.client.http import Client
+from supervisor.client.tui import follow_jobs
 from supervisor.config import Settings
 from supervisor.errors import JobsupError
-from supervisor.tui import follow_jobs
 
 DAEMON_START_TIMEOUT_S = 30.0
 DEMO_PROMPTS = Path(__file__).resolve().parent.parent / "workers" / "data" / "demo_prompts.jsonl"

@@ -23,15 +23,15 @@ from enum import StrEnum
 from pathlib import Path
 
 from supervisor.errors import InvalidSpec
-from supervisor.fileio import atomic_write_json, create_json_exclusive, read_json
-from supervisor.procfs import (
+from supervisor.runtime.fileio import atomic_write_json, create_json_exclusive, read_json
+from supervisor.runtime.procfs import (
     all_stats,
     create_time,
     is_same_process,
     process_state,
     signal_group,
 )
-from supervisor.shim import CLAIM_FILE, STATUS_FILE
+from supervisor.runtime.shim import CLAIM_FILE, STATUS_FILE
 from supervisor.spec import JobSpec
 
 log = logging.getLogger(__name__)
@@ -206,7 +206,7 @@ class LocalBackend(Backend):
         })
         with open(adir / "shim.log", "ab") as shim_log:
             proc = subprocess.Popen(
-                [sys.executable, "-m", "supervisor.shim", str(adir)],
+                [sys.executable, "-m", "supervisor.runtime.shim", str(adir)],
                 stdin=subprocess.DEVNULL, stdout=shim_log, stderr=subprocess.STDOUT,
                 start_new_session=True, close_fds=True, cwd="/",
                 env={**{k: v for k, v in os.environ.items() if k not in SCRUBBED_ENV},

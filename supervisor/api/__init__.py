@@ -1,0 +1,2 @@
+"""The HTTP API: routes, the views it serves, submission, the auth guard and the
+Prometheus metrics."""
