@@ -46,10 +46,6 @@ class UnsafeBind(JobsupError):
     """A non-loopback bind without a token."""
 
 
-class Unauthorized(JobsupError):
-    status_code = 401
-
-
 class DatabaseDamaged(JobsupError):
     """The database file is not a database any more, or fails SQLite's quick check: the
     daemon does not start on it (`jobsup serve --rebuild-db` sets it aside)."""

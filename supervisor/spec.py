@@ -1,4 +1,4 @@
-"""The JobSpec and the API's response models: the one place field names live (API.md)."""
+"""The JobSpec and the API's response models: the one place field names live (docs/api.md)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Draft vocabulary mapping for EAGLE-3 (EAGLE3.md section 3): `python -m workers.vocab`.
+"""Draft vocabulary mapping for EAGLE-3 (docs/eagle3.md section 3): `python -m workers.vocab`.
 
 Counts the target token ids the assistant wrote (loss_mask == 1) in a conversations JSONL
 or in the directory `workers.extract` wrote, keeps the `--draft-vocab-size` most frequent

@@ -1,13 +1,14 @@
 """Alert rules: pure functions from what is known of a job at `now` to the alerts that
 should be firing, and the reconciliation with the alerts already open. No I/O, no clock.
 
-Rules (API.md): `crashed` (the job failed or was lost), `stalled` (phase-aware, below),
+Rules (docs/api.md): `crashed` (the job failed or was lost), `stalled` (phase-aware, below),
 `disk_will_fill` (the filesystem fills before the job's projected end), `disk_low`,
 `gpu_memory_high`, `incomplete` (exit 0 with fewer items than expected),
 `low_acceptance` (below).
 
-`stalled` is phase-aware (DESIGN.md). Before the first item a model may load for
-24 minutes without output, so the job is stalled only when it shows no activity at all
+`stalled` is phase-aware (docs/architecture.md, "Decisions"). Before the first item a
+model may load for 24 minutes without output, so the job is stalled only when it shows no
+activity at all
 (CPU time, read bytes and GPU memory all flat) for `stall_timeout_s`, or when it passes
 `startup_timeout_s`. After the first item it is stalled when no new item arrives for
 `stall_timeout_s`.

@@ -9,7 +9,7 @@ import sys
 import time
 from enum import StrEnum
 from pathlib import Path
-from typing import Annotated, Any
+from typing import Annotated, Any, NoReturn
 
 import typer
 from rich.console import Console
@@ -42,7 +42,7 @@ def client(url: str) -> Client:
     return Client(url, token=Settings().token)
 
 
-def fail(exc: JobsupError) -> None:
+def fail(exc: JobsupError) -> NoReturn:
     """`error:` / `hint:` on stderr, each on one line however long (a path or a pattern
     such as `[z-a]` comes out as it is: no wrapping, no markup)."""
     err_console.print(Text.assemble(("error:", "bold red"), " ", exc.message),

@@ -75,7 +75,7 @@ class RateEstimate:
 
 @dataclass(frozen=True)
 class Forecast:
-    """Field names follow the `forecast` object of API.md."""
+    """Field names follow the `forecast` object of docs/api.md."""
 
     rate_items_per_s: float | None
     eta_s: float | None
