@@ -1,0 +1,112 @@
+"""The lifecycle's decisions (supervisor/daemon/lifecycle.py) against a table: each row
+is what the loop observed and what must follow. Pure functions: no processes here; the
+real-process tests (test_core, test_faults, test_shim_held, ...) run the same decisions
+through the loop."""
+
+from __future__ import annotations
+
+import pytest
+
+from supervisor.daemon.lifecycle import (
+    Decision,
+    Dependency,
+    Exit,
+    Restarts,
+    after_exit,
+    before_start,
+    dependencies_met,
+    launch_cut_short,
+    vanished,
+)
+from supervisor.spec import ExitReason, JobState, RestartPolicy
+
+NEVER = Restarts(RestartPolicy.NEVER, done=0, limit=0, backoff_s=1.0, backoff_max_s=60.0)
+RETRY = Restarts(RestartPolicy.ON_FAILURE, done=1, limit=3, backoff_s=1.0, backoff_max_s=60.0)
+P, R, S, F, ST, L = (JobState.PENDING, JobState.RUNNING, JobState.SUCCEEDED, JobState.FAILED,
+                     JobState.STOPPED, JobState.LOST)
+
+
+@pytest.mark.parametrize("ended,restarts,expected", [
+    (Exit(0, None), NEVER, Decision(S, ExitReason.EXIT, "exited with code 0")),
+    (Exit(0, None), RETRY, Decision(S, ExitReason.EXIT, "exited with code 0")),
+    (Exit(3, None), NEVER, Decision(F, ExitReason.EXIT, "exited with code 3")),
+    (Exit(None, 9), NEVER, Decision(F, ExitReason.SIGNAL, "killed by signal 9 (SIGKILL)")),
+    (Exit(None, 77), NEVER, Decision(F, ExitReason.SIGNAL, "killed by signal 77 (signal 77)")),
+    (Exit(None, 9, oom=True, notes="the kernel's OOM killer (1 kill)"), NEVER,
+     Decision(F, ExitReason.OOM, "killed by signal 9 (SIGKILL) — the kernel's OOM killer "
+                                 "(1 kill)")),
+    (Exit(1, None, oom=True, notes="CUDA out of memory"), NEVER,
+     Decision(F, ExitReason.OOM, "exited with code 1 — CUDA out of memory")),
+    (Exit(127, None, spawn_error="cannot execute 'nope': No such file or directory"), NEVER,
+     Decision(F, ExitReason.EXIT, "cannot execute 'nope': No such file or directory")),
+    # a spawn error with exit code 0 is still a failure
+    (Exit(0, None, spawn_error="cannot execute"), NEVER,
+     Decision(F, ExitReason.EXIT, "cannot execute")),
+    # a stop wins over whatever the exit looks like
+    (Exit(0, None, stop_requested=True), RETRY,
+     Decision(ST, ExitReason.STOPPED, "stopped on request (SIGTERM)")),
+    (Exit(None, 9, stop_requested=True, stopped_by="SIGKILL after the grace",
+          stop_cause="because the jobs it served have ended"), NEVER,
+     Decision(ST, ExitReason.STOPPED, "stopped because the jobs it served have ended "
+                                      "(SIGKILL after the grace)")),
+    # restarts: backoff x2 per restart, capped
+    (Exit(3, None), RETRY,
+     Decision(P, ExitReason.EXIT, "exited with code 3; restart 2/3 in 2.0 s", 2.0)),
+    (Exit(None, 15), Restarts(RestartPolicy.ON_FAILURE, 0, 1, 5.0, 60.0),
+     Decision(P, ExitReason.SIGNAL, "killed by signal 15 (SIGTERM); restart 1/1 in 5.0 s",
+              5.0)),
+    (Exit(3, None), Restarts(RestartPolicy.ON_FAILURE, 10, 20, 1.0, 60.0),
+     Decision(P, ExitReason.EXIT, "exited with code 3; restart 11/20 in 60.0 s", 60.0)),
+    (Exit(3, None), Restarts(RestartPolicy.ON_FAILURE, 3, 3, 1.0, 60.0),
+     Decision(F, ExitReason.EXIT, "exited with code 3")),  # restarts used up
+])
+def test_after_exit(ended: Exit, restarts: Restarts, expected: Decision) -> None:
+    assert after_exit(ended, restarts) == expected
+
+
+def test_backoff_never_overflows() -> None:
+    huge = Restarts(RestartPolicy.ON_FAILURE, 10**9, 10**10, 1.0, 300.0)
+    assert huge.delay_s() == 300.0
+
+
+@pytest.mark.parametrize("shim_recorded,abandoned,expected", [
+    (True, True, Decision(P, None, "its shim exited before starting the job (see shim.log); "
+                                   "launching again")),
+    (False, True, Decision(P, None, "the daemon died while launching; launching again")),
+    (True, False, Decision(L, ExitReason.LOST, "its shim died while starting the job")),
+])
+def test_launch_cut_short(shim_recorded: bool, abandoned: bool, expected: Decision) -> None:
+    assert launch_cut_short(shim_recorded=shim_recorded, abandoned=abandoned) == expected
+
+
+@pytest.mark.parametrize("stop_requested,shim_recorded,expected", [
+    (True, True, Decision(ST, ExitReason.STOPPED,
+                          "stopped on request (exit status unknown: its shim had died)")),
+    (False, True, Decision(L, ExitReason.LOST, "the job's process vanished after its shim "
+                                               "died; exit status unknown")),
+    (False, False, Decision(L, ExitReason.LOST, "the job's processes vanished without "
+                                                "recording an exit status")),
+])
+def test_vanished(stop_requested: bool, shim_recorded: bool, expected: Decision) -> None:
+    assert vanished(stop_requested=stop_requested, shim_recorded=shim_recorded) == expected
+
+
+def dep(state: JobState, job_id: str = "a") -> Dependency:
+    return Dependency(job_id, f"job-{job_id}", state)
+
+
+@pytest.mark.parametrize("stop_requested,deps,expected,met", [
+    (False, [], None, True),
+    (False, [dep(S), dep(S, "b")], None, True),
+    (False, [dep(R)], None, False),  # waits
+    (False, [dep(P), dep(F, "b")], None, False),  # deps in order: the first still pending
+    (False, [dep(S), dep(F, "b")], Decision(F, None, "dependency b (job-b) failed"), False),
+    (False, [dep(L)], Decision(F, None, "dependency a (job-a) lost"), False),
+    (False, [dep(ST)], Decision(F, None, "dependency a (job-a) stopped"), False),
+    (True, [dep(F)], Decision(ST, ExitReason.STOPPED, "stopped on request before it started"),
+     False),
+])
+def test_before_start(stop_requested: bool, deps: list[Dependency], expected: Decision | None,
+                      met: bool) -> None:
+    assert before_start(stop_requested=stop_requested, dependencies=deps) == expected
+    assert dependencies_met(deps) is met
