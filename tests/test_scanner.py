@@ -12,13 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from supervisor.observe.outputs import (
-    MAX_PATTERN_CHARS,
-    GlobMatcher,
-    OutputScanner,
-    ScanResult,
-    check_pattern,
-)
+from supervisor.observe.outputs import OutputScanner, ScanResult
+from supervisor.observe.patterns import MAX_PATTERN_CHARS, GlobMatcher, check_pattern
 
 LATER = time.time() + 3600.0  # far enough ahead that every file has settled
 
