@@ -517,6 +517,21 @@ def route_rows(stats: dict[str, RouteStats], seconds: float) -> list[str]:
     return rows
 
 
+TICK_S = 2.0
+"""The daemon's default tick (`JOBSUP_SAMPLE_INTERVAL`), for the share of a core below."""
+
+
+def tick_cost(w: Window, jobs: int) -> str:
+    """The daemon's CPU per tick in a window without clients (all its threads: the tick
+    and the file readings), per job, and as a share of a core at the default tick."""
+    if not w.ticks:
+        return "no ticks"
+    per_tick_s = w.daemon_cores * w.seconds / w.ticks
+    return (f"daemon CPU {per_tick_s * 1000:.1f} ms per tick, "
+            f"{per_tick_s * 1000 / max(jobs, 1):.2f} ms per job per tick, "
+            f"{per_tick_s / TICK_S * 100:.2f} % of a core at a {TICK_S:g} s tick")
+
+
 def render(args: argparse.Namespace, windows: list[Window], stats: dict[str, RouteStats],
            problems: list[str], cleanup: Cleanup) -> str:
     errors = sum(len(s.errors) for s in stats.values())
@@ -569,6 +584,7 @@ def render(args: argparse.Namespace, windows: list[Window], stats: dict[str, Rou
             f"| {w.machine_cores - w.daemon_cores - w.jobs_cores - w.bench_cores:.2f} "
             f"| {w.machine_cores:.2f} | {w.ticks:.0f} "
             f"| {ms(w.tick_mean_s)} | {ms(w.tick_p99_s)} | {w.ticks_over_interval:.0f} |")
+    lines += ["", f"Tick cost (idle window, #15): {tick_cost(windows[0], args.jobs)}."]
     idle_threads = windows[0].thread_cpu_s
     engine_tid = max(idle_threads, key=lambda tid: idle_threads[tid]) if idle_threads else -1
     lines += [
@@ -671,7 +687,7 @@ def main() -> int:
         idle, _ = measure_window(daemon, "idle (no clients)", args.idle_seconds, args.interval)
         windows.append(idle)
         print(f"idle: daemon {idle.daemon_cores:.3f} cores, {idle.ticks:.0f} ticks, "
-              f"mean {ms(idle.tick_mean_s)} ms", flush=True)
+              f"mean {ms(idle.tick_mean_s)} ms; " + tick_cost(idle, args.jobs), flush=True)
         load, stats = measure_window(daemon, f"load ({args.clients} clients)", args.seconds,
                                      args.interval, run, job_ids, args.clients)
         windows.append(load)

@@ -20,6 +20,7 @@ from typing import Any
 import torch
 from safetensors.torch import save_file
 
+from workers.common import replace_file
 from workers.draft import Eagle3Draft
 
 log = logging.getLogger("workers.checkpoints")
@@ -33,15 +34,6 @@ def _fsync_dir(path: Path) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
-
-
-def _write_text_atomically(path: Path, text: str) -> None:
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    with open(tmp, "w", encoding="utf-8") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
 
 
 def rng_state() -> dict[str, Any]:
@@ -88,7 +80,7 @@ def save_checkpoint(out: Path, model: Eagle3Draft, optimizer: torch.optim.Optimi
         shutil.rmtree(final)
     os.rename(tmp, final)
     _fsync_dir(root)
-    _write_text_atomically(root / "latest", name + "\n")
+    replace_file(root / "latest", (name + "\n").encode(), fsync=True)
     steps = sorted(p for p in root.glob("step_*") if p.is_dir())
     keep = [p for p in steps if p.name <= name][-KEEP_CHECKPOINTS:]
     for path in steps:

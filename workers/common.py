@@ -20,13 +20,36 @@ def setup_logging(verbose: bool = False, prefix: str = "") -> None:
                         format=f"%(asctime)s {prefix}%(levelname)s %(name)s: %(message)s")
 
 
+def replace_file(path: str | os.PathLike[str], data: bytes, *, fsync: bool) -> None:
+    """The workers' atomic write of a small file: a reader sees the old file or the whole
+    new one, never half of it. `data` goes to `.NAME.PID.tmp` beside `path` (hidden and
+    ending `.tmp`, so jobsup never counts it as an output item; the pid keeps two writers
+    apart), then is renamed over it; no temp file is left behind, whatever fails.
+
+    `fsync` is the caller's choice, made explicitly: with it the data is on disk before
+    the rename (after a power loss the name holds the old file or the whole new one);
+    without it a power loss can leave the new name empty, which suits a file rewritten
+    every fraction of a second (the progress file). Large outputs have their own
+    writeback policy (`hidden_files.write_atomically`). The supervisor's twin is
+    `supervisor.runtime.fileio.replace_file` (the workers never import the supervisor)."""
+    target = Path(path)
+    tmp = target.with_name(f".{target.name}.{os.getpid()}.tmp")
+    try:
+        with open(tmp, "wb") as f:
+            f.write(data)
+            f.flush()
+            if fsync:
+                os.fsync(f.fileno())
+        os.replace(tmp, target)
+    finally:
+        tmp.unlink(missing_ok=True)  # gone once renamed
+
+
 def write_json(path: Path, data: Any) -> Path:
-    """A worker's JSON report (summary, config, eval.json), indented, written to a temp
-    name beside it and renamed: a reader never sees half of it."""
+    """A worker's JSON report (summary, config, eval.json), indented, through
+    `replace_file` with fsync (written once per run, and what a rerun resumes from)."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    tmp.write_text(json.dumps(data, indent=2) + "\n", encoding="utf-8")
-    os.replace(tmp, path)
+    replace_file(path, (json.dumps(data, indent=2) + "\n").encode("utf-8"), fsync=True)
     return path
 
 
@@ -37,8 +60,11 @@ def fail(message: str, code: int = 2) -> NoReturn:
 
 
 class ProgressReporter:
-    """Writes the jobsup progress file atomically (temp + rename), at most every
-    `min_interval_s` unless forced, so a fast loop does not spend its time on it."""
+    """Writes the jobsup progress file (docs/progress-file.md) at `$JOBSUP_PROGRESS_FILE`,
+    atomically (`replace_file`, no fsync: it is rewritten all the time and a lost one is
+    only a stale report), at most every `min_interval_s` unless forced, so a fast loop
+    does not spend its time on it. Without the variable (not run by jobsup) it does
+    nothing."""
 
     def __init__(self, total: int | None, unit: str, path: str | None = None,
                  min_interval_s: float = 0.5):
@@ -58,11 +84,8 @@ class ProgressReporter:
         self._last_write = now
         payload = {"done": done, "total": self.total, "unit": self.unit,
                    "metrics": {k: float(v) for k, v in (metrics or {}).items()}}
-        tmp = f"{self.path}.{os.getpid()}.tmp"
         try:
-            with open(tmp, "w", encoding="utf-8") as f:
-                json.dump(payload, f)
-            os.replace(tmp, self.path)
+            replace_file(self.path, json.dumps(payload).encode("utf-8"), fsync=False)
         except OSError as exc:  # progress is best effort: never kill the work for it
             log.warning("cannot write progress file %s: %s", self.path, exc)
 

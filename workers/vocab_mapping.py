@@ -9,14 +9,14 @@ in the other's code to agree on the format.
 from __future__ import annotations
 
 import json
-import os
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
 
 import torch
 from safetensors import safe_open
-from safetensors.torch import save_file
+from safetensors.torch import save
+
+from workers.common import replace_file
 
 
 class VocabError(Exception):
@@ -139,22 +139,12 @@ def load_mapping(path: Path) -> tuple[torch.Tensor, torch.Tensor, int | None]:
     return d2t.to(torch.int64), t2d, lm_head_rows
 
 
-def _atomic_write(path: Path, write: Any) -> None:
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    try:
-        write(tmp)
-        os.chmod(tmp, 0o644)  # safetensors creates its files 0600
-        os.replace(tmp, path)
-    finally:
-        tmp.unlink(missing_ok=True)
-
-
 def write_vocab(out: Path, d2t: torch.Tensor, t2d: torch.Tensor, report: VocabReport) -> Path:
     """Writes `out` (d2t, t2d) and `<out>.json` (the report), each temp + rename."""
     out.parent.mkdir(parents=True, exist_ok=True)
     tensors = {"d2t": d2t.contiguous(), "t2d": t2d.contiguous()}
-    _atomic_write(out, lambda tmp: save_file(tensors, str(tmp), metadata={"format": "pt"}))
+    replace_file(out, save(tensors, metadata={"format": "pt"}), fsync=True)
     report_path = out.with_name(out.name + ".json")
     text = json.dumps(asdict(report), indent=2) + "\n"
-    _atomic_write(report_path, lambda tmp: tmp.write_text(text, encoding="utf-8"))
+    replace_file(report_path, text.encode("utf-8"), fsync=True)
     return report_path

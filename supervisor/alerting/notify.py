@@ -5,7 +5,9 @@ the same transaction as the alert, and this module's thread delivers them, oldes
 first per destination (so messages arrive in order), at most one per second per
 destination. A `429` waits for its `Retry-After`; a `5xx` or a network error backs off
 exponentially with jitter; any other `4xx` is given up at once (logged and counted):
-resending the same body will not fix it.
+resending the same body will not fix it. A message whose outbox row could not be
+written (a full disk) waits in memory and goes the same way: one attempt function
+(`Notifier._attempt`) and one backoff (`backoff_s`) serve both.
 
 Delivery is at least once, and duplicates are rare and marked. Every message has an
 event id, fixed when it enters the outbox (`X-Jobsup-Event-Id`, and `event_id` in the
@@ -222,6 +224,32 @@ def _duration(seconds: float) -> str:
     return f"{seconds / 3600:.1f} h"
 
 
+def backoff_s(attempts: int, max_s: float = BACKOFF_MAX_S) -> float:
+    """The wait after the `attempts`-th failed attempt at a message (5xx, a network
+    error, a 429 without `Retry-After`): exponential from BACKOFF_BASE_S, capped at
+    `max_s`, with "equal jitter" (half fixed, half random) so destinations that failed
+    together do not retry together."""
+    ceiling = min(max_s, BACKOFF_BASE_S * 2 ** (attempts - 1))
+    return ceiling / 2 + random.uniform(0, ceiling / 2)
+
+
+@dataclass(frozen=True)
+class Outcome:
+    """What one attempt at a message came to."""
+
+    at: float
+    """When the answer came (or the error): delays count from it."""
+    sent: bool = False
+    given_up: bool = False
+    """Refused for good (a 4xx other than 429): never sent again."""
+    retry_at: float | None = None
+    """Set when the message is to be sent again, not before this."""
+    may_have_arrived: bool = False
+    """A failed attempt whose request may have reached the receiver: the next attempt
+    is marked a redelivery."""
+    error: str | None = None
+
+
 def retry_after_s(value: str | None, now: float) -> float | None:
     """`Retry-After` as seconds: a number, or an HTTP date."""
     if not value:
@@ -376,27 +404,16 @@ class Notifier:
 
     def _send_unrecorded(self, destination: Destination, item: dict[str, Any],
                          now: float) -> bool:
-        """True when the in-memory message is done with (sent, or refused for good)."""
+        """One attempt at an in-memory message; True when it is done with (sent, or
+        refused for good)."""
         item["attempts"] += 1
-        response = self._post(destination, item["payload"], event_id=item["event_id"],
-                              attempt=item["attempts"], redelivery=item["redelivery"], now=now)
-        if isinstance(response, Exception):
-            self.retried[destination.name] += 1
-            item["redelivery"] = item["redelivery"] or not isinstance(response, NOT_SENT)
-            item["next_attempt_at"] = now + min(self.backoff_max_s, 2.0 ** item["attempts"])
+        outcome = self._attempt(destination, item["payload"], event_id=item["event_id"],
+                                attempt=item["attempts"], redelivery=item["redelivery"],
+                                now=now, what="unrecorded notification")
+        item["redelivery"] = item["redelivery"] or outcome.may_have_arrived
+        if outcome.retry_at is not None:
+            item["next_attempt_at"] = outcome.retry_at
             return False
-        now = self.clock()  # delays such as Retry-After count from the answer
-        if 200 <= response.status_code < 300:
-            self.sent[destination.name] += 1
-            return True
-        if response.status_code == 429 or response.status_code >= 500:
-            self.retried[destination.name] += 1
-            delay = retry_after_s(response.headers.get("retry-after"), self.wall())
-            item["next_attempt_at"] = now + (delay if delay is not None
-                                             else min(self.backoff_max_s,
-                                                      2.0 ** item["attempts"]))
-            return False
-        self.failed[destination.name] += 1
         return True
 
     def _send(self, session: Session, destination: Destination, row: Notification,
@@ -415,42 +432,50 @@ class Notifier:
         row.in_flight_since = now
         if not self._commit(session, f"the attempt at notification {row_id}"):
             return  # not sent: nothing may leave that the outbox does not know about
-        attempt, redelivery = row.attempts, row.redelivery
+        outcome = self._attempt(destination, message, event_id=event_id,
+                                attempt=row.attempts, redelivery=row.redelivery, now=now,
+                                what=f"notification {row_id}")
+        changes: dict[str, Any] = {"in_flight_since": None}
+        if outcome.sent:
+            changes["sent_at"] = outcome.at
+        elif outcome.given_up:
+            changes["failed_at"] = outcome.at
+        else:
+            changes["next_attempt_at"] = outcome.retry_at
+        if outcome.error is not None:
+            changes["last_error"] = outcome.error
+        if outcome.may_have_arrived:
+            changes["redelivery"] = True
+        self._record(session, row_id, changes)
+
+    def _attempt(self, destination: Destination, message: dict[str, Any], *, event_id: str,
+                 attempt: int, redelivery: bool, now: float, what: str) -> Outcome:
+        """Send one attempt at a message, count and log what came of it (`what` names the
+        message in the log); the one delivery path of the outbox and the in-memory queue."""
         response = self._post(destination, message, event_id=event_id, attempt=attempt,
                               redelivery=redelivery, now=now)
         now = self.clock()  # delays such as Retry-After count from the answer
-        outcome: dict[str, Any] = {"in_flight_since": None}
         name = destination.name
         if isinstance(response, Exception):
             error = "network error: " + _describe(response, destination.url)
-            outcome.update(self._retry_later(destination, row_id, attempt, now, error))
-            if not isinstance(response, NOT_SENT):
-                outcome["redelivery"] = True  # the request may have arrived
-        elif 200 <= response.status_code < 300:
-            outcome["sent_at"] = now
+            return self._retry_later(name, what, attempt, now, error,
+                                     may_have_arrived=not isinstance(response, NOT_SENT))
+        if 200 <= response.status_code < 300:
             self.sent[name] += 1
-            log.info("job %s: %s notification %d (event %s) sent to %s", row.job_id, row.kind,
-                     row_id, event_id, name)
-        elif response.status_code == 429:
+            log.info("%s (event %s) sent to %s", what, event_id, name)
+            return Outcome(at=now, sent=True)
+        if response.status_code == 429:
             delay = retry_after_s(response.headers.get("retry-after"), self.wall())
-            self.retried[name] += 1
-            outcome["next_attempt_at"] = now + (delay if delay is not None
-                                                else self._backoff(attempt))
-            outcome["last_error"] = f"429 Too Many Requests (Retry-After: {delay})"
-            log.warning("%s rate-limited us; retrying notification %d in %.1f s", name,
-                        row_id, outcome["next_attempt_at"] - now)
-        elif response.status_code >= 500:
-            error = _scrubbed(f"HTTP {response.status_code}: {response.text[:200]}",
-                              destination.url)
-            outcome.update(self._retry_later(destination, row_id, attempt, now, error))
-        else:
-            outcome["failed_at"] = now
-            outcome["last_error"] = _scrubbed(
-                f"HTTP {response.status_code}: {response.text[:200]}", destination.url)
-            self.failed[name] += 1
-            log.error("%s refused notification %d for job %s (%s); not retrying", name,
-                      row_id, row.job_id, outcome["last_error"])
-        self._record(session, row_id, outcome)
+            return self._retry_later(name, what, attempt, now,
+                                     f"429 Too Many Requests (Retry-After: {delay})",
+                                     delay_s=delay)
+        error = _scrubbed(f"HTTP {response.status_code}: {response.text[:200]}",
+                          destination.url)
+        if response.status_code >= 500:
+            return self._retry_later(name, what, attempt, now, error)
+        self.failed[name] += 1
+        log.error("%s refused %s (%s); not retrying", name, what, error)
+        return Outcome(at=now, given_up=True, error=error)
 
     def _record(self, session: Session, row_id: int, outcome: dict[str, Any]) -> bool:
         """Write an attempt's outcome; where the database cannot take it, keep it until
@@ -482,15 +507,13 @@ class Notifier:
             self._database_unwritable = False
         return True
 
-    def _retry_later(self, destination: Destination, row_id: int, attempt: int, now: float,
-                     error: str) -> dict[str, Any]:
-        self.retried[destination.name] += 1
-        next_attempt_at = now + self._backoff(attempt)
-        log.warning("notification %d to %s failed (%s); retry in %.1f s", row_id,
-                    destination.name, error, next_attempt_at - now)
-        return {"next_attempt_at": next_attempt_at, "last_error": error}
-
-    def _backoff(self, attempts: int) -> float:
-        """Exponential with "equal jitter": half fixed, half random."""
-        ceiling = min(self.backoff_max_s, BACKOFF_BASE_S * 2 ** (attempts - 1))
-        return ceiling / 2 + random.uniform(0, ceiling / 2)
+    def _retry_later(self, name: str, what: str, attempt: int, now: float, error: str, *,
+                     delay_s: float | None = None, may_have_arrived: bool = False) -> Outcome:
+        """A failed attempt to repeat after `delay_s` (a `Retry-After`), else after the
+        backoff of its attempt number."""
+        self.retried[name] += 1
+        retry_at = now + (delay_s if delay_s is not None
+                          else backoff_s(attempt, self.backoff_max_s))
+        log.warning("%s to %s failed (%s); retry in %.1f s", what, name, error, retry_at - now)
+        return Outcome(at=now, retry_at=retry_at, may_have_arrived=may_have_arrived,
+                       error=error)

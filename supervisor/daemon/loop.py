@@ -76,6 +76,9 @@ class Engine:
         self._should_exit = threading.Event()
         self._thread: threading.Thread | None = None
         self._stop_sent: set[tuple[str, int]] = set()
+        self._shims_seen_alive: dict[str, Attempt] = {}
+        """This tick's running jobs whose shim was alive (and not stopped) when their
+        state was checked: their reading is rooted at the shim without a second look."""
         self._killed: set[tuple[str, int]] = set()
         # a tick waits for the jobs' file readings at most 1 s, less with short ticks
         self.observer = Observer(settings.jobs_dir,
@@ -167,6 +170,7 @@ class Engine:
         rest of the tick goes on."""
         now = self.clock()
         self.backend.reap()
+        self._shims_seen_alive = {}
         with self.sessions() as session:
             running = store.jobs_in_states(session, JobState.RUNNING)
             for job in running:
@@ -175,7 +179,8 @@ class Engine:
                     self._check_running(session, job, now)
             with self.steps.isolated(session, "observation"):
                 # jobs that ended this tick get one last reading: their final output counts
-                observed = [self._observed(job, self._attempt(job)) for job in running]
+                observed = [self._observed(job, self._shims_seen_alive.get(job.id)
+                                           or self._attempt(job)) for job in running]
                 self._store_samples(session, running, self.observer.observe(observed, now))
             with self.steps.isolated(session, "alerts"):
                 self._alert(session, running, now)
@@ -227,7 +232,8 @@ class Engine:
     def _observed(self, job: Job, attempt: Attempt) -> ObservedJob:
         """The sampler's view of a job: its tree is rooted at the shim (which is the
         subreaper of everything the job spawns), or at the worker if the shim is gone."""
-        if attempt.shim_pid is not None and self.backend.shim_alive(attempt):
+        if attempt.shim_pid is not None and (self._shims_seen_alive.get(job.id) is attempt
+                                             or self.backend.shim_alive(attempt)):
             root, root_time = attempt.shim_pid, attempt.shim_create_time
         else:
             root, root_time = job.pid or -1, job.pid_create_time
@@ -241,8 +247,11 @@ class Engine:
         attempt = self._attempt(job)
         if job.shim_pid is None and attempt.shim_pid is not None:
             job.shim_pid, job.shim_create_time = attempt.shim_pid, attempt.shim_create_time
-        worker = self.backend.read_worker(attempt)
-        if worker is not None and job.pid is None:
+        # the worker's file is read while its pid is unknown, else only where it is used
+        # (a running job's shim alive and not stopped: most jobs, most ticks; #15)
+        pid_known = job.pid is not None
+        worker = None if pid_known else self.backend.read_worker(attempt)
+        if worker is not None:
             job.pid, job.pid_create_time = worker.pid, worker.create_time
 
         status = self.backend.read_exit(attempt)
@@ -258,13 +267,19 @@ class Engine:
             self._stop_running(job, attempt, now)
 
         if self.backend.shim_alive(attempt):
-            if self.backend.shim_suspended(attempt) and (
-                    worker is None or not self.backend.worker_alive(worker)):
+            if not self.backend.shim_suspended(attempt):
+                self._shims_seen_alive[job.id] = attempt  # its reading needs no new look
+                return
+            if pid_known:
+                worker = self.backend.read_worker(attempt)
+            if worker is None or not self.backend.worker_alive(worker):
                 # a stopped shim cannot reap the worker nor record its exit: continue it
                 log.warning("job %s: its shim (pid %s) was stopped (SIGSTOP) after the "
                             "worker ended; continuing it (SIGCONT)", job.id, attempt.shim_pid)
                 self.backend.resume_shim(attempt)
             return
+        if pid_known:
+            worker = self.backend.read_worker(attempt)
         if worker is not None and self.backend.worker_alive(worker):
             # the shim died but the job runs on: watch the worker itself, so its end
             # is noticed at once (the watcher ignores a pid it already watches)

@@ -3,10 +3,11 @@
 Every job leaves a directory behind, `DATA_DIR/jobs/ID/`: its record (`job.json`,
 written at submit, before the `201`) and one directory per attempt with the files of
 its launch, its shim, its worker and its exit (`launch.json`, `shim.json`,
-`worker.json`, `status.json`). From these alone each job is recreated: its spec, and
-its state from its newest attempt. A job still running is recreated `running` with
-its shim's and worker's identities, so the engine re-adopts it as after any restart;
-one that ended gets its exit as the engine would have classified it.
+`worker.json`, `status.json`; named, and read, by `runtime/files.py`). From these alone
+each job is recreated: its spec, and its state from its newest attempt. A job still
+running is recreated `running` with its shim's and worker's identities, so the engine
+re-adopts it as after any restart; one that ended gets its exit as the engine would
+have classified it.
 
 When, at daemon start (`open_database`):
 - the SQLite file is missing or empty (0 bytes: SQLite would take it for a new
@@ -46,9 +47,9 @@ from supervisor.config import Settings
 from supervisor.daemon.loop import LOG_TAIL_LINES, signal_name
 from supervisor.errors import DatabaseDamaged
 from supervisor.observe.progress_file import from_progress_file
+from supervisor.runtime import files
 from supervisor.runtime.fileio import read_json, tail_lines
 from supervisor.runtime.launcher import (
-    WorkerInfo,
     attempt_dir,
     log_path,
     progress_path,
@@ -187,19 +188,15 @@ def _spec_from_launch(jobs_dir: Path, job_id: str,
     its newest launch.json; its env without what the launcher adds and without what
     this daemon's environment holds alike (inherited, not asked for)."""
     for number in reversed(numbers):
-        launch = read_json(attempt_dir(jobs_dir, job_id, number) / "launch.json")
-        if not isinstance(launch, dict) or not isinstance(launch.get("argv"), list):
+        launch = files.read_launch(attempt_dir(jobs_dir, job_id, number))
+        if launch is None:
             continue
-        argv = [str(arg) for arg in launch["argv"]]
-        raw_env = launch.get("env")
-        env = {str(k): str(v) for k, v in (raw_env if isinstance(raw_env, dict) else {}).items()
+        argv = launch["argv"]
+        env = {k: v for k, v in launch["env"].items()
                if k not in LAUNCH_ENV and os.environ.get(k) != v}
-        grace = launch.get("stop_grace_s")
         spec = JobSpec(name=shlex.join(argv)[:128] or "job", command=argv,
-                       cwd=launch.get("cwd"), env=env,
-                       stop_grace_s=grace if isinstance(grace, int | float) and grace > 0
-                       else None)
-        first = attempt_dir(jobs_dir, job_id, numbers[0]) / "launch.json"
+                       cwd=launch["cwd"], env=env, stop_grace_s=launch["stop_grace_s"])
+        first = attempt_dir(jobs_dir, job_id, numbers[0]) / files.LAUNCH
         return spec, _mtime(first, _mtime(first.parent, time.time()))
     return None
 
@@ -211,21 +208,16 @@ def _from_attempt(jobs_dir: Path, job: Job, spec: JobSpec, number: int,
     job.attempt = number
     job.restarts = (min(number - 1, spec.max_restarts)
                     if spec.restart_policy is RestartPolicy.ON_FAILURE else 0)
-    shim, worker_data = read_json(adir / "shim.json"), read_json(adir / "worker.json")
-    worker = None
-    if isinstance(worker_data, dict) and isinstance(worker_data.get("pid"), int):
-        worker = WorkerInfo(worker_data["pid"], worker_data.get("create_time"),
-                            float(worker_data.get("started_at") or 0))
+    shim, worker = files.read_shim(adir), files.read_worker(adir)
+    if worker is not None:
         job.pid, job.pid_create_time = worker.pid, worker.create_time
     job.started_at = (worker.started_at if worker is not None and worker.started_at
-                      else _mtime(adir / "launch.json", _mtime(adir, now)))
-    if isinstance(shim, dict) and isinstance(shim.get("pid"), int):
-        job.shim_pid, job.shim_create_time = shim["pid"], shim.get("create_time")
-    else:
-        shim = None
+                      else _mtime(adir / files.LAUNCH, _mtime(adir, now)))
+    if shim is not None:
+        job.shim_pid, job.shim_create_time = shim["pid"], shim["create_time"]
 
-    status = read_json(adir / "status.json")
-    if isinstance(status, dict) and isinstance(status.get("ended_at"), int | float):
+    status = files.read_exit(adir)
+    if status is not None:
         return _ended(jobs_dir, job, spec, status, now)
     started = f"started (attempt {number})"
     if is_same_process(job.shim_pid, job.shim_create_time):
@@ -242,17 +234,14 @@ def _from_attempt(jobs_dir: Path, job: Job, spec: JobSpec, number: int,
                            "when the database was rebuilt)")
 
 
-def _ended(jobs_dir: Path, job: Job, spec: JobSpec, status: dict[str, Any],
+def _ended(jobs_dir: Path, job: Job, spec: JobSpec, status: files.ExitStatus,
            now: float) -> tuple[JobState, str]:
     """engine._finish's classification of a recorded exit, from status.json."""
-    exit_code = status.get("exit_code") if isinstance(status.get("exit_code"), int) else None
-    sig = status.get("signal") if isinstance(status.get("signal"), int) else None
-    spawn_error = status.get("spawn_error") if isinstance(status.get("spawn_error"),
-                                                          str) else None
-    job.exit_code, job.signal, job.ended_at = exit_code, sig, float(status["ended_at"])
-    if status.get("stop_requested"):
+    exit_code, sig, spawn_error = status.exit_code, status.signal, status.spawn_error
+    job.exit_code, job.signal, job.ended_at = exit_code, sig, status.ended_at
+    if status.stop_requested:
         job.exit_reason = ExitReason.STOPPED.value
-        how = "SIGKILL after the grace" if status.get("killed_after_grace") else "SIGTERM"
+        how = "SIGKILL after the grace" if status.killed_after_grace else "SIGTERM"
         return JobState.STOPPED, f"stopped on request ({how})"
     if exit_code == 0 and not spawn_error:
         job.exit_reason = ExitReason.EXIT.value
@@ -265,9 +254,8 @@ def _ended(jobs_dir: Path, job: Job, spec: JobSpec, status: dict[str, Any],
     else:
         job.exit_reason, reason = ExitReason.EXIT.value, f"exited with code {exit_code}"
     lines, _ = tail_lines(log_path(jobs_dir, job.id, job.attempt), LOG_TAIL_LINES)
-    oom_kills = status.get("oom_kills")
-    oom_kills = oom_kills if isinstance(oom_kills, int) else 0
-    notes, oom = rules.classify_exit(exit_code=exit_code, signal=sig, oom_kills=oom_kills,
+    notes, oom = rules.classify_exit(exit_code=exit_code, signal=sig,
+                                      oom_kills=status.oom_kills or 0,
                                       log_tail=lines)
     if oom:
         job.exit_reason = ExitReason.OOM.value

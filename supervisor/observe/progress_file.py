@@ -1,6 +1,10 @@
 """Progress reported by a job, from the best source available (DESIGN.md):
 (1) the progress file a cooperating worker replaces atomically, (2) tqdm-style
-`n/total` in the tail of its log, (3) files in its output directory (the scanner)."""
+`n/total` in the tail of its log, (3) files in its output directory (the scanner).
+
+The progress file's format is defined once, in docs/progress-file.md; its writer is
+`workers.common.ProgressReporter`, its reader `from_progress_file` here, and
+tests/test_progress_contract.py runs the one against the other."""
 
 from __future__ import annotations
 
@@ -10,6 +14,11 @@ import re
 from dataclasses import dataclass, field
 
 from supervisor.runtime.fileio import open_regular, read_at, read_json
+
+DONE, TOTAL, UNIT, METRICS = "done", "total", "unit", "metrics"
+"""The progress file's fields (docs/progress-file.md)."""
+FIELDS = (DONE, TOTAL, UNIT, METRICS)
+"""Every field the reader knows; any other key is ignored."""
 
 PROGRESS_MAX_BYTES = 1 << 20
 """A progress file larger than this is malformed (a real one is under a KB)."""
@@ -39,13 +48,13 @@ class Reported:
 
 
 def from_progress_file(path: str | os.PathLike[str]) -> Reported | None:
-    """The worker's own report: `{"done", "total", "unit", "metrics"}`; None when the
-    file is missing or malformed (a malformed file is ignored, never fatal): not a
-    regular file, over PROGRESS_MAX_BYTES, not JSON, or a count beyond COUNT_MAX."""
+    """The worker's own report (`FIELDS`, docs/progress-file.md); None when the file is
+    missing or malformed (a malformed file is ignored, never fatal): not a regular file,
+    over PROGRESS_MAX_BYTES, not a JSON object, no `done`, or a count beyond COUNT_MAX."""
     data = read_json(path, max_bytes=PROGRESS_MAX_BYTES)  # never a FIFO or /dev/zero
     if not isinstance(data, dict):
         return None
-    done, total = data.get("done"), data.get("total")
+    done, total = data.get(DONE), data.get(TOTAL)
     if not isinstance(done, int) or isinstance(done, bool) or not 0 <= done <= COUNT_MAX:
         return None
     if not isinstance(total, int) or isinstance(total, bool) or total <= 0:
@@ -53,7 +62,7 @@ def from_progress_file(path: str | os.PathLike[str]) -> Reported | None:
     elif total > COUNT_MAX:
         return None
     metrics: dict[str, float] = {}
-    raw_metrics = data.get("metrics")
+    raw_metrics = data.get(METRICS)
     if isinstance(raw_metrics, dict):
         for name, value in raw_metrics.items():
             if len(metrics) >= METRICS_MAX:
@@ -62,7 +71,7 @@ def from_progress_file(path: str | os.PathLike[str]) -> Reported | None:
                     and isinstance(value, int | float) and not isinstance(value, bool) \
                     and math.isfinite(value):
                 metrics[name] = float(value)
-    unit = data.get("unit") if isinstance(data.get("unit"), str) else None
+    unit = data.get(UNIT) if isinstance(data.get(UNIT), str) else None
     unit = unit[:UNIT_MAX_CHARS] if unit else unit
     return Reported(done, total, unit, metrics)
 

@@ -8,47 +8,22 @@ and a missing GPU gives None, never an exception.
 
 from __future__ import annotations
 
-import os
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
 from supervisor.observe.gpu import GpuDevice, GpuReader
-from supervisor.runtime.procfs import start_ticks_to_time
+from supervisor.runtime.procfs import (
+    CLOCK_TICKS,
+    PAGE_SIZE,
+    ProcStat,
+    all_stats,
+    same_create_time,
+    start_ticks_to_time,
+)
 
-PAGE_SIZE = os.sysconf("SC_PAGE_SIZE")
-CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
 STATUS_NAMES = {"R": "running", "S": "sleeping", "D": "disk-sleep", "Z": "zombie",
                 "T": "stopped", "t": "tracing-stop", "X": "dead", "I": "idle",
                 "P": "parked", "W": "waking", "K": "wakekill"}
-
-
-@dataclass(frozen=True)
-class ProcStat:
-    """The fields of /proc/<pid>/stat the sampler uses."""
-
-    pid: int
-    state: str
-    ppid: int
-    start_ticks: int
-    cpu_ticks: int
-    """utime + stime + cutime + cstime: own CPU time plus that of reaped children."""
-    num_threads: int
-    rss_pages: int
-
-
-def parse_proc_stat(pid: int, raw: bytes) -> ProcStat | None:
-    end = raw.rfind(b")")
-    if end < 0:
-        return None
-    f = raw[end + 2 :].split()
-    try:
-        return ProcStat(
-            pid=pid, state=f[0].decode(), ppid=int(f[1]), start_ticks=int(f[19]),
-            cpu_ticks=int(f[11]) + int(f[12]) + int(f[13]) + int(f[14]),
-            num_threads=int(f[17]), rss_pages=int(f[21]),
-        )
-    except (IndexError, ValueError):
-        return None
 
 
 @dataclass
@@ -61,17 +36,9 @@ class ProcessTable:
     @classmethod
     def read(cls, proc_root: str = "/proc") -> ProcessTable:
         table = cls()
-        for name in os.listdir(proc_root):
-            if not name.isdigit():
-                continue
-            try:
-                with open(f"{proc_root}/{name}/stat", "rb") as f:
-                    stat = parse_proc_stat(int(name), f.read())
-            except OSError:  # gone between listdir and open
-                continue
-            if stat is not None:
-                table.procs[stat.pid] = stat
-                table.children.setdefault(stat.ppid, []).append(stat.pid)
+        for stat in all_stats(proc_root):  # one listing; a process gone meanwhile skipped
+            table.procs[stat.pid] = stat
+            table.children.setdefault(stat.ppid, []).append(stat.pid)
         return table
 
     def tree(self, root: int) -> list[ProcStat]:
@@ -180,7 +147,8 @@ class Sampler:
         root = table.procs.get(target.root_pid)
         same_root = root is not None and (
             target.root_create_time is None
-            or abs(start_ticks_to_time(root.start_ticks) - target.root_create_time) < 0.015)
+            or same_create_time(start_ticks_to_time(root.start_ticks),
+                                target.root_create_time))
         procs = table.tree(target.root_pid) if same_root else []
         live = [p for p in procs if p.state not in ("Z", "X")]
         cpu_time_s = sum(p.cpu_ticks for p in procs) / CLOCK_TICKS

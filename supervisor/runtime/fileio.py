@@ -74,38 +74,60 @@ def read_at(fd: int, offset: int, length: int) -> bytes:
     return b"".join(chunks)
 
 
-def _synced_temp_json(target: Path, data: Any) -> Path:
-    """`data` as JSON in a temp file beside `target`, on disk (fsync); on failure (a
-    full disk) no temp file is left behind."""
-    tmp = target.with_name(f".{target.name}.{os.getpid()}.tmp")
+def temp_path(target: Path) -> Path:
+    """Where a whole new `target` is written before it takes the name: beside it (the
+    rename stays on one filesystem), hidden and ending `.tmp` (never an output item,
+    `observe.outputs.TEMP_SUFFIXES`), with the writer's pid (two processes never share
+    one). The workers' `workers.common.replace_file` follows the same rule."""
+    return target.with_name(f".{target.name}.{os.getpid()}.tmp")
+
+
+def _temp_file(target: Path, data: bytes, *, fsync: bool) -> Path:
+    """`data` in `temp_path(target)`, on disk when `fsync`; on failure (a full disk)
+    no temp file is left behind."""
+    tmp = temp_path(target)
     try:
-        with open(tmp, "w", encoding="utf-8") as f:
-            json.dump(data, f)
+        with open(tmp, "wb") as f:
+            f.write(data)
             f.flush()
-            os.fsync(f.fileno())
+            if fsync:
+                os.fsync(f.fileno())
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise
     return tmp
 
 
-def atomic_write_json(path: str | os.PathLike[str], data: Any) -> None:
-    """Write JSON so readers see the old file or the whole new one, never a torn one:
-    write a temp file beside it, fsync, rename over the target."""
+def replace_file(path: str | os.PathLike[str], data: bytes, *, fsync: bool = True) -> None:
+    """The supervisor side's one atomic write: readers see the old file or the whole
+    new one, never a torn one. `data` goes to a temp file beside `path` (`temp_path`),
+    then is renamed over it; no temp file is left behind, whatever fails.
+
+    With `fsync` (the default, and what every caller uses) the temp file's data is on
+    disk before the rename, so after a crash or power loss the name holds the old file
+    or the whole new one, never an empty one. The directory is not fsynced: after a
+    power loss the rename itself may be undone (the old file, or none, is back), which
+    every reader of these files already handles as "not written yet"."""
     target = Path(path)
-    tmp = _synced_temp_json(target, data)
+    tmp = _temp_file(target, data, fsync=fsync)
     try:
         os.replace(tmp, target)
     finally:
         tmp.unlink(missing_ok=True)  # gone once renamed; else no temp file is left
 
 
+def atomic_write_json(path: str | os.PathLike[str], data: Any, *, fsync: bool = True) -> None:
+    """`data` as JSON through `replace_file` (fsync before the rename by default)."""
+    replace_file(path, json.dumps(data).encode("utf-8"), fsync=fsync)
+
+
 def create_json_exclusive(path: str | os.PathLike[str], data: Any) -> bool:
     """Create `path` holding `data` unless it exists; True if this call created it.
-    The content is written to a temp file first and hard-linked into place, so the
-    file is never seen empty or half-written, and of two racing callers one wins."""
+    The content is written to a temp file first (`temp_path`, always fsynced) and
+    hard-linked into place, so the file is never seen empty or half-written, and of two
+    racing callers one wins."""
     target = Path(path)
-    tmp = _synced_temp_json(target, data)
+    tmp = _temp_file(target, json.dumps(data).encode("utf-8"), fsync=True)
     try:
         os.link(tmp, target)
     except FileExistsError:

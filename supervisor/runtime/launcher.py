@@ -23,15 +23,17 @@ from enum import StrEnum
 from pathlib import Path
 
 from supervisor.errors import InvalidSpec
-from supervisor.runtime.fileio import atomic_write_json, create_json_exclusive, read_json
+from supervisor.runtime import files
+from supervisor.runtime.fileio import atomic_write_json, create_json_exclusive
+from supervisor.runtime.files import ExitStatus, WorkerInfo
 from supervisor.runtime.procfs import (
     all_stats,
     create_time,
     is_same_process,
     process_state,
+    same_create_time,
     signal_group,
 )
-from supervisor.runtime.shim import CLAIM_FILE, STATUS_FILE
 from supervisor.spec import JobSpec
 
 log = logging.getLogger(__name__)
@@ -52,28 +54,6 @@ class Attempt:
     shim_create_time: float | None = None
 
 
-@dataclass(frozen=True)
-class WorkerInfo:
-    pid: int
-    create_time: float | None
-    started_at: float
-
-
-@dataclass(frozen=True)
-class ExitStatus:
-    """What the shim wrote when the worker ended."""
-
-    exit_code: int | None
-    signal: int | None
-    ended_at: float
-    stop_requested: bool
-    killed_after_grace: bool
-    max_rss_bytes: int
-    spawn_error: str | None
-    oom_kills: int | None = None
-    """OOM kills in the shim's cgroup during the run (None: no readable cgroup v2)."""
-
-
 def job_dir(jobs_dir: Path, job_id: str) -> Path:
     return jobs_dir / job_id
 
@@ -84,7 +64,7 @@ def attempt_dir(jobs_dir: Path, job_id: str, number: int) -> Path:
 
 def log_path(jobs_dir: Path, job_id: str, number: int) -> Path:
     """stdout+stderr of one attempt."""
-    return attempt_dir(jobs_dir, job_id, number) / "output.log"
+    return attempt_dir(jobs_dir, job_id, number) / files.OUTPUT_LOG
 
 
 def progress_path(jobs_dir: Path, job_id: str) -> Path:
@@ -200,11 +180,11 @@ class LocalBackend(Backend):
         adir.mkdir(parents=True, exist_ok=True)
         env = job_environment(os.environ, spec, job_id, number,
                               progress_path(self.jobs_dir, job_id))
-        atomic_write_json(adir / "launch.json", {
-            "job_id": job_id, "attempt": number, "argv": spec.command, "cwd": cwd,
-            "env": env, "log_path": str(adir / "output.log"), "stop_grace_s": stop_grace_s,
-        })
-        with open(adir / "shim.log", "ab") as shim_log:
+        atomic_write_json(adir / files.LAUNCH, files.Launch(
+            job_id=job_id, attempt=number, argv=spec.command, cwd=cwd, env=env,
+            log_path=str(adir / files.OUTPUT_LOG), stop_grace_s=stop_grace_s,
+        ))
+        with open(adir / files.SHIM_LOG, "ab") as shim_log:
             proc = subprocess.Popen(
                 [sys.executable, "-m", "supervisor.runtime.shim", str(adir)],
                 stdin=subprocess.DEVNULL, stdout=shim_log, stderr=subprocess.STDOUT,
@@ -223,28 +203,27 @@ class LocalBackend(Backend):
         the daemon died before recording it."""
         adir = attempt_dir(self.jobs_dir, job_id, number)
         if shim_pid is None:
-            data = read_json(adir / "shim.json")
-            if isinstance(data, dict) and isinstance(data.get("pid"), int):
-                shim_pid, shim_create_time = data["pid"], data.get("create_time")
+            shim = files.read_shim(adir)
+            if shim is not None:
+                shim_pid, shim_create_time = shim["pid"], shim["create_time"]
         return Attempt(job_id, number, adir, shim_pid, shim_create_time)
 
     def settle_launch(self, attempt: Attempt) -> LaunchFate:
         """Claim an attempt whose shim left no trace (see `LaunchFate`)."""
         try:
             attempt.dir.mkdir(parents=True, exist_ok=True)
-            claimed = create_json_exclusive(attempt.dir / CLAIM_FILE,
-                                            {"by": "daemon", "pid": os.getpid()})
+            claimed = create_json_exclusive(attempt.dir / files.CLAIM,
+                                            files.Claim(by="daemon", pid=os.getpid()))
         except OSError as exc:
             log.warning("job %s: cannot claim attempt %d's launch (%s); asking again next "
                         "tick", attempt.job_id, attempt.number, exc)
             return LaunchFate.WAIT
         if claimed:
             return LaunchFate.ABANDONED
-        claim = read_json(attempt.dir / CLAIM_FILE)
-        if isinstance(claim, dict) and claim.get("by") == "daemon":
+        claim = files.read_claim(attempt.dir)
+        if claim is not None and claim["by"] == "daemon":
             return LaunchFate.ABANDONED  # by an earlier daemon that died before relaunching
-        if isinstance(claim, dict) and is_same_process(claim.get("pid"),
-                                                       claim.get("create_time")):
+        if claim is not None and is_same_process(claim["pid"], claim.get("create_time")):
             return LaunchFate.WAIT
         return LaunchFate.DEAD
 
@@ -253,30 +232,10 @@ class LocalBackend(Backend):
         return worker_group_alive(worker)
 
     def read_worker(self, attempt: Attempt) -> WorkerInfo | None:
-        data = read_json(attempt.dir / "worker.json")
-        if not isinstance(data, dict) or not isinstance(data.get("pid"), int):
-            return None
-        started_at, created = data.get("started_at"), data.get("create_time")
-        return WorkerInfo(data["pid"], created if isinstance(created, int | float) else None,
-                          float(started_at) if isinstance(started_at, int | float) else 0.0)
+        return files.read_worker(attempt.dir)
 
     def read_exit(self, attempt: Attempt) -> ExitStatus | None:
-        data = read_json(attempt.dir / STATUS_FILE)
-        if not isinstance(data, dict) or not isinstance(data.get("ended_at"), int | float):
-            return None  # running: only the shim's reservation, or a torn overwrite
-        def whole(key: str) -> int | None:  # a file in the job's directory: trust no type
-            value = data.get(key)
-            return value if isinstance(value, int) and not isinstance(value, bool) else None
-
-        spawn_error = data.get("spawn_error")
-        return ExitStatus(
-            exit_code=whole("exit_code"), signal=whole("signal"),
-            ended_at=float(data["ended_at"]), stop_requested=bool(data.get("stop_requested")),
-            killed_after_grace=bool(data.get("killed_after_grace")),
-            max_rss_bytes=whole("max_rss_bytes") or 0,
-            spawn_error=spawn_error if isinstance(spawn_error, str) else None,
-            oom_kills=whole("oom_kills"),
-        )
+        return files.read_exit(attempt.dir)
 
     def shim_alive(self, attempt: Attempt) -> bool:
         return is_same_process(attempt.shim_pid, attempt.shim_create_time)
@@ -296,10 +255,10 @@ class LocalBackend(Backend):
         if worker is not None and worker_group_alive(worker):
             signal_group(worker.pid, signal.SIGKILL)
         if self.shim_alive(attempt) and attempt.shim_pid is not None:
-            for pid, stat in all_stats():
-                if stat[1] == attempt.shim_pid:
+            for stat in all_stats():
+                if stat.ppid == attempt.shim_pid:
                     with contextlib.suppress(ProcessLookupError):
-                        os.kill(pid, signal.SIGKILL)
+                        os.kill(stat.pid, signal.SIGKILL)
             self.resume_shim(attempt)
 
     def shim_suspended(self, attempt: Attempt) -> bool:
@@ -344,9 +303,10 @@ def worker_group_alive(worker: WorkerInfo) -> bool:
         return True
     holder = create_time(worker.pid)  # our worker as a zombie, or a stranger
     if holder is not None and (worker.create_time is None
-                               or abs(holder - worker.create_time) >= 0.015):
+                               or not same_create_time(holder, worker.create_time)):
         return False
-    return any(stat[2] == worker.pid and stat[0] not in ("Z", "X") for _, stat in all_stats())
+    return any(stat.pgid == worker.pid and stat.state not in ("Z", "X")
+               for stat in all_stats())
 
 
 def _package_root_on_path() -> str:

@@ -1,4 +1,5 @@
-"""Process identity read straight from /proc.
+"""Process identity and state read straight from /proc: the one parser of
+`/proc/<pid>/stat` (stdlib only: the shim imports it).
 
 A pid alone names a process only until it is reused; jobsup identifies a process by
 (pid, create_time), the create time computed exactly as psutil does (boot time plus
@@ -12,6 +13,68 @@ import os
 import signal
 from collections.abc import Iterator
 from functools import cache
+from typing import NamedTuple
+
+CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
+"""Clock ticks per second (USER_HZ, 100 on Linux): the unit of the start time and CPU
+times in /proc/<pid>/stat."""
+PAGE_SIZE = os.sysconf("SC_PAGE_SIZE")
+"""Bytes per page: the unit of the resident set size in /proc/<pid>/stat."""
+CREATE_TIME_TOLERANCE_S = 0.015
+"""Seconds by which two create times of one process may differ and still name it.
+
+A create time is boot time + start ticks / CLOCK_TICKS, rounded to 0.01 s (as psutil
+does): one process read twice gives the same value, but one computed elsewhere (psutil,
+an older daemon, a float through JSON) may land one 10 ms tick or rounding step away.
+0.015 s accepts that one step and nothing more: a process under the same pid whose
+start is two ticks (20 ms) or more away is another one. (A pid reused within one tick of its
+last holder's start would pass; cycling through pid_max that fast does not happen.)"""
+
+
+class ProcStat(NamedTuple):
+    """The fields of /proc/<pid>/stat that jobsup uses (proc(5); the field numbers
+    below count from 1, as there). The first five keep their tuple positions."""
+
+    state: str
+    """(3) R, S, D, Z, T, t, X, I, ..."""
+    ppid: int
+    """(4)"""
+    pgid: int
+    """(5) process group id."""
+    session: int
+    """(6)"""
+    start_ticks: int
+    """(22) start time after boot, in clock ticks (`start_ticks_to_time`)."""
+    cpu_ticks: int
+    """(14-17) utime + stime + cutime + cstime: own CPU time plus that of reaped
+    children, in clock ticks (`CLOCK_TICKS`)."""
+    num_threads: int
+    """(20)"""
+    rss_pages: int
+    """(24) resident set size in pages (`PAGE_SIZE`)."""
+    pid: int
+    """(1), or the pid the caller read it under (a /proc seen through another mount)."""
+
+
+def parse_stat(raw: bytes, pid: int | None = None) -> ProcStat | None:
+    """The record of the bytes of /proc/<pid>/stat, None when they are not one.
+
+    The command name sits in parentheses and may itself contain spaces or ')', so the
+    fields are split after its last ')'. `pid` defaults to the file's first field."""
+    end = raw.rfind(b")")
+    if end < 0:
+        return None
+    f = raw[end + 2 :].split()
+    try:
+        return ProcStat(
+            state=f[0].decode(), ppid=int(f[1]), pgid=int(f[2]), session=int(f[3]),
+            start_ticks=int(f[19]),
+            cpu_ticks=int(f[11]) + int(f[12]) + int(f[13]) + int(f[14]),
+            num_threads=int(f[17]), rss_pages=int(f[21]),
+            pid=pid if pid is not None else int(raw.split(b" ", 1)[0]),
+        )
+    except (IndexError, ValueError, UnicodeDecodeError):
+        return None
 
 
 @cache
@@ -24,77 +87,55 @@ def _boot_time() -> float:
     raise RuntimeError("/proc/stat has no btime line")
 
 
-@cache
-def _clock_ticks() -> int:
-    return os.sysconf("SC_CLK_TCK")
-
-
-def parse_stat(raw: bytes) -> tuple[str, int, int, int, int] | None:
-    """(state, ppid, pgid, session, start_ticks) from the bytes of /proc/<pid>/stat.
-
-    The command name sits in parentheses and may itself contain spaces or ')', so the
-    fields are split after its last ')'.
-    """
-    end = raw.rfind(b")")
-    if end < 0:
-        return None
-    fields = raw[end + 2 :].split()
-    try:
-        return (
-            fields[0].decode(),
-            int(fields[1]),
-            int(fields[2]),
-            int(fields[3]),
-            int(fields[19]),
-        )
-    except (IndexError, ValueError):
-        return None
-
-
 def start_ticks_to_time(start_ticks: int) -> float:
     """Clock ticks since boot -> seconds since the epoch, rounded like psutil."""
-    return round(_boot_time() + start_ticks / _clock_ticks(), 2)
+    return round(_boot_time() + start_ticks / CLOCK_TICKS, 2)
 
 
-def read_stat(pid: int | str) -> tuple[str, int, int, int, int] | None:
-    """`parse_stat` of /proc/<pid>/stat, None when the process is gone."""
+def same_create_time(a: float, b: float) -> bool:
+    """Two create times name the same process (`CREATE_TIME_TOLERANCE_S`)."""
+    return abs(a - b) < CREATE_TIME_TOLERANCE_S
+
+
+def read_stat(pid: int | str, proc_root: str = "/proc") -> ProcStat | None:
+    """`parse_stat` of <proc_root>/<pid>/stat, None when the process is gone."""
     try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            return parse_stat(f.read())
-    except OSError:
+        with open(f"{proc_root}/{pid}/stat", "rb") as f:
+            return parse_stat(f.read(), int(pid))
+    except (OSError, ValueError):
         return None
 
 
-def all_stats() -> Iterator[tuple[int, tuple[str, int, int, int, int]]]:
-    """(pid, parsed stat) of every process, in one pass over /proc; processes that
+def all_stats(proc_root: str = "/proc") -> Iterator[ProcStat]:
+    """The record of every process, in one listing of `proc_root`; processes that
     vanish during the pass are skipped."""
-    for entry in os.scandir("/proc"):
-        if entry.name.isdigit():
-            parsed = read_stat(entry.name)
-            if parsed is not None:
-                yield int(entry.name), parsed
+    for name in os.listdir(proc_root):
+        if name.isdigit():
+            stat = read_stat(name, proc_root)
+            if stat is not None:
+                yield stat
 
 
 def create_time(pid: int) -> float | None:
     """The process's create time in seconds since the epoch, None if it is gone."""
-    parsed = read_stat(pid)
-    return start_ticks_to_time(parsed[4]) if parsed else None
+    stat = read_stat(pid)
+    return start_ticks_to_time(stat.start_ticks) if stat else None
 
 
 def process_state(pid: int) -> str | None:
     """The one-letter state of /proc/<pid>/stat (R, S, D, Z, ...), None if gone."""
-    parsed = read_stat(pid)
-    return parsed[0] if parsed else None
+    stat = read_stat(pid)
+    return stat.state if stat else None
 
 
 def is_same_process(pid: int | None, expected_create_time: float | None) -> bool:
     """True when `pid` is alive, not a zombie, and is the process created at that time."""
     if pid is None or expected_create_time is None:
         return False
-    parsed = read_stat(pid)
-    if parsed is None or parsed[0] in ("Z", "X"):
+    stat = read_stat(pid)
+    if stat is None or stat.state in ("Z", "X"):
         return False
-    return abs(start_ticks_to_time(parsed[4]) - expected_create_time) < 0.015
+    return same_create_time(start_ticks_to_time(stat.start_ticks), expected_create_time)
 
 
 def signal_group(pgid: int, sig: signal.Signals) -> bool:

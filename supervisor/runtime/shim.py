@@ -3,6 +3,7 @@
 The daemon never owns a job directly. It starts this small process in a new session;
 the shim starts the worker in a process group of its own, waits for it and writes the
 exit status to `status.json` (reserved before the worker starts, overwritten in place).
+The files it reads and writes, their names and fields, are those of `files.py`.
 A daemon crash, upgrade or `kill -9` therefore never kills a job, and the exit status is
 known even when the job ended while the daemon was down or the disk filled up (the
 conmon / containerd-shim pattern).
@@ -14,8 +15,9 @@ the worker left behind. A job that has ended has no process left.
 Stop: SIGTERM (or SIGINT/SIGHUP) to the shim forwards SIGTERM to the worker's group
 and, after `stop_grace_s`, sends SIGKILL to the group and every remaining descendant.
 
-Stdlib only (plus two stdlib-only helpers of this package): it must start fast and
-must not break when the daemon's dependencies are upgraded under a running job.
+Stdlib only (plus the stdlib-only `fileio`, `files` and `procfs` of this package): it
+must start fast and must not break when the daemon's dependencies are upgraded under a
+running job.
 """
 
 from __future__ import annotations
@@ -28,24 +30,26 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Mapping
 from pathlib import Path
 from types import FrameType
 from typing import Any
 
-from supervisor.runtime.fileio import atomic_write_json, create_json_exclusive, read_json
+from supervisor.runtime import files
+from supervisor.runtime.fileio import atomic_write_json, create_json_exclusive
 from supervisor.runtime.procfs import all_stats, create_time, group_alive, signal_group
 
 PR_SET_CHILD_SUBREAPER = 36
-CLAIM_FILE = "claim.json"
+CLAIM_FILE = files.CLAIM
 """Created once per attempt, by the shim before it starts the worker or by a daemon that
 gave the launch up (the shim left no trace in time): whoever creates it owns the
 attempt, so a shim that starts late never runs a job the daemon launched again."""
-STATUS_FILE = "status.json"
+STATUS_FILE = files.STATUS
 STATUS_RESERVED_BYTES = 4096
 """`status.json` is created this large, padded with spaces, before the worker starts,
 and overwritten in place when it ends: the exit is recorded in blocks the file already
 owns, so a disk that filled up meanwhile cannot lose it. Readers see the reservation
-(`{"reserved": true}`), a torn write (invalid JSON) or the whole status: the padding
+(`files.RESERVED`), a torn write (invalid JSON) or the whole status: the padding
 makes any mix of old and new bytes invalid JSON. (Copy-on-write filesystems such as
 btrfs or ZFS allocate even for an overwrite; there the guarantee is only as good as
 their reserve.)"""
@@ -63,7 +67,7 @@ def _become_subreaper() -> bool:
 
 def _children_of(ppid: int) -> list[int]:
     """Pids whose parent is `ppid` (one pass over /proc)."""
-    return [pid for pid, stat in all_stats() if stat[1] == ppid and stat[0] != "Z"]
+    return [stat.pid for stat in all_stats() if stat.ppid == ppid and stat.state != "Z"]
 
 
 def oom_kill_count() -> int | None:
@@ -107,10 +111,10 @@ def _reap_all() -> None:
 
 
 class Shim:
-    def __init__(self, attempt_dir: Path, launch: dict[str, Any]):
+    def __init__(self, attempt_dir: Path, launch: files.Launch):
         self.attempt_dir = attempt_dir
         self.launch = launch
-        self.grace_s = float(launch.get("stop_grace_s", 10.0))
+        self.grace_s = launch["stop_grace_s"]
         self.worker: subprocess.Popen[bytes] | None = None
         self.oom_kills_at_start: int | None = None
         self.stop_requested = False
@@ -139,7 +143,7 @@ class Shim:
         signal.signal(signal.SIGALRM, self._on_grace_over)
         _become_subreaper()
         me = os.getpid()
-        identity = {"pid": me, "create_time": create_time(me)}
+        identity = files.Identity(pid=me, create_time=create_time(me))
         try:
             reserve_status(self.attempt_dir / STATUS_FILE)
         except OSError as exc:  # a full disk: the daemon claims and relaunches later
@@ -147,8 +151,8 @@ class Shim:
                   file=sys.stderr)
             return 1
         try:
-            claimed = create_json_exclusive(self.attempt_dir / CLAIM_FILE,
-                                            {"by": "shim", **identity})
+            claimed = create_json_exclusive(self.attempt_dir / CLAIM_FILE, files.Claim(
+                by="shim", pid=identity["pid"], create_time=identity["create_time"]))
         except OSError as exc:  # a full disk: the daemon settles the launch later
             print(f"jobsup shim: cannot claim the launch ({exc}); not starting the job",
                   file=sys.stderr)
@@ -157,7 +161,7 @@ class Shim:
             print("jobsup shim: the daemon gave this launch up (the shim started too late); "
                   "not starting the job", file=sys.stderr)
             return 0
-        _write_or_warn(self.attempt_dir / "shim.json", identity)
+        _write_or_warn(self.attempt_dir / files.SHIM, identity)
 
         self.oom_kills_at_start = oom_kill_count()
         log_path = self.launch["log_path"]
@@ -181,10 +185,8 @@ class Shim:
                 return 0
 
         worker_pid = self.worker.pid
-        _write_or_warn(
-            self.attempt_dir / "worker.json",
-            {"pid": worker_pid, "create_time": create_time(worker_pid), "started_at": time.time()},
-        )
+        _write_or_warn(self.attempt_dir / files.WORKER, files.WorkerRecord(
+            pid=worker_pid, create_time=create_time(worker_pid), started_at=time.time()))
         if self.stop_requested:  # a stop that arrived while the worker was starting
             signal_group(worker_pid, signal.SIGTERM)
 
@@ -237,32 +239,32 @@ class Shim:
         self, *, exit_code: int | None, sig: int | None, max_rss_kb: int = 0,
         spawn_error: str | None = None,
     ) -> None:
-        write_status(self.attempt_dir / STATUS_FILE, {
-            "pid": self.worker.pid if self.worker else None,
-            "exit_code": exit_code,
-            "signal": sig,
-            "ended_at": time.time(),
-            "stop_requested": self.stop_requested,
-            "killed_after_grace": self.killed,
-            "max_rss_bytes": max_rss_kb * 1024,
+        write_status(self.attempt_dir / STATUS_FILE, files.Status(
+            pid=self.worker.pid if self.worker else None,
+            exit_code=exit_code,
+            signal=sig,
+            ended_at=time.time(),
+            stop_requested=self.stop_requested,
+            killed_after_grace=self.killed,
+            max_rss_bytes=max_rss_kb * 1024,
             # 300 characters: JSON escapes a non-ASCII one to up to 12 bytes, and the
             # whole status must fit its 4 KiB reservation
-            "spawn_error": spawn_error[:300] if spawn_error else None,
-            "oom_kills": _delta(self.oom_kills_at_start, oom_kill_count()),
-        })
+            spawn_error=spawn_error[:300] if spawn_error else None,
+            oom_kills=_delta(self.oom_kills_at_start, oom_kill_count()),
+        ))
 
 
 def reserve_status(path: Path) -> None:
-    """Create the status file at its full size, holding `{"reserved": true}`, on disk."""
+    """Create the status file at its full size, holding `files.RESERVED`, on disk."""
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o644)
     try:
-        _write_all(fd, _padded({"reserved": True}))
+        _write_all(fd, _padded(files.RESERVED))
         os.fsync(fd)
     finally:
         os.close(fd)
 
 
-def write_status(path: Path, status: dict[str, Any]) -> None:
+def write_status(path: Path, status: files.Status) -> None:
     """Overwrite the reserved status file in place (no new blocks, no temp file)."""
     data = _padded(status)
     try:
@@ -277,7 +279,7 @@ def write_status(path: Path, status: dict[str, Any]) -> None:
         os.close(fd)
 
 
-def _padded(data: dict[str, Any]) -> bytes:
+def _padded(data: Mapping[str, Any]) -> bytes:
     text = json.dumps(data).encode()
     if len(text) > STATUS_RESERVED_BYTES:
         raise ValueError(f"status too large for its reservation ({len(text)} bytes)")
@@ -290,7 +292,7 @@ def _write_all(fd: int, data: bytes) -> None:
         offset += os.pwrite(fd, data[offset:], offset)
 
 
-def _write_or_warn(path: Path, data: dict[str, Any]) -> None:
+def _write_or_warn(path: Path, data: Mapping[str, Any]) -> None:
     """Write a file the daemon can do without (it finds the processes through the
     claim and the process tree), so a full disk does not end the shim."""
     try:
@@ -314,9 +316,9 @@ def main(argv: list[str]) -> int:
         print("usage: python -m supervisor.runtime.shim ATTEMPT_DIR", file=sys.stderr)
         return 2
     attempt_dir = Path(argv[0])
-    launch = read_json(attempt_dir / "launch.json")
-    if not isinstance(launch, dict):
-        print(f"jobsup shim: no readable launch.json in {attempt_dir}", file=sys.stderr)
+    launch = files.read_launch(attempt_dir)
+    if launch is None:
+        print(f"jobsup shim: no readable {files.LAUNCH} in {attempt_dir}", file=sys.stderr)
         return 2
     return Shim(attempt_dir, launch).run()
 

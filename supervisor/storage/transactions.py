@@ -9,8 +9,9 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 
+from sqlalchemy import event
 from sqlalchemy.exc import OperationalError
-from sqlalchemy.orm import Session
+from sqlalchemy.orm import ORMExecuteState, Session, SessionTransaction
 
 from supervisor.storage import store
 
@@ -21,6 +22,41 @@ log = logging.getLogger("supervisor.daemon.loop")  # the tick's log, whichever m
 class Written:
     ok: bool = False
     """The block's writes were committed."""
+
+
+_WROTE = "jobsup.transaction_wrote"
+"""`Session.info` key: the session's open transaction has sent a write (a flush, or an
+INSERT/UPDATE/DELETE statement) to the database."""
+_WATCHED = "jobsup.writes_watched"
+
+
+def _flushed(session: Session, _context: object) -> None:
+    session.info[_WROTE] = True
+
+
+def _executed(state: ORMExecuteState) -> None:
+    if state.is_insert or state.is_update or state.is_delete:
+        state.session.info[_WROTE] = True
+
+
+def _ended(session: Session, transaction: SessionTransaction) -> None:
+    if transaction.parent is None:  # the outer transaction: committed or rolled back
+        session.info.pop(_WROTE, None)
+
+
+def _watch_writes(session: Session) -> None:
+    if not session.info.get(_WATCHED):
+        session.info[_WATCHED] = True
+        event.listen(session, "after_flush", _flushed)
+        event.listen(session, "do_orm_execute", _executed)
+        event.listen(session, "after_transaction_end", _ended)
+
+
+def has_writes(session: Session) -> bool:
+    """The session holds changes not yet committed: pending objects or attribute
+    changes, or writes already sent to the database in its open transaction."""
+    return bool(session.info.get(_WROTE) or session.new or session.deleted
+                or session.identity_map.check_modified())
 
 
 class TickSteps:
@@ -43,10 +79,19 @@ class TickSteps:
     def writing(self, session: Session, what: str) -> Iterator[Written]:
         """Commit what the block wrote. A full disk under the database is survived:
         the block's writes are rolled back (they are redone from the facts next tick)
-        and the yielded outcome's `ok` stays False; other errors propagate."""
+        and the yielded outcome's `ok` stays False; other errors propagate.
+
+        A block that wrote nothing (a running job whose state did not change: most jobs,
+        most ticks) commits nothing: there is nothing to lose, and a commit per job per
+        tick was a good part of the tick's cost (#15). While the database is full every
+        block commits, so the first commit that succeeds says it is writable again."""
         outcome = Written()
+        _watch_writes(session)
         try:
             yield outcome
+            if not self.database_full and not has_writes(session):
+                outcome.ok = True
+                return
             session.commit()
             outcome.ok = True
         except OperationalError as exc:

@@ -1,0 +1,210 @@
+"""The shim <-> daemon contract: the files of one attempt directory,
+`DATA_DIR/jobs/ID/attempt-N/`, their names, their JSON fields, and the one reader of each.
+
+The daemon (`launcher.py`, `daemon/recovery.py`) and the per-job shim (`shim.py`) both
+import this module, so a file or a field is named in one place; the TypedDicts let mypy
+check every writer's keys. Stdlib only: the shim imports it.
+
+Who writes what, in order:
+
+- `launch.json` (`Launch`), the daemon, before it starts the shim: what to run.
+- `status.json` (`Status`), the shim, first as `RESERVED` at its full size, then
+  overwritten in place with the exit when the worker ends.
+- `claim.json` (`Claim`), created exactly once (hard link of a whole temp file): by the
+  shim before it starts the worker, or by a daemon that gave the launch up. Whoever
+  creates it owns the attempt.
+- `shim.json` (`Identity`), the shim, once it owns the attempt.
+- `worker.json` (`WorkerRecord`), the shim, once the worker runs.
+
+A process is named by (pid, create time), never by its pid alone (`procfs`). Every file
+lives in a directory the job can write to: the readers here trust no type, and answer
+None for a missing, unreadable or malformed file.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal, NotRequired, TypedDict
+
+from supervisor.runtime.fileio import read_json
+
+LAUNCH = "launch.json"
+CLAIM = "claim.json"
+SHIM = "shim.json"
+WORKER = "worker.json"
+STATUS = "status.json"
+OUTPUT_LOG = "output.log"
+"""The worker's stdout and stderr (`Launch.log_path` names it)."""
+SHIM_LOG = "shim.log"
+"""The shim's own stdout and stderr."""
+
+Claimant = Literal["shim", "daemon"]
+
+
+class Launch(TypedDict):
+    """`launch.json`: what the shim runs."""
+
+    job_id: str
+    attempt: int
+    argv: list[str]
+    cwd: str
+    env: dict[str, str]
+    log_path: str
+    """Absolute path of the attempt's `OUTPUT_LOG`."""
+    stop_grace_s: float
+    """Seconds between the SIGTERM of a stop and the SIGKILL."""
+
+
+class Claim(TypedDict):
+    """`claim.json`: who owns the attempt."""
+
+    by: Claimant
+    pid: int | None
+    create_time: NotRequired[float | None]
+    """The shim's; a daemon's claim has none (the daemon's liveness does not matter)."""
+
+
+class Identity(TypedDict):
+    """`shim.json`: the shim's identity."""
+
+    pid: int
+    create_time: float | None
+    """Seconds since the epoch, as `procfs.create_time` computes it."""
+
+
+class WorkerRecord(Identity):
+    """`worker.json`: the worker's identity (its pid is also its process group id)."""
+
+    started_at: float
+    """Seconds since the epoch (wall clock) when the shim started it."""
+
+
+class Reserved(TypedDict):
+    reserved: Literal[True]
+
+
+RESERVED: Reserved = {"reserved": True}
+"""What `status.json` holds while the worker runs."""
+
+
+class Status(TypedDict):
+    """`status.json` once the worker ended."""
+
+    pid: int | None
+    """The worker's; None when it could not be started."""
+    exit_code: int | None
+    """None when a signal ended it."""
+    signal: int | None
+    ended_at: float
+    """Seconds since the epoch (wall clock); its presence marks a recorded exit."""
+    stop_requested: bool
+    killed_after_grace: bool
+    max_rss_bytes: int
+    """Peak RSS of the worker (wait4's ru_maxrss)."""
+    spawn_error: str | None
+    """Why the worker could not be started (at most 300 characters)."""
+    oom_kills: int | None
+    """OOM kills in the shim's memory cgroup during the run; None without one."""
+
+
+@dataclass(frozen=True)
+class WorkerInfo:
+    """`worker.json` as read back."""
+
+    pid: int
+    create_time: float | None
+    started_at: float
+
+
+@dataclass(frozen=True)
+class ExitStatus:
+    """`status.json` as read back: what the shim wrote when the worker ended."""
+
+    exit_code: int | None
+    signal: int | None
+    ended_at: float
+    stop_requested: bool
+    killed_after_grace: bool
+    max_rss_bytes: int
+    spawn_error: str | None
+    oom_kills: int | None = None
+    """OOM kills in the shim's cgroup during the run (None: no readable cgroup)."""
+
+
+def _whole(value: Any) -> int | None:
+    return value if isinstance(value, int) and not isinstance(value, bool) else None
+
+
+def _number(value: Any) -> float | None:
+    return (float(value) if isinstance(value, int | float) and not isinstance(value, bool)
+            else None)
+
+
+def _text(value: Any) -> str | None:
+    return value if isinstance(value, str) else None
+
+
+def read_launch(adir: str | os.PathLike[str]) -> Launch | None:
+    """The attempt's `launch.json`, None unless it names at least an argv (a list of
+    strings). Fields a daemon of an older version did not write get their defaults:
+    `cwd` "/", `env` {}, `log_path` the attempt's output.log, `stop_grace_s` 10."""
+    data = read_json(Path(adir) / LAUNCH)
+    if not isinstance(data, dict):
+        return None
+    argv, env = data.get("argv"), data.get("env")
+    if not isinstance(argv, list) or not argv or not all(isinstance(a, str) for a in argv):
+        return None
+    grace = _number(data.get("stop_grace_s"))
+    return Launch(
+        job_id=_text(data.get("job_id")) or "", attempt=_whole(data.get("attempt")) or 0,
+        argv=argv, cwd=_text(data.get("cwd")) or "/",
+        env={str(k): str(v) for k, v in env.items()} if isinstance(env, dict) else {},
+        log_path=_text(data.get("log_path")) or str(Path(adir) / OUTPUT_LOG),
+        stop_grace_s=grace if grace is not None and grace > 0 else 10.0,
+    )
+
+
+def read_claim(adir: str | os.PathLike[str]) -> Claim | None:
+    """The attempt's `claim.json`, None when there is none or it names no claimant."""
+    data = read_json(Path(adir) / CLAIM)
+    if not isinstance(data, dict) or data.get("by") not in ("shim", "daemon"):
+        return None
+    return Claim(by=data["by"], pid=_whole(data.get("pid")),
+                 create_time=_number(data.get("create_time")))
+
+
+def read_shim(adir: str | os.PathLike[str]) -> Identity | None:
+    """The attempt's `shim.json`, None before the shim wrote it."""
+    data = read_json(Path(adir) / SHIM)
+    if not isinstance(data, dict) or _whole(data.get("pid")) is None:
+        return None
+    return Identity(pid=data["pid"], create_time=_number(data.get("create_time")))
+
+
+def read_worker(adir: str | os.PathLike[str]) -> WorkerInfo | None:
+    """The attempt's `worker.json`, None before the shim started a worker."""
+    data = read_json(Path(adir) / WORKER)
+    if not isinstance(data, dict) or _whole(data.get("pid")) is None:
+        return None
+    return WorkerInfo(data["pid"], _number(data.get("create_time")),
+                      _number(data.get("started_at")) or 0.0)
+
+
+def read_exit(adir: str | os.PathLike[str]) -> ExitStatus | None:
+    """The attempt's recorded exit; None while the worker runs (`status.json` holds
+    only the reservation, or a torn overwrite) and when there is no `status.json`."""
+    data = read_json(Path(adir) / STATUS)
+    if not isinstance(data, dict):
+        return None
+    ended_at = _number(data.get("ended_at"))
+    if ended_at is None:
+        return None
+    return ExitStatus(
+        exit_code=_whole(data.get("exit_code")), signal=_whole(data.get("signal")),
+        ended_at=ended_at, stop_requested=bool(data.get("stop_requested")),
+        killed_after_grace=bool(data.get("killed_after_grace")),
+        max_rss_bytes=_whole(data.get("max_rss_bytes")) or 0,
+        spawn_error=_text(data.get("spawn_error")), oom_kills=_whole(data.get("oom_kills")),
+    )
