@@ -229,7 +229,7 @@ def backoff_s(attempts: int, max_s: float = BACKOFF_MAX_S) -> float:
     error, a 429 without `Retry-After`): exponential from BACKOFF_BASE_S, capped at
     `max_s`, with "equal jitter" (half fixed, half random) so destinations that failed
     together do not retry together."""
-    ceiling = min(max_s, BACKOFF_BASE_S * 2 ** (attempts - 1))
+    ceiling = min(max_s, BACKOFF_BASE_S * 2.0 ** min(attempts - 1, 64))
     return ceiling / 2 + random.uniform(0, ceiling / 2)
 
 

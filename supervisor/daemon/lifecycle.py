@@ -70,7 +70,7 @@ class Restarts:
 
     def delay_s(self) -> float:
         """Exponential backoff: backoff_s x 2^done, at most backoff_max_s."""
-        return min(self.backoff_s * 2 ** min(self.done, 64), self.backoff_max_s)
+        return min(self.backoff_s * 2.0 ** min(self.done, 64), self.backoff_max_s)
 
 
 def after_exit(ended: Exit, restarts: Restarts) -> Decision:

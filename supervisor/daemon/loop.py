@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import errno
 import logging
-import signal as signals
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -19,6 +18,7 @@ from supervisor.alerting.recorder import AlertRecorder
 from supervisor.api.views import stored_progress
 from supervisor.clock import SteadyClock
 from supervisor.config import Settings
+from supervisor.daemon import lifecycle
 from supervisor.observe.observer import SCAN_BUDGET_S, ObservedJob, Observer
 from supervisor.runtime.fileio import tail_lines
 from supervisor.runtime.launcher import (
@@ -29,7 +29,7 @@ from supervisor.runtime.launcher import (
     LocalBackend,
     log_path,
 )
-from supervisor.spec import ExitReason, JobSpec, JobState, RestartPolicy, stored_spec
+from supervisor.spec import ExitReason, JobSpec, JobState, stored_spec
 from supervisor.storage import store
 from supervisor.storage.tables import Job, Sample
 from supervisor.storage.transactions import TickSteps
@@ -55,13 +55,6 @@ UNSAVED_SAMPLES_MAX = 200_000
 
 LOG_TAIL_LINES = 20
 """Log lines searched for known crash causes."""
-
-
-def signal_name(sig: int) -> str:
-    try:
-        return signals.Signals(sig).name
-    except ValueError:
-        return f"signal {sig}"
 
 
 class Engine:
@@ -295,27 +288,14 @@ class Engine:
             # shim known to be dead needs no waiting
             if attempt.shim_pid is not None or now - (job.started_at or now) > LAUNCH_CONFIRM_S:
                 fate = self.backend.settle_launch(attempt)
-                if fate is LaunchFate.ABANDONED:
-                    why = ("its shim exited before starting the job (see shim.log)"
-                           if attempt.shim_pid is not None else
-                           "the daemon died while launching")
-                    store.transition(session, job, JobState.PENDING, now=now,
-                                     reason=f"{why}; launching again")
-                elif fate is LaunchFate.DEAD:
-                    job.exit_reason = ExitReason.LOST.value
-                    store.transition(session, job, JobState.LOST, now=now,
-                                     reason="its shim died while starting the job")
-        elif job.stop_requested_at is not None:  # what the user asked for, exit unknown
-            job.exit_reason = ExitReason.STOPPED.value
-            store.transition(session, job, JobState.STOPPED, now=now,
-                             reason="stopped on request (exit status unknown: its shim had "
-                                    "died)")
+                if fate is not LaunchFate.WAIT:
+                    self._apply(session, job, lifecycle.launch_cut_short(
+                        shim_recorded=attempt.shim_pid is not None,
+                        abandoned=fate is LaunchFate.ABANDONED), at=now, now=now)
         else:
-            job.exit_reason = ExitReason.LOST.value
-            why = ("the job's process vanished after its shim died; exit status unknown"
-                   if attempt.shim_pid is not None and worker is not None else
-                   "the job's processes vanished without recording an exit status")
-            store.transition(session, job, JobState.LOST, now=now, reason=why)
+            self._apply(session, job, lifecycle.vanished(
+                stop_requested=job.stop_requested_at is not None,
+                shim_recorded=attempt.shim_pid is not None), at=now, now=now)
 
     @staticmethod
     def _served_its_purpose(session: Session, job: Job) -> bool:
@@ -346,57 +326,49 @@ class Engine:
         return spec.stop_grace_s or self.settings.stop_grace_s
 
     def _finish(self, session: Session, job: Job, status: ExitStatus, now: float) -> None:
-        """Classify the exit and decide: ended, or pending again for a restart."""
+        """Record the exit and apply what the lifecycle decides follows it: ended, or
+        pending again for a restart."""
         job.exit_code, job.signal = status.exit_code, status.signal
         # the shim's wall-clock time; never later than the daemon's own clock (a system
         # clock stepped forward must not push the end, and the alerts' windows, ahead)
         ended_at = min(status.ended_at, now)
-        if job.stop_requested_at is not None or status.stop_requested:
-            job.exit_reason = ExitReason.STOPPED.value
-            how = ("SIGKILL after the grace" if status.killed_after_grace else
-                   "SIGKILL by the daemon's backstop"
-                   if (job.id, job.attempt) in self._killed else "SIGTERM")
-            why = ("because the jobs it served have ended"
-                   if self._served_its_purpose(session, job) else "on request")
-            store.transition(session, job, JobState.STOPPED, now=ended_at,
-                             reason=f"stopped {why} ({how})")
-            return
-        if status.spawn_error:
-            job.exit_reason = ExitReason.EXIT.value
-            reason = status.spawn_error
-        elif status.signal is not None:
-            job.exit_reason = ExitReason.SIGNAL.value
-            reason = f"killed by signal {status.signal} ({signal_name(status.signal)})"
-        if status.exit_code == 0 and not status.spawn_error:
-            job.exit_reason = ExitReason.EXIT.value
-            store.transition(session, job, JobState.SUCCEEDED, now=ended_at,
-                             reason="exited with code 0")
-            return
-        if status.signal is None and not status.spawn_error:
-            job.exit_reason = ExitReason.EXIT.value
-            reason = f"exited with code {status.exit_code}"
-        lines, _ = tail_lines(log_path(self.settings.jobs_dir, job.id, job.attempt),
-                              LOG_TAIL_LINES)
-        notes, oom = rules.classify_exit(exit_code=status.exit_code, signal=status.signal,
-                                          oom_kills=status.oom_kills or 0, log_tail=lines)
-        if oom:
-            job.exit_reason = ExitReason.OOM.value
-        if notes:
-            reason = f"{reason} — {notes}"
-
+        stop_requested = job.stop_requested_at is not None or status.stop_requested
+        failed = not stop_requested and (status.exit_code != 0 or bool(status.spawn_error))
+        notes: str | None = None
+        oom: str | None = None
+        if failed:  # what the log tail and the exit tell (NCCL, CUDA OOM, the rank)
+            lines, _ = tail_lines(log_path(self.settings.jobs_dir, job.id, job.attempt),
+                                  LOG_TAIL_LINES)
+            notes, oom = rules.classify_exit(exit_code=status.exit_code, signal=status.signal,
+                                              oom_kills=status.oom_kills or 0, log_tail=lines)
+        stopped_by = ("SIGKILL after the grace" if status.killed_after_grace else
+                      "SIGKILL by the daemon's backstop"
+                      if (job.id, job.attempt) in self._killed else "SIGTERM")
+        stop_cause = ("because the jobs it served have ended"
+                      if stop_requested and self._served_its_purpose(session, job)
+                      else "on request")
         spec = stored_spec(job.spec_json)
-        if spec.restart_policy is RestartPolicy.ON_FAILURE and job.restarts < spec.max_restarts:
-            delay = min(self.settings.restart_backoff_s * 2 ** min(job.restarts, 64),
-                        self.settings.restart_backoff_max_s)
+        decision = lifecycle.after_exit(
+            lifecycle.Exit(status.exit_code, status.signal, spawn_error=status.spawn_error,
+                           stop_requested=stop_requested, stopped_by=stopped_by,
+                           stop_cause=stop_cause, oom=oom is not None, notes=notes or None),
+            lifecycle.Restarts(spec.restart_policy, done=job.restarts, limit=spec.max_restarts,
+                               backoff_s=self.settings.restart_backoff_s,
+                               backoff_max_s=self.settings.restart_backoff_max_s))
+        self._apply(session, job, decision, at=ended_at, now=now)
+
+    def _apply(self, session: Session, job: Job, decision: lifecycle.Decision, *, at: float,
+               now: float) -> None:
+        """Write a lifecycle decision: the exit reason, a restart's bookkeeping, and the
+        transition through the store (at `at`, the time the job's state changed)."""
+        if decision.exit_reason is not None:
+            job.exit_reason = decision.exit_reason.value
+        if decision.restart_in_s is not None:
             job.restarts += 1
-            job.next_start_at = now + delay
-            store.transition(
-                session, job, JobState.PENDING, now=ended_at,
-                reason=f"{reason}; restart {job.restarts}/{spec.max_restarts} in {delay:.1f} s",
-            )
+            job.next_start_at = now + decision.restart_in_s
+        store.transition(session, job, decision.state, now=at, reason=decision.reason)
+        if job.next_start_at is not None and decision.restart_in_s is not None:
             self.wake_at(job.next_start_at)
-            return
-        store.transition(session, job, JobState.FAILED, now=ended_at, reason=reason)
 
     def wake_at(self, t: float) -> None:
         """Tick at `t` (restart backoff shorter than the tick interval)."""
@@ -407,22 +379,20 @@ class Engine:
             timer.start()
 
     def _check_pending(self, session: Session, job: Job, now: float) -> None:
-        if job.stop_requested_at is not None:
-            job.exit_reason = ExitReason.STOPPED.value
-            store.transition(session, job, JobState.STOPPED, now=now,
-                             reason="stopped on request before it started")
-            return
         spec = stored_spec(job.spec_json)
+        dependencies = []
         for dep_id in spec.depends_on:
             dep = session.get(Job, dep_id)
-            dep_state = JobState(dep.state) if dep is not None else JobState.LOST
-            if dep_state in (JobState.FAILED, JobState.STOPPED, JobState.LOST):
-                name = dep.name if dep is not None else "?"
-                store.transition(session, job, JobState.FAILED, now=now,
-                                 reason=f"dependency {dep_id} ({name}) {dep_state.value}")
-                return
-            if dep_state is not JobState.SUCCEEDED:
-                return
+            dependencies.append(lifecycle.Dependency(
+                dep_id, dep.name if dep is not None else "?",
+                JobState(dep.state) if dep is not None else JobState.LOST))
+        decision = lifecycle.before_start(stop_requested=job.stop_requested_at is not None,
+                                          dependencies=dependencies)
+        if decision is not None:
+            self._apply(session, job, decision, at=now, now=now)
+            return
+        if not lifecycle.dependencies_met(dependencies):
+            return
         if job.next_start_at is not None and now < job.next_start_at:
             return
         self._launch(session, job, spec, now)

@@ -44,7 +44,8 @@ from sqlalchemy.orm import Session
 
 from supervisor.alerting import rules
 from supervisor.config import Settings
-from supervisor.daemon.loop import LOG_TAIL_LINES, signal_name
+from supervisor.daemon.lifecycle import signal_name
+from supervisor.daemon.loop import LOG_TAIL_LINES
 from supervisor.errors import DatabaseDamaged
 from supervisor.observe.progress_file import from_progress_file
 from supervisor.runtime import files
