@@ -2,6 +2,7 @@
 # The project's two commands (README Quickstart):
 #   ./dev.sh demo [ARGS]   set up .venv and run the demo under the jobsup daemon
 #   ./dev.sh test [ARGS]   set up .venv and run lint, type checks and the test suite
+#                          (ARGS go to pytest: -m "not slow" runs the fast tier only)
 # Setup is idempotent: the venv is (re)installed only when pyproject.toml or
 # constraints.txt changed. Nothing needs to be installed by hand.
 set -euo pipefail

@@ -6,7 +6,11 @@ import os
 import time
 from pathlib import Path
 
-from tests.conftest import Daemon, Receiver, python_job, wait_for
+import pytest
+
+from tests.helpers import Daemon, Receiver, python_job, wait_for
+
+pytestmark = pytest.mark.slow
 
 
 def slack_daemon(make_daemon, receiver: Receiver, **env: str) -> Daemon:

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import Daemon, python_job
+from tests.helpers import Daemon, python_job
 
 BAD_SPECS = [
     ({"name": "x", "command": []}, "command"),
@@ -30,6 +30,7 @@ BAD_SPECS = [
 ]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(("spec", "field"), BAD_SPECS, ids=[f for _, f in BAD_SPECS])
 def test_bad_spec_is_refused_naming_the_field(daemon: Daemon, spec: dict, field: str) -> None:
     response = daemon.http.post("/api/v1/jobs", json=spec)

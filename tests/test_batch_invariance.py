@@ -23,7 +23,7 @@ from transformers import (
     Qwen3MoeForCausalLM,
 )
 
-from tests.workers_util import make_conversations, one_thread  # noqa: F401 (fixture)
+from tests.helpers import make_conversations
 from workers.batch_invariance import (
     CheckError,
     check_batch_invariance,
@@ -35,6 +35,8 @@ from workers.batch_invariance import (
 )
 from workers.extractor import Sample, pack_batches, pad_batch
 from workers.tiny import build_tokenizer, corpus
+
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 REPO = Path(__file__).resolve().parent.parent
 VOCAB = 384
@@ -128,6 +130,7 @@ def test_dense_model_has_no_routing_and_no_lm_head_figure(samples: list[Sample])
     assert "argmax" not in format_report(result)
 
 
+@pytest.mark.slow
 def test_bf16_differences_match_an_independent_computation(samples: list[Sample]) -> None:
     """In bf16 batching changes results measurably (on some samples: most rows of a
     CPU bf16 matmul do not depend on the batch); each reported figure equals the one
@@ -282,6 +285,7 @@ def extract(*args: str | Path) -> subprocess.CompletedProcess[str]:
                           capture_output=True, text=True, timeout=300, cwd=REPO)
 
 
+@pytest.mark.slow
 def test_cli_writes_the_report_and_does_not_extract(tmp_path: Path) -> None:
     tokenizer = build_tokenizer(corpus())
     model_dir = tmp_path / "deepseek"
@@ -302,6 +306,7 @@ def test_cli_writes_the_report_and_does_not_extract(tmp_path: Path) -> None:
     assert not list(out.rglob("*.safetensors")) and not (out / "manifest.jsonl").exists()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(("extra", "message"), [
     (["--ranks", "2"], "runs in one process"),
     (["--gpus", "2"], "runs in one process"),
@@ -316,6 +321,7 @@ def test_cli_refuses(tmp_path: Path, extra: list[str], message: str) -> None:
     assert "Traceback" not in result.stderr
 
 
+@pytest.mark.slow
 def test_cli_fp32_router_needs_the_check(tmp_path: Path) -> None:
     result = extract("--model", tmp_path, "--data", tmp_path / "d.jsonl", "--out", tmp_path,
                      "--check-fp32-router")

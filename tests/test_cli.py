@@ -7,7 +7,9 @@ import subprocess
 import sys
 from pathlib import Path
 
-from tests.conftest import Daemon, free_port
+import pytest
+
+from tests.helpers import Daemon, free_port
 
 
 def jobsup(*args: str, url: str | None, env: dict[str, str] | None = None,
@@ -20,6 +22,7 @@ def jobsup(*args: str, url: str | None, env: dict[str, str] | None = None,
                           text=True, timeout=timeout, env=full_env)
 
 
+@pytest.mark.slow
 def test_submit_ls_show_logs_follow(daemon: Daemon) -> None:
     submitted = jobsup("submit", "--name", "count", "--label", "step=demo", "--",
                        sys.executable, "-c",
@@ -41,6 +44,7 @@ def test_submit_ls_show_logs_follow(daemon: Daemon) -> None:
     assert tail.stdout == "tick 2\n"
 
 
+@pytest.mark.slow
 def test_follow_spans_restarts(make_daemon, tmp_path: Path) -> None:
     daemon = make_daemon(env={"JOBSUP_RESTART_BACKOFF_S": "0.2"})
     job = daemon.submit([sys.executable, "-c", "import os; print('attempt', "
@@ -50,6 +54,7 @@ def test_follow_spans_restarts(make_daemon, tmp_path: Path) -> None:
     assert "attempt 2" in followed.stdout
 
 
+@pytest.mark.slow
 def test_stop_from_the_cli(daemon: Daemon) -> None:
     job = daemon.submit([sys.executable, "-c", "import time; time.sleep(600)"])
     daemon.wait_state(job["id"], "running")
@@ -59,6 +64,7 @@ def test_stop_from_the_cli(daemon: Daemon) -> None:
     assert again.returncode == 1 and "already ended" in again.stderr
 
 
+@pytest.mark.slow
 def test_user_mistakes_give_error_and_hint_without_traceback(daemon: Daemon) -> None:
     cases = [
         (("submit", "--name", "x", "--", "no-such-program-xyz"), "not found on PATH"),
@@ -86,6 +92,7 @@ def test_wrong_usage_is_a_usage_error() -> None:
     assert jobsup("--help", url=None).returncode == 0
 
 
+@pytest.mark.slow
 def test_non_loopback_bind_without_token_refuses(tmp_path: Path) -> None:
     result = jobsup("serve", "--host", "0.0.0.0", "--port", str(free_port()),
                     "--data-dir", str(tmp_path), url=None)

@@ -10,23 +10,16 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import PY, Daemon, python_job, wait_for
+from tests.helpers import Daemon, job_module, python_job, wait_for
+
+pytestmark = pytest.mark.slow
 
 LIBFAKETIME = next(iter(sorted(Path("/usr/lib").glob("*/faketime/libfaketimeMT.so.1"))),
                    Path("/usr/lib/x86_64-linux-gnu/faketime/libfaketimeMT.so.1"))
 
 # libfaketime's clock_nanosleep fails (EINVAL) while the monotonic clock is left alone,
 # so the jobs here wait with Event.wait and signal.pause, never time.sleep
-PROGRESSING = ("import json, os, threading\n"
-               "path = os.environ['JOBSUP_PROGRESS_FILE']\n"
-               "for i in range(10**6):\n"
-               "    with open(path + '.tmp', 'w') as f: json.dump({'done': i, 'total': 10**6}, f)\n"
-               "    os.replace(path + '.tmp', path)\n"
-               "    threading.Event().wait(0.3)\n")
-
-IGNORES_SIGTERM = ("import signal\n"
-                   "signal.signal(signal.SIGTERM, signal.SIG_IGN)\n"
-                   "while True: signal.pause()\n")
+# (tests/jobs/progress_ticker.py, tests/jobs/ignores_sigterm.py)
 
 
 @pytest.fixture
@@ -52,8 +45,8 @@ def step(clock_file: Path, offset_s: int) -> None:
 def test_a_forward_step_fires_no_stall_and_no_early_sigkill(make_daemon,
                                                             clock_file: Path) -> None:
     daemon: Daemon = make_daemon(env=faked(clock_file))
-    busy = daemon.submit(python_job(PROGRESSING), name="busy", stall_timeout_s=5)
-    held = daemon.submit([PY, "-c", IGNORES_SIGTERM], name="held", stop_grace_s=20)
+    busy = daemon.submit(job_module("progress_ticker"), name="busy", stall_timeout_s=5)
+    held = daemon.submit(job_module("ignores_sigterm"), name="held", stop_grace_s=20)
     for job in (busy, held):
         wait_for(lambda j=job: daemon.job(j["id"])["pid"], 15, what="worker started")
     wait_for(lambda: (daemon.job(busy["id"])["progress"]["items_done"] or 0) > 2, 10,

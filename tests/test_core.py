@@ -9,14 +9,16 @@ from datetime import datetime
 from pathlib import Path
 
 import psutil
+import pytest
 
-from tests.conftest import Daemon, python_job, wait_for
+from tests.helpers import Daemon, job_module, python_job, wait_for
 
 
 def ts(iso: str) -> float:
     return datetime.fromisoformat(iso.replace("Z", "+00:00")).timestamp()
 
 
+@pytest.mark.slow
 def test_job_that_succeeds_records_its_lifecycle(daemon: Daemon, tmp_path: Path) -> None:
     job = daemon.submit(python_job("print('hello from the job')"), name="ok")
     assert job["state"] == "pending" and job["attempt"] == 0
@@ -30,6 +32,7 @@ def test_job_that_succeeds_records_its_lifecycle(daemon: Daemon, tmp_path: Path)
     assert "hello from the job" in daemon.logs(job["id"])
 
 
+@pytest.mark.slow
 def test_job_environment(daemon: Daemon) -> None:
     code = ("import os, sys; print(os.environ['JOBSUP_JOB_ID'], os.environ['PYTHONUNBUFFERED'],"
             " os.environ['JOBSUP_PROGRESS_FILE'], os.environ['MY_VAR'],"
@@ -42,6 +45,7 @@ def test_job_environment(daemon: Daemon) -> None:
     assert cwd == "/tmp" and own_group == "True"
 
 
+@pytest.mark.slow
 def test_exit_code_3_is_failed(daemon: Daemon) -> None:
     job = daemon.submit(python_job("import sys; sys.exit(3)"), name="three")
     done = daemon.wait_state(job["id"], "failed")
@@ -56,6 +60,7 @@ def test_sigkilled_job_is_failed_with_signal_9(daemon: Daemon) -> None:
     assert "SIGKILL" in done["reason"]
 
 
+@pytest.mark.slow
 def test_exit_is_noticed_within_a_second_even_with_a_slow_tick(make_daemon) -> None:
     daemon = make_daemon(env={"JOBSUP_SAMPLE_INTERVAL": "30"})
     job = daemon.submit(python_job("import time; time.sleep(1.0)"))
@@ -67,17 +72,11 @@ def test_exit_is_noticed_within_a_second_even_with_a_slow_tick(make_daemon) -> N
     assert noticed - worker_exit < 1.0, (noticed - worker_exit, started)
 
 
+@pytest.mark.slow
 def test_stop_kills_a_tree_that_ignores_sigterm(daemon: Daemon, tmp_path: Path) -> None:
     pids_file = tmp_path / "pids"
-    code = f"""
-import os, signal, subprocess, sys, time
-signal.signal(signal.SIGTERM, signal.SIG_IGN)
-child = subprocess.Popen([sys.executable, "-c",
-    "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); time.sleep(600)"])
-open({str(pids_file)!r}, "w").write(f"{{os.getpid()}} {{child.pid}}")
-time.sleep(600)
-"""
-    job = daemon.submit(python_job(code), name="stubborn", stop_grace_s=1.5)
+    job = daemon.submit(job_module("stubborn_tree", pids_file), name="stubborn",
+                        stop_grace_s=1.5)
     wait_for(lambda: pids_file.exists() and len(pids_file.read_text().split()) == 2, 10,
              what="job and child pids")
     pids = [int(p) for p in pids_file.read_text().split()]
@@ -129,6 +128,7 @@ def test_logs_tail(daemon: Daemon) -> None:
     assert bad.status_code == 422 and "tail" in bad.json()["error"]
 
 
+@pytest.mark.slow
 def test_restart_on_failure_with_exponential_backoff(make_daemon) -> None:
     daemon = make_daemon(env={"JOBSUP_RESTART_BACKOFF_S": "0.5"})
     job = daemon.submit(python_job("import sys; sys.exit(7)"), name="flaky",
@@ -147,6 +147,7 @@ def test_restart_on_failure_with_exponential_backoff(make_daemon) -> None:
                            for i, d in ((1, "0.5"), (2, "1.0"), (3, "2.0"))]
 
 
+@pytest.mark.slow
 def test_restart_until_success(make_daemon, tmp_path: Path) -> None:
     daemon = make_daemon(env={"JOBSUP_RESTART_BACKOFF_S": "0.1"})
     counter = tmp_path / "count"
@@ -161,6 +162,7 @@ def test_restart_until_success(make_daemon, tmp_path: Path) -> None:
         "attempt-*/output.log")) == ["attempt-1", "attempt-2"]
 
 
+@pytest.mark.slow
 def test_dependency_chain_runs_in_order(daemon: Daemon) -> None:
     a = daemon.submit(python_job("import time; time.sleep(1)"), name="a")
     b = daemon.submit(python_job("import time; time.sleep(0.5)"), name="b", depends_on=[a["id"]])
@@ -173,6 +175,7 @@ def test_dependency_chain_runs_in_order(daemon: Daemon) -> None:
     assert ts(done_b["ended_at"]) <= ts(done_c["started_at"])
 
 
+@pytest.mark.slow
 def test_failed_dependency_fails_the_dependents(daemon: Daemon) -> None:
     a = daemon.submit(python_job("import sys; sys.exit(2)"), name="extract")
     b = daemon.submit(python_job("pass"), name="train", depends_on=[a["id"]])
@@ -185,6 +188,7 @@ def test_failed_dependency_fails_the_dependents(daemon: Daemon) -> None:
     assert done_b["attempt"] == 0 and done_b["pid"] is None
 
 
+@pytest.mark.slow
 def test_stop_of_a_pending_job(daemon: Daemon) -> None:
     a = daemon.submit(python_job("import time; time.sleep(600)"), name="long")
     b = daemon.submit(python_job("pass"), depends_on=[a["id"]])
@@ -196,6 +200,7 @@ def test_stop_of_a_pending_job(daemon: Daemon) -> None:
     daemon.http.post(f"/api/v1/jobs/{a['id']}/stop")
 
 
+@pytest.mark.slow
 def test_list_filters(daemon: Daemon) -> None:
     a = daemon.submit(python_job("pass"), labels={"step": "extract"})
     b = daemon.submit(python_job("import sys; sys.exit(1)"), labels={"step": "train"})
@@ -208,6 +213,7 @@ def test_list_filters(daemon: Daemon) -> None:
     assert daemon.http.get("/api/v1/jobs", params={"state": "nope"}).status_code == 422
 
 
+@pytest.mark.slow
 def test_job_whose_shim_and_worker_vanish_is_lost(daemon: Daemon, tmp_path: Path) -> None:
     job = daemon.submit(python_job("import time; time.sleep(600)"))
     running = daemon.wait_state(job["id"], "running")
@@ -224,6 +230,7 @@ def test_job_whose_shim_and_worker_vanish_is_lost(daemon: Daemon, tmp_path: Path
     assert done["exit_reason"] == "lost" and "exit status unknown" in done["reason"]
 
 
+@pytest.mark.slow
 def test_command_is_never_run_by_a_shell(daemon: Daemon, tmp_path: Path) -> None:
     marker = tmp_path / "pwned"
     job = daemon.submit(["echo", f"hi; touch {marker}"])
@@ -232,6 +239,7 @@ def test_command_is_never_run_by_a_shell(daemon: Daemon, tmp_path: Path) -> None
     assert not marker.exists()
 
 
+@pytest.mark.slow
 def test_spawn_failure_after_submit_is_reported(daemon: Daemon, tmp_path: Path) -> None:
     script = tmp_path / "run.sh"
     script.write_text("#!/bin/sh\necho ran\n")

@@ -8,7 +8,11 @@ import sys
 import time
 from pathlib import Path
 
-from tests.conftest import Daemon, exit_recorded, python_job, wait_for
+import pytest
+
+from tests.helpers import Daemon, exit_recorded, job_module, python_job, wait_for
+
+pytestmark = pytest.mark.slow
 
 
 def test_daemon_sigkill_while_two_jobs_run(make_daemon, tmp_path: Path) -> None:
@@ -16,8 +20,7 @@ def test_daemon_sigkill_while_two_jobs_run(make_daemon, tmp_path: Path) -> None:
     flag = tmp_path / "go"
     long = daemon.submit(python_job("import time; time.sleep(600)"), name="long")
     ends = daemon.submit(
-        python_job(f"import os, sys, time\nwhile not os.path.exists({str(flag)!r}): "
-                   "time.sleep(0.05)\nsys.exit(5)"), name="ends-while-down")
+        job_module("waits_for_file", flag, 5), name="ends-while-down")
     wait_for(lambda: all(daemon.job(j["id"])["pid"] for j in (long, ends)), 10,
              what="both workers running")
     long_before = daemon.job(long["id"])

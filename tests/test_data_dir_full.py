@@ -13,7 +13,9 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import Daemon, exit_recorded, python_job, tmpfs, wait_for
+from tests.helpers import Daemon, exit_recorded, job_module, python_job, tmpfs, wait_for
+
+pytestmark = pytest.mark.slow
 
 
 @pytest.fixture
@@ -33,19 +35,14 @@ def fill(path: Path) -> None:
                 assert exc.errno == errno.ENOSPC, exc
 
 
-WAITS_THEN_EXITS = ("import os, sys, time\n"
-                    "while not os.path.exists(sys.argv[1]): time.sleep(0.05)\n"
-                    "sys.exit(int(sys.argv[2]))\n")
-
-
 @pytest.mark.timeout(120)
 def test_jobs_ending_on_a_full_data_dir_keep_their_exit(small_disk: Path, make_daemon,
                                                          tmp_path: Path) -> None:
     daemon: Daemon = make_daemon(data_dir=small_disk / "data", log_dir=tmp_path,
                                  env={"JOBSUP_NOTIFY_ON_SUCCESS": "false"})
     flag = tmp_path / "go"  # outside the full disk
-    ok = daemon.submit(python_job(WAITS_THEN_EXITS) + [str(flag), "0"], name="ok")
-    bad = daemon.submit(python_job(WAITS_THEN_EXITS) + [str(flag), "3"], name="bad")
+    ok = daemon.submit(job_module("waits_for_file", flag, 0), name="ok")
+    bad = daemon.submit(job_module("waits_for_file", flag, 3), name="bad")
     for job in (ok, bad):
         wait_for(lambda j=job: daemon.job(j["id"])["pid"], 15, what="worker started")
 
@@ -94,7 +91,7 @@ def test_a_shim_that_cannot_reserve_its_status_file_is_launched_again(
     launches the job again instead of calling it lost."""
     daemon: Daemon = make_daemon()
     flag = tmp_path / "go"
-    gate = daemon.submit(python_job(WAITS_THEN_EXITS) + [str(flag), "0"], name="gate")
+    gate = daemon.submit(job_module("waits_for_file", flag, 0), name="gate")
     job = daemon.submit(python_job("print('ran')"), name="after-gate", depends_on=[gate["id"]])
     (daemon.data_dir / "jobs" / job["id"] / "attempt-1" / "status.json").mkdir(parents=True)
     flag.touch()

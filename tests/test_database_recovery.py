@@ -27,19 +27,7 @@ from supervisor.runtime.procfs import create_time, is_same_process
 from supervisor.spec import JobSpec, RestartPolicy
 from supervisor.storage.database import make_engine, make_sessionmaker, upgrade
 from supervisor.storage.tables import Job, JobEvent
-from tests.conftest import PY, REPO, Daemon, python_job, wait_for
-
-LOOP = """
-import json, os, time
-path = os.environ["JOBSUP_PROGRESS_FILE"]
-i = 0
-while True:
-    i += 1
-    with open(path + ".tmp", "w") as f:
-        json.dump({"done": i, "total": None, "unit": "steps"}, f)
-    os.replace(path + ".tmp", path)
-    time.sleep(0.2)
-"""
+from tests.helpers import PY, REPO, Daemon, job_module, python_job, wait_for
 
 
 def db_path(daemon: Daemon) -> Path:
@@ -48,7 +36,7 @@ def db_path(daemon: Daemon) -> Path:
 
 def start_jobs(daemon: Daemon) -> dict[str, Any]:
     """A running job, a failed one (exit 3) and one waiting for the running one."""
-    long = daemon.submit(python_job(LOOP), name="long")["id"]
+    long = daemon.submit(job_module("step_counter"), name="long")["id"]
     short = daemon.submit(python_job("import sys; sys.exit(3)"), name="short")["id"]
     after = daemon.submit(python_job("print('never')"), name="after", depends_on=[long])["id"]
     daemon.wait_state(short, "failed")
@@ -70,7 +58,7 @@ def check_rebuilt(daemon: Daemon, jobs: dict[str, Any]) -> None:
     assert is_same_process(jobs["pid"], jobs["create_time"])
     assert any("rebuilt from the data dir after the database was lost" in (e["reason"] or "")
                for e in daemon.events(jobs["long"]))
-    assert long["spec"]["name"] == "long" and long["spec"]["command"][:2] == [PY, "-c"]
+    assert long["spec"]["name"] == "long" and long["spec"]["command"] == job_module("step_counter")
     before = long["progress"]["items_done"] or 0
     wait_for(lambda: (daemon.job(jobs["long"])["progress"]["items_done"] or 0) > before, 15,
              what="progress observed by the new daemon")
@@ -96,6 +84,7 @@ def remove_wal(path: Path) -> None:
         Path(f"{path}{suffix}").unlink(missing_ok=True)
 
 
+@pytest.mark.slow
 def test_database_truncated_to_zero_bytes_is_rebuilt(make_daemon: Callable[..., Daemon]) -> None:
     daemon = make_daemon()
     jobs = start_jobs(daemon)
@@ -106,6 +95,7 @@ def test_database_truncated_to_zero_bytes_is_rebuilt(make_daemon: Callable[..., 
     check_rebuilt(daemon, jobs)
 
 
+@pytest.mark.slow
 def test_database_deleted_is_rebuilt(make_daemon: Callable[..., Daemon]) -> None:
     daemon = make_daemon()
     jobs = start_jobs(daemon)
@@ -130,6 +120,7 @@ def start_with(daemon: Daemon, *args: str) -> None:
     wait_for(daemon._healthy, 30, what=f"daemon on {daemon.url}; log:\n{daemon.log()}")
 
 
+@pytest.mark.slow
 def test_damaged_database_stops_the_daemon_until_rebuild_db(
         make_daemon: Callable[..., Daemon]) -> None:
     daemon = make_daemon()

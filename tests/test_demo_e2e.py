@@ -10,7 +10,9 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import Daemon, wait_for
+from tests.helpers import Daemon, wait_for
+
+pytestmark = pytest.mark.slow
 
 REPO = Path(__file__).resolve().parent.parent
 

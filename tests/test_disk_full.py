@@ -13,30 +13,9 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import Daemon, Receiver, python_job, tmpfs, wait_for
+from tests.helpers import Daemon, Receiver, job_module, tmpfs, wait_for
 
-FILLER = """
-import os, sys, time
-out = sys.argv[1]
-os.makedirs(out, exist_ok=True)
-i, size = 0, 262144
-while True:        # 256 kB items, then 4 kB ones to fill the last bytes; then wait and retry
-    try:
-        with open(os.path.join(out, f".{i}.tmp"), "wb") as f:
-            f.write(b"x" * size)
-        os.replace(os.path.join(out, f".{i}.tmp"), os.path.join(out, f"{i:05d}.bin"))
-        i += 1
-        time.sleep(0.05)
-    except OSError:
-        try:
-            os.unlink(os.path.join(out, f".{i}.tmp"))
-        except OSError:
-            pass
-        if size > 4096:
-            size = 4096
-        else:
-            time.sleep(0.2)
-"""
+pytestmark = pytest.mark.slow
 
 
 @pytest.fixture
@@ -61,7 +40,7 @@ def test_full_disk_is_survived(small_disk: Path, make_daemon, receiver: Receiver
                                       "JOBSUP_DISK_LOW_BYTES": "20000",
                                       "JOBSUP_NOTIFY_ON_SUCCESS": "false"})
     out = small_disk / "out"
-    job = daemon.submit(python_job(FILLER) + [str(out)], name="filler", output_dir=str(out),
+    job = daemon.submit(job_module("disk_filler", out), name="filler", output_dir=str(out),
                         pattern="*.bin")
 
     def disk_free() -> int:

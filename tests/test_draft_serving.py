@@ -17,7 +17,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file
 
-from tests.workers_util import make_conversations, make_model, one_thread  # noqa: F401 (fixture)
+from tests.helpers import make_conversations, make_model
 from workers import extract, serving, vocab
 from workers.draft import (
     DraftConfig,
@@ -30,10 +30,12 @@ from workers.draft import (
 from workers.train import build_model, parse_args
 from workers.train_data import ExtractedData
 
+pytestmark = pytest.mark.usefixtures("one_thread")
+
 REPO = Path(__file__).resolve().parent.parent
 ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
 N = 8
-"""Decoder layers of the target in the config tests (and of tests.workers_util's Llama)."""
+"""Decoder layers of the target in the config tests (and of tests.helpers.make_model's Llama)."""
 
 
 def small_draft(*, vocab_size: int = 40, draft_vocab_size: int = 16, hidden: int = 32,
@@ -183,6 +185,7 @@ def untrained_draft(tiny: dict[str, Path], out: Path, layers: list[int],
     return write_draft(out, model, torch.bfloat16)
 
 
+@pytest.mark.slow
 def test_init_from_a_draft_trained_on_other_layers_is_refused(tiny: dict[str, Path],
                                                               tmp_path: Path) -> None:
     init = untrained_draft(tiny, tmp_path / "other", [1, 3, 6])
@@ -236,6 +239,7 @@ def test_vocab_reuses_a_full_vocabulary_drafts_identity_mapping(tiny: dict[str, 
     assert d2t.numel() == 384 and not bool(d2t.any()) and bool(t2d.all())
 
 
+@pytest.mark.slow
 def test_default_extract_then_train_on_cpu(tiny: dict[str, Path], tmp_path: Path) -> None:
     """bf16 hidden states (a GPU extraction's default) into the fp32 CPU trainer."""
     out = tmp_path / "out"

@@ -14,7 +14,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from tests.workers_util import make_model, one_thread  # noqa: F401 (fixture)
+from tests.helpers import make_model
 from workers import evaluate, heldout, speculative
 from workers.draft import DraftConfig, Eagle3Draft, write_draft
 from workers.serving import default_layer_ids
@@ -26,6 +26,8 @@ from workers.speculative import (
     greedy_decode,
     speculative_decode,
 )
+
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 DRAFT_VOCAB = 64
 

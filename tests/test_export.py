@@ -19,12 +19,14 @@ import torch
 from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from tests.workers_util import make_conversations, make_model
+from tests.helpers import make_conversations, make_model
 from workers import export
 from workers.common import record_messages, tokenize_conversation
 from workers.generate import load_prompts
 from workers.hidden_files import PRENORM_KEY
 from workers.vocab_mapping import build_mapping, select_draft_vocab
+
+pytestmark = pytest.mark.slow
 
 REPO = Path(__file__).resolve().parent.parent
 SAMPLES = 8

@@ -16,17 +16,13 @@ import torch
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from tests.conftest import wait_for
-from tests.workers_util import make_conversations, make_model
+from tests.helpers import make_conversations, saved, wait_for
 from workers.common import tokenize_conversation
 from workers.extractor import capture_layers, pack_batches
 
+pytestmark = pytest.mark.slow
+
 REPO = Path(__file__).resolve().parent.parent
-
-
-@pytest.fixture(scope="module")
-def tiny(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return make_model(tmp_path_factory.mktemp("model") / "tiny")
 
 
 def extract(*args: str | Path, check: bool = True) -> subprocess.CompletedProcess[str]:
@@ -37,20 +33,15 @@ def extract(*args: str | Path, check: bool = True) -> subprocess.CompletedProces
     return result
 
 
-def saved(out: Path) -> dict[str, dict[str, torch.Tensor]]:
-    manifest = [json.loads(line) for line in (out / "manifest.jsonl").read_text().splitlines()]
-    return {entry["id"]: load_file(out / entry["file"]) for entry in manifest}
-
-
-def test_saved_tensors_equal_the_models_own_hidden_states(tiny: Path, tmp_path: Path) -> None:
+def test_saved_tensors_equal_the_models_own_hidden_states(tiny_model: Path, tmp_path: Path) -> None:
     data = make_conversations(tmp_path / "conv.jsonl")
     out = tmp_path / "out"
-    extract("--model", tiny, "--data", data, "--out", out, "--dtype", "fp32",
+    extract("--model", tiny_model, "--data", data, "--out", out, "--dtype", "fp32",
             "--batch-tokens", "4096", "--device", "cpu")
     files = saved(out)
     assert len(files) == 32
-    model = AutoModelForCausalLM.from_pretrained(tiny, dtype=torch.float32).eval()
-    tokenizer = AutoTokenizer.from_pretrained(tiny)
+    model = AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32).eval()
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model)
     layers = capture_layers(model.config.num_hidden_layers)
     assert layers == [2, 4, 5]
     records = [json.loads(line) for line in data.read_text().splitlines()]
@@ -73,12 +64,12 @@ def test_saved_tensors_equal_the_models_own_hidden_states(tiny: Path, tmp_path: 
     assert config["aux_layer_ids"] == [2, 4, 5] and config["hidden_size"] == 64
 
 
-def test_batching_keeps_request_identity(tiny: Path, tmp_path: Path) -> None:
+def test_batching_keeps_request_identity(tiny_model: Path, tmp_path: Path) -> None:
     data = make_conversations(tmp_path / "conv.jsonl")
     batched, single = tmp_path / "batched", tmp_path / "single"
-    extract("--model", tiny, "--data", data, "--out", batched, "--dtype", "fp32",
+    extract("--model", tiny_model, "--data", data, "--out", batched, "--dtype", "fp32",
             "--batch-tokens", "2048", "--writers", "3")
-    extract("--model", tiny, "--data", data, "--out", single, "--dtype", "fp32",
+    extract("--model", tiny_model, "--data", data, "--out", single, "--dtype", "fp32",
             "--batch-tokens", "1", "--writers", "1")
     a, b = saved(batched), saved(single)
     assert a.keys() == b.keys()
@@ -88,27 +79,28 @@ def test_batching_keeps_request_identity(tiny: Path, tmp_path: Path) -> None:
                                        atol=1e-4, rtol=1e-4)
 
 
-def test_default_dtype_and_files_are_sharded(tiny: Path, tmp_path: Path) -> None:
+def test_default_dtype_and_files_are_sharded(tiny_model: Path, tmp_path: Path) -> None:
     """The default dtype is `auto`: bf16 on a GPU, fp32 on the CPU (where bf16 matmuls
     run many times slower); --dtype bf16 stores bf16 anywhere."""
     data = make_conversations(tmp_path / "conv.jsonl")
     out = tmp_path / "out"
-    extract("--model", tiny, "--data", data, "--out", out, "--limit", "5", "--device", "cpu")
+    extract("--model", tiny_model, "--data", data, "--out", out, "--limit", "5", "--device", "cpu")
     files = sorted(p.relative_to(out).as_posix() for p in out.rglob("*.safetensors"))
     assert files == [f"rows_0-2000/{i:08d}.safetensors" for i in range(5)]
     assert load_file(out / files[0])["aux_hidden_states"].dtype == torch.float32
     assert json.loads((out / "extract_config.json").read_text())["dtype"] == "fp32"
     bf16 = tmp_path / "bf16"
-    extract("--model", tiny, "--data", data, "--out", bf16, "--limit", "1", "--device", "cpu",
+    extract("--model", tiny_model, "--data", data, "--out", bf16, "--limit", "1", "--device", "cpu",
             "--dtype", "bf16")
     assert load_file(bf16 / files[0])["aux_hidden_states"].dtype == torch.bfloat16
 
 
-def test_resume_after_sigkill_completes_without_duplicates(tiny: Path, tmp_path: Path) -> None:
+def test_resume_after_sigkill_completes_without_duplicates(tiny_model: Path,
+                                                            tmp_path: Path) -> None:
     data = make_conversations(tmp_path / "conv.jsonl", copies=12)  # 384 samples
     out = tmp_path / "out"
-    args = [sys.executable, "-m", "workers.extract", "--model", str(tiny), "--data", str(data),
-            "--out", str(out), "--batch-tokens", "64", "--writers", "2"]
+    args = [sys.executable, "-m", "workers.extract", "--model", str(tiny_model),
+            "--data", str(data), "--out", str(out), "--batch-tokens", "64", "--writers", "2"]
     proc = subprocess.Popen(args, cwd=REPO, stdout=subprocess.DEVNULL,
                             stderr=subprocess.DEVNULL)
     try:
@@ -119,7 +111,7 @@ def test_resume_after_sigkill_completes_without_duplicates(tiny: Path, tmp_path:
         proc.wait()
     first_run = {p: p.stat().st_ino for p in out.glob("rows_*/*.safetensors")}
     assert 40 <= len(first_run) < 384
-    result = extract("--model", tiny, "--data", data, "--out", out)
+    result = extract("--model", tiny_model, "--data", data, "--out", out)
     assert f"{len(first_run)} already done" in result.stderr
     files = list(out.glob("rows_*/*.safetensors"))
     assert len(files) == 384
@@ -135,9 +127,9 @@ def test_resume_after_sigkill_completes_without_duplicates(tiny: Path, tmp_path:
         assert (out / entry["file"]).stat().st_size == entry["bytes"]
 
 
-def test_nonfinite_samples_are_skipped_and_counted(tiny: Path, tmp_path: Path) -> None:
+def test_nonfinite_samples_are_skipped_and_counted(tiny_model: Path, tmp_path: Path) -> None:
     poisoned = tmp_path / "poisoned"
-    shutil.copytree(tiny, poisoned)
+    shutil.copytree(tiny_model, poisoned)
     model = AutoModelForCausalLM.from_pretrained(poisoned, dtype=torch.float32)
     tokenizer = AutoTokenizer.from_pretrained(poisoned)
     bad_token = tokenizer.convert_tokens_to_ids("<think>") if "<think>" in tokenizer.get_vocab() \
@@ -157,20 +149,20 @@ def test_nonfinite_samples_are_skipped_and_counted(tiny: Path, tmp_path: Path) -
     assert set(saved(out)) == {r["id"] for r in records} - poisoned_ids
 
 
-def test_too_long_samples_truncate_or_skip(tiny: Path, tmp_path: Path) -> None:
+def test_too_long_samples_truncate_or_skip(tiny_model: Path, tmp_path: Path) -> None:
     data = make_conversations(tmp_path / "conv.jsonl")
     truncated, skipped = tmp_path / "t", tmp_path / "s"
-    extract("--model", tiny, "--data", data, "--out", truncated, "--max-length", "40")
+    extract("--model", tiny_model, "--data", data, "--out", truncated, "--max-length", "40")
     assert max(e["seq_len"] for e in map(json.loads, (truncated / "manifest.jsonl")
                                          .read_text().splitlines())) == 40
-    extract("--model", tiny, "--data", data, "--out", skipped, "--max-length", "40",
+    extract("--model", tiny_model, "--data", data, "--out", skipped, "--max-length", "40",
             "--on-too-long", "skip")
     summary = json.loads((skipped / "extract_summary.json").read_text())
     assert summary["too_long_skipped"] and summary["written"] == 32 - len(
         summary["too_long_skipped"])
 
 
-def test_bad_input(tiny: Path, tmp_path: Path) -> None:
+def test_bad_input(tiny_model: Path, tmp_path: Path) -> None:
     data = make_conversations(tmp_path / "conv.jsonl")
     missing = extract("--model", tmp_path / "nope", "--data", data, "--out", tmp_path / "o",
                       check=False)
@@ -178,18 +170,18 @@ def test_bad_input(tiny: Path, tmp_path: Path) -> None:
     assert "Traceback" not in missing.stderr
     with open(data, "a") as f:
         f.write("{broken\n")
-    result = extract("--model", tiny, "--data", data, "--out", tmp_path / "o")
+    result = extract("--model", tiny_model, "--data", data, "--out", tmp_path / "o")
     assert "skipping malformed line 33" in result.stderr
     assert json.loads((tmp_path / "o" / "extract_summary.json").read_text())[
         "malformed_lines"] == [33]
 
 
-def test_full_disk_stops_cleanly(tiny: Path, tmp_path: Path) -> None:
+def test_full_disk_stops_cleanly(tiny_model: Path, tmp_path: Path) -> None:
     data = make_conversations(tmp_path / "conv.jsonl", copies=4)
     disk = tmp_path / "disk"
     disk.mkdir()
     command = (f"mount -t tmpfs -o size=600k tmpfs {disk} && "
-               f"{sys.executable} -m workers.extract --model {tiny} --data {data} "
+               f"{sys.executable} -m workers.extract --model {tiny_model} --data {data} "
                f"--out {disk}/out --dtype fp32; echo rc=$?; ls -a {disk}/out/rows_0-2000 | "
                f"grep -c tmp; umount {disk}")
     prefix = [] if os.geteuid() == 0 else ["unshare", "--user", "--map-root-user", "--mount"]

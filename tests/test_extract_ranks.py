@@ -15,15 +15,11 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from tests.conftest import wait_for
-from tests.workers_util import make_conversations, make_model
+from tests.helpers import make_conversations, wait_for
+
+pytestmark = pytest.mark.slow
 
 REPO = Path(__file__).resolve().parent.parent
-
-
-@pytest.fixture(scope="module")
-def tiny(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return make_model(tmp_path_factory.mktemp("model") / "tiny")
 
 
 def run(*args: object, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
@@ -36,12 +32,13 @@ def manifest(out: Path) -> list[dict]:
     return [json.loads(line) for line in (out / "manifest.jsonl").read_text().splitlines()]
 
 
-def test_two_ranks_equal_one_process(tiny: Path, tmp_path: Path) -> None:
+def test_two_ranks_equal_one_process(tiny_model: Path, tmp_path: Path) -> None:
     data = make_conversations(tmp_path / "conv.jsonl", copies=2)  # 64 samples
     single, ranked = tmp_path / "single", tmp_path / "ranked"
     progress = tmp_path / "progress.json"
-    assert run("--model", tiny, "--data", data, "--out", single, "--dtype", "fp32").returncode == 0
-    result = run("--model", tiny, "--data", data, "--out", ranked, "--dtype", "fp32",
+    first = run("--model", tiny_model, "--data", data, "--out", single, "--dtype", "fp32")
+    assert first.returncode == 0
+    result = run("--model", tiny_model, "--data", data, "--out", ranked, "--dtype", "fp32",
                  "--ranks", "2", "--device", "cpu", env={"JOBSUP_PROGRESS_FILE": str(progress)})
     assert result.returncode == 0, result.stderr[-2000:]
     assert "started 2 ranks" in result.stderr and "rank 1 " in result.stderr
@@ -57,16 +54,16 @@ def test_two_ranks_equal_one_process(tiny: Path, tmp_path: Path) -> None:
     summary = json.loads((ranked / "extract_summary.json").read_text())
     assert summary["written"] == 64 and summary["total"] == 64
     # resume: nothing left to do, nothing written twice
-    again = run("--model", tiny, "--data", data, "--out", ranked, "--dtype", "fp32",
+    again = run("--model", tiny_model, "--data", data, "--out", ranked, "--dtype", "fp32",
                 "--ranks", "2", "--device", "cpu")
     assert again.returncode == 0 and len(manifest(ranked)) == 64
 
 
-def test_a_failing_rank_fails_the_job(tiny: Path, tmp_path: Path) -> None:
+def test_a_failing_rank_fails_the_job(tiny_model: Path, tmp_path: Path) -> None:
     data = make_conversations(tmp_path / "conv.jsonl", copies=12)
     out = tmp_path / "out"
     parent = subprocess.Popen(
-        [sys.executable, "-m", "workers.extract", "--model", str(tiny), "--data", str(data),
+        [sys.executable, "-m", "workers.extract", "--model", str(tiny_model), "--data", str(data),
          "--out", str(out), "--ranks", "2", "--device", "cpu", "--batch-tokens", "64"],
         cwd=REPO, stderr=subprocess.PIPE, text=True)
     try:

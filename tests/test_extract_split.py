@@ -15,15 +15,10 @@ import torch
 from safetensors.torch import load_file
 from transformers import AutoConfig
 
-from tests.workers_util import make_conversations, make_model
+from tests.helpers import make_conversations
 from workers.split import balanced_assignment, parse_devices, plan_device_map
 
 REPO = Path(__file__).resolve().parent.parent
-
-
-@pytest.fixture(scope="module")
-def tiny(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return make_model(tmp_path_factory.mktemp("model") / "tiny")
 
 
 def run(*args: object) -> subprocess.CompletedProcess[str]:
@@ -59,8 +54,8 @@ def test_parse_devices() -> None:
         parse_devices(" , ")
 
 
-def test_plan_places_layers_in_order_and_balances_bytes(tiny: Path) -> None:
-    config = AutoConfig.from_pretrained(tiny)
+def test_plan_places_layers_in_order_and_balances_bytes(tiny_model: Path) -> None:
+    config = AutoConfig.from_pretrained(tiny_model)
     config.num_hidden_layers = 12
     plan = plan_device_map(config, ["cuda:0", "cuda:1", "cuda:2"], torch.bfloat16)
     layers = [plan[f"model.layers.{i}"] for i in range(12)]
@@ -72,13 +67,14 @@ def test_plan_places_layers_in_order_and_balances_bytes(tiny: Path) -> None:
     assert plan_device_map(config, ["cuda:0", "cuda:1"], torch.bfloat16)["lm_head"] == "cuda:0"
 
 
-def test_split_run_writes_what_a_single_device_run_writes(tiny: Path, tmp_path: Path) -> None:
+@pytest.mark.slow
+def test_split_run_writes_what_a_single_device_run_writes(tiny_model: Path, tmp_path: Path) -> None:
     data = make_conversations(tmp_path / "conv.jsonl")
     single, split = tmp_path / "single", tmp_path / "split"
-    first = run("--model", tiny, "--data", data, "--out", single, "--dtype", "fp32",
+    first = run("--model", tiny_model, "--data", data, "--out", single, "--dtype", "fp32",
                 "--device", "cpu")
     assert first.returncode == 0, first.stderr[-2000:]
-    second = run("--model", tiny, "--data", data, "--out", split, "--dtype", "fp32",
+    second = run("--model", tiny_model, "--data", data, "--out", split, "--dtype", "fp32",
                  "--device", "cpu,cpu", "--batch-tokens", "256")
     assert second.returncode == 0, second.stderr[-2000:]
     assert "model split over 2 devices" in second.stderr
@@ -92,6 +88,7 @@ def test_split_run_writes_what_a_single_device_run_writes(tiny: Path, tmp_path: 
             torch.testing.assert_close(one[key], two[key], atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("args,message", [
     (["--gpus-per-model", "2"], "CUDA device(s) available"),
     (["--gpus", "2", "--gpus-per-model", "2"], "CUDA device(s) available"),
@@ -100,10 +97,10 @@ def test_split_run_writes_what_a_single_device_run_writes(tiny: Path, tmp_path: 
     (["--gpus-per-model", "2", "--ranks", "2"], "not --ranks"),
     (["--gpus", "2", "--device", "cuda:2"], "give --device cuda:2,cuda:3 alone"),
 ])
-def test_wrong_split_options_say_why(tiny: Path, tmp_path: Path, args: list[str],
+def test_wrong_split_options_say_why(tiny_model: Path, tmp_path: Path, args: list[str],
                                      message: str) -> None:
     data = make_conversations(tmp_path / "conv.jsonl")
-    result = run("--model", tiny, "--data", data, "--out", tmp_path / "out", *args)
+    result = run("--model", tiny_model, "--data", data, "--out", tmp_path / "out", *args)
     assert result.returncode != 0
     assert message in result.stderr
 

@@ -20,10 +20,11 @@ from typing import Any
 import httpx
 import pytest
 
-from supervisor.runtime.fileio import read_json
 from supervisor.runtime.procfs import create_time, is_same_process, parse_stat
 from supervisor.timefmt import iso
-from tests.conftest import PY, Daemon, exit_recorded, python_job, wait_for
+from tests.helpers import PY, Daemon, exit_recorded, identity, job_module, python_job, wait_for
+
+pytestmark = pytest.mark.slow
 
 SEED = int(os.environ.get("JOBSUP_FAULTS_SEED", "20240607"))
 """Seed of the kill schedule; set JOBSUP_FAULTS_SEED to replay another schedule."""
@@ -64,13 +65,6 @@ def zombies_of(parents: Iterable[int]) -> list[int]:
                   if state == "Z" and ppid in wanted)
 
 
-def identity(data_dir: Path, job_id: str, name: str) -> tuple[int, float]:
-    """(pid, create_time) the shim recorded in `shim.json` / `worker.json` of attempt 1."""
-    info = read_json(data_dir / "jobs" / job_id / "attempt-1" / name)
-    assert isinstance(info, dict), f"no {name} for job {job_id}"
-    return int(info["pid"]), float(info["create_time"])
-
-
 def read_pid_lines(path: Path) -> list[tuple[str, int, float]]:
     """Lines `KIND PID` a job wrote, with each process's create time read now."""
     out = []
@@ -96,19 +90,6 @@ while time.monotonic() < deadline:
     if pid == target - 1:
         sys.exit(0)
 sys.exit(1)
-"""
-
-STRANGER = """
-import os, signal, sys, time
-log, ready = sys.argv[1], sys.argv[2]
-def note(signum, _frame):
-    with open(log, "a") as f:
-        f.write(f"{signum}\\n")
-for name in ("SIGTERM", "SIGINT", "SIGHUP", "SIGQUIT", "SIGUSR1", "SIGUSR2"):
-    signal.signal(getattr(signal, name), note)
-open(ready, "w").close()
-while True:
-    time.sleep(0.2)
 """
 
 
@@ -157,7 +138,7 @@ class Stranger:
             time.sleep(0.05)  # the old process may still wait to be reaped by init
         if Path(f"/proc/{pid}").exists():
             pytest.skip(f"pid {pid} was not released (init did not reap it)")
-        proc = spawn_with_pid(pid, [PY, "-c", STRANGER, str(log), str(ready)])
+        proc = spawn_with_pid(pid, job_module("signal_recorder", log, ready))
         if proc is None:
             pytest.skip(f"could not get pid {pid} for a stranger process in time")
         try:
@@ -182,31 +163,6 @@ class Stranger:
 
 
 # -- 1. the daemon SIGKILLed 20 times -----------------------------------------------------
-
-LONG_JOB = """
-import json, os, sys, time
-out, pids, stop = sys.argv[1:4]
-with open(os.path.join(pids, os.environ["JOBSUP_JOB_ID"]), "a") as f:
-    f.write(f"{os.getpid()}\\n")
-progress = os.environ["JOBSUP_PROGRESS_FILE"]
-done = 0
-while not os.path.exists(stop):
-    done += 1
-    with open(os.path.join(out, f"item_{done:05d}.txt"), "w") as f:
-        f.write("x" * 100)
-    with open(progress + ".tmp", "w") as f:
-        json.dump({"done": done, "total": None, "unit": "items", "metrics": {"step": done}}, f)
-    os.replace(progress + ".tmp", progress)
-    time.sleep(0.2)
-"""
-
-SHORT_JOB = """
-import os, sys, time
-with open(os.path.join(sys.argv[1], os.environ["JOBSUP_JOB_ID"]), "a") as f:
-    f.write(f"{os.getpid()}\\n")
-time.sleep(float(sys.argv[2]))
-"""
-
 
 @dataclass
 class Submitter:
@@ -233,8 +189,8 @@ class Submitter:
                 while not self.stop.wait(self.rng.uniform(0.3, 0.7)):
                     n += 1
                     name = f"short-{n:03d}"
-                    body = {"name": name, "command": [PY, "-c", SHORT_JOB, str(self.pids_dir),
-                                                      f"{self.rng.uniform(0.2, 2.5):.2f}"]}
+                    body = {"name": name, "command": job_module(
+                        "pid_sleeper", self.pids_dir, f"{self.rng.uniform(0.2, 2.5):.2f}")}
                     try:
                         response = client.post("/api/v1/jobs", json=body)
                     except httpx.ConnectError:
@@ -316,7 +272,7 @@ def test_daemon_sigkilled_20_times_loses_nothing(make_daemon, tmp_path: Path) ->
     for n in range(5):
         out = tmp_path / f"out{n}"
         out.mkdir()
-        job = daemon.submit([PY, "-c", LONG_JOB, str(out), str(pids_dir), str(stop_file)],
+        job = daemon.submit(job_module("item_counter", out, pids_dir, stop_file),
                             name=f"long-{n}", output_dir=str(out), pattern="*.txt")
         long_ids.append(job["id"])
     wait_for(lambda: all(daemon.job(i)["pid"] for i in long_ids), 20, what="5 long jobs")

@@ -39,7 +39,9 @@ from schemathesis import Case
 from schemathesis.config import SchemathesisConfig
 from schemathesis.engine import events, from_schema
 
-from tests.conftest import REPO, Daemon, wait_for
+from tests.helpers import REPO, Daemon, wait_for
+
+pytestmark = pytest.mark.slow
 
 MAX_EXAMPLES = 25
 TOKEN = "fuzz-token"

@@ -15,9 +15,11 @@ from typing import Any
 import httpx
 import pytest
 
-from tests.conftest import PY, REPO, free_port, wait_for
+from tests.helpers import PY, REPO, free_port, wait_for
 from workers.openai_backend import backoff_s, parse_answer, parse_retry_after
 from workers.tiny import build_tiny_llama
+
+pytestmark = pytest.mark.slow
 
 
 @pytest.fixture(scope="module")

@@ -35,7 +35,7 @@ from supervisor.runtime import procfs
 from supervisor.spec import JobSpec
 from supervisor.storage.database import make_engine, make_sessionmaker, upgrade
 from supervisor.storage.tables import Job
-from tests.conftest import PY, Daemon, python_job, wait_for
+from tests.helpers import Daemon, job_module, python_job, wait_for
 from tests.test_cli import jobsup
 
 pytestmark = pytest.mark.timeout(60)
@@ -201,14 +201,6 @@ def test_a_refused_process_list_skips_only_that_list(monkeypatch: pytest.MonkeyP
 
 # -- a real process tree -----------------------------------------------------------------
 
-PARENT = r"""
-import subprocess, sys, time
-child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
-print(child.pid, flush=True)
-time.sleep(60)
-"""
-
-
 @dataclass
 class Tree:
     popen: subprocess.Popen[str]
@@ -237,7 +229,7 @@ def trees() -> Iterator[list[Tree]]:
 
 def start_tree(started: list[Tree]) -> Tree:
     """A python parent and its python child, in a session of their own."""
-    popen = subprocess.Popen([PY, "-c", PARENT], stdout=subprocess.PIPE, text=True,
+    popen = subprocess.Popen(job_module("parent_and_child"), stdout=subprocess.PIPE, text=True,
                              start_new_session=True, stdin=subprocess.DEVNULL)
     assert popen.stdout is not None
     child = int(popen.stdout.readline())
@@ -328,6 +320,7 @@ def test_job_view_and_metric_per_device(monkeypatch: pytest.MonkeyPatch, trees: 
     assert total.value == 25 * GB  # the contract's series is unchanged: the sum
 
 
+@pytest.mark.slow
 def test_daemon_exposes_the_field_the_family_and_the_show_row(daemon: Daemon) -> None:
     """A real daemon, whatever NVML it has: the field is there, the family is declared, and
     `jobsup show` has its GPU line."""

@@ -38,7 +38,7 @@ from supervisor.runtime.fileio import (
     read_json,
     tail_lines,
 )
-from tests.conftest import Daemon, python_job, wait_for
+from tests.helpers import Daemon, job_module, python_job, wait_for
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -347,20 +347,6 @@ class HealthProbe:
                 self._done.wait(0.1)
 
 
-HONEST = """
-import json, os, sys, time
-out, n = sys.argv[1], int(sys.argv[2])
-progress = os.environ["JOBSUP_PROGRESS_FILE"]
-for i in range(1, n + 1):
-    with open(os.path.join(out, f"item-{i:03d}"), "w") as f:
-        f.write("x")
-    with open(progress + ".tmp", "w") as f:
-        json.dump({"done": i, "total": n}, f)
-    os.replace(progress + ".tmp", progress)
-    time.sleep(0.15)
-time.sleep(1.5)  # three sample intervals: the last report is seen before the exit
-"""
-
 LOG_PATH = "os.readlink('/proc/self/fd/1')"
 SETUP = "import os, socket, sys, time\nprogress = os.environ['JOBSUP_PROGRESS_FILE']\n"
 HOSTILE: dict[str, str] = {
@@ -423,7 +409,7 @@ def run_hostile_jobs(make_daemon: Callable[..., Daemon], tmp_path: Path,
         out = tmp_path / "out"
         out.mkdir()
         n = 20
-        honest = daemon.submit(python_job(HONEST) + [str(out), str(n)], name="honest",
+        honest = daemon.submit(job_module("honest_items", out, n), name="honest",
                                output_dir=str(out))["id"]
         finished = daemon.wait_state(honest, "succeeded", "failed", timeout=30)
         failed = daemon.wait_state(fails, "failed", "succeeded", timeout=10) if fails else None
@@ -464,6 +450,7 @@ def run_hostile_jobs(make_daemon: Callable[..., Daemon], tmp_path: Path,
             "healthz_slowest_s": probe.slowest, "healthz_count": probe.count}
 
 
+@pytest.mark.slow
 def test_hostile_files_beside_an_honest_job(make_daemon: Callable[..., Daemon],
                                             tmp_path: Path) -> None:
     """FIFOs at the progress file and the log, sockets at both, /dev/zero as the
@@ -476,24 +463,13 @@ def test_hostile_files_beside_an_honest_job(make_daemon: Callable[..., Daemon],
 
 # -- logs without newlines ------------------------------------------------------------
 
-REDRAWS_300MB = """
-import os, time
-bar = b"".join(b"\\r%3d%%|####      | %d/1000000 [00:10<00:12, 45.0it/s]" % (i // 10000, i)
-               for i in range(20000))  # ~1 MiB of redraws
-for _ in range(300 * 2**20 // len(bar)):
-    os.write(1, bar)
-os.write(1, b"\\r100%|##########| 1000000/1000000 [00:22<00:00, 45.0it/s]")
-open(os.environ["JOBSUP_PROGRESS_FILE"] + ".written", "w").close()
-time.sleep(120)
-"""
-
-
+@pytest.mark.slow
 def test_tail_of_a_300mb_log_without_newline(make_daemon: Callable[..., Daemon]) -> None:
     """`logs?tail=5` of ~300 MB of tqdm redraws without a newline answers at once, with
     the last redraw, and the daemon's memory does not grow with the log."""
     daemon = make_daemon()
     assert daemon.proc is not None
-    job_id = daemon.submit(python_job(REDRAWS_300MB), name="tqdm")["id"]
+    job_id = daemon.submit(job_module("tqdm_redraws"), name="tqdm")["id"]
     written = daemon.data_dir / "jobs" / job_id / "progress.json.written"
     wait_for(written.exists, 60, interval=0.2, what="300 MB written")
     log = daemon.data_dir / "jobs" / job_id / "attempt-1" / "output.log"
@@ -523,17 +499,11 @@ def test_tail_of_a_300mb_log_without_newline(make_daemon: Callable[..., Daemon])
     assert hwm_after - hwm_before < 32 * 1024, (hwm_before, hwm_after)
 
 
-LINE_50MB = """
-import os, time
-os.write(1, b"start\\n" + b"A" * (50 * 2**20) + b"END\\n")
-time.sleep(120)
-"""
-
-
+@pytest.mark.slow
 def test_a_single_50mb_line_comes_back_cut(make_daemon: Callable[..., Daemon]) -> None:
     daemon = make_daemon()
     assert daemon.proc is not None
-    job_id = daemon.submit(python_job(LINE_50MB), name="one-line")["id"]
+    job_id = daemon.submit(job_module("one_long_line"), name="one-line")["id"]
     log = daemon.data_dir / "jobs" / job_id / "attempt-1" / "output.log"
     wait_for(lambda: log.exists() and log.stat().st_size == 6 + 50 * MiB + 4, 30,
              what="50 MB written")
@@ -550,15 +520,7 @@ def test_a_single_50mb_line_comes_back_cut(make_daemon: Callable[..., Daemon]) -
     assert hwm_after - hwm_before < 32 * 1024, (hwm_before, hwm_after)
 
 
-FAILS_WITH_ONE_HUGE_LINE = """
-import os, sys, time
-os.ftruncate(1, 300 * 2**20)  # 300 MB of one line (a hole: NULs on no disk)
-os.write(1, b"RuntimeError: the end of a very long line")
-open(os.environ["JOBSUP_PROGRESS_FILE"] + ".exiting", "w").close()
-sys.exit(3)
-"""
-
-
+@pytest.mark.slow
 def test_failure_with_a_log_of_one_huge_line_is_recorded_promptly(
         make_daemon: Callable[..., Daemon]) -> None:
     """Every failure reads the log's tail to classify the exit: a log of one 300 MB line
@@ -566,7 +528,7 @@ def test_failure_with_a_log_of_one_huge_line_is_recorded_promptly(
     daemon = make_daemon()
     assert daemon.proc is not None
     hwm_before = vm_kib(daemon.proc.pid, "VmHWM")
-    job_id = daemon.submit(python_job(FAILS_WITH_ONE_HUGE_LINE), name="fails")["id"]
+    job_id = daemon.submit(job_module("fails_with_huge_line"), name="fails")["id"]
     exiting = daemon.data_dir / "jobs" / job_id / "progress.json.exiting"
     wait_for(exiting.exists, 20, interval=0.02, what="the job about to exit")
     started = time.monotonic()

@@ -27,7 +27,7 @@ from supervisor.runtime.shim import CLAIM_FILE
 from supervisor.spec import JobSpec
 from supervisor.storage.database import make_engine, make_sessionmaker, upgrade
 from supervisor.storage.tables import Job
-from tests.conftest import kill_jobs_of, wait_for
+from tests.helpers import kill_jobs_of, wait_for
 
 pytestmark = pytest.mark.timeout(60)
 

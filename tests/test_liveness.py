@@ -7,9 +7,12 @@ import sqlite3
 import time
 
 import httpx
+import pytest
 
 from supervisor.api.routes import tick_stalled_after_s
-from tests.conftest import Daemon, python_job, wait_for
+from tests.helpers import Daemon, python_job, wait_for
+
+pytestmark = pytest.mark.slow
 
 INTERVAL = 0.5  # JOBSUP_SAMPLE_INTERVAL of the test daemon
 STALLED_AFTER = tick_stalled_after_s(INTERVAL)

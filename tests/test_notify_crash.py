@@ -14,8 +14,10 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.conftest import Daemon, Receiver, python_job, wait_for
+from tests.helpers import Daemon, Receiver, python_job, wait_for
 from tests.test_notify_delivery import verify
+
+pytestmark = pytest.mark.slow
 
 UUID_LEN = 36
 

@@ -26,7 +26,7 @@ from supervisor.alerting import notify
 from supervisor.alerting.notify import Destination, Notifier, compose
 from supervisor.storage.database import alembic_config, make_engine, make_sessionmaker, upgrade
 from supervisor.storage.tables import Notification
-from tests.conftest import Receiver, free_port, wait_for
+from tests.helpers import Receiver, free_port, wait_for
 from tests.test_notify_unit import ALERT, JOB, LOG_TAIL, T0
 
 SECRET = "whsec-test-0123456789"
@@ -322,6 +322,7 @@ MALFORMED_OR_UNREACHABLE = [
 ]
 
 
+@pytest.mark.slow
 def test_a_bad_webhook_url_stops_nothing_and_is_never_logged(make_notifier, sessions, clock,
                                                               caplog) -> None:
     """Each kind of malformed or unreachable Slack URL: the generic webhook still gets its

@@ -17,7 +17,7 @@ from supervisor.alerting import notify
 from supervisor.alerting.notify import Destination, Notifier, compose, retry_after_s
 from supervisor.storage.database import make_engine, make_sessionmaker, upgrade
 from supervisor.storage.tables import Notification
-from tests.conftest import T0, Receiver, free_port
+from tests.helpers import T0, Receiver, free_port
 
 JOB: dict[str, Any] = {
     "id": "a1b2c3", "name": "extract-hidden", "state": "running",

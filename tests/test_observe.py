@@ -6,37 +6,19 @@ import time
 from pathlib import Path
 from typing import Any
 
+import pytest
 from sqlalchemy import event, insert, select
 
 from supervisor.storage import store
 from supervisor.storage.database import make_engine, make_sessionmaker, upgrade
 from supervisor.storage.tables import Job, Sample
-from tests.conftest import Daemon, python_job, wait_for
+from tests.helpers import Daemon, job_module, wait_for
 
-WRITER = """
-import json, os, sys, time
-out, n, delay = sys.argv[1], int(sys.argv[2]), float(sys.argv[3])
-os.makedirs(out, exist_ok=True)
-progress = os.environ["JOBSUP_PROGRESS_FILE"] if sys.argv[4] == "report" else None
-for i in range(n):
-    time.sleep(delay)
-    tmp = os.path.join(out, f".item{i}.tmp")
-    with open(tmp, "wb") as f:
-        f.write(b"x" * 1000)
-    os.replace(tmp, os.path.join(out, f"item{i:04d}.bin"))
-    if progress:
-        with open(progress + ".tmp", "w") as f:
-            json.dump({"done": i + 1, "total": n, "unit": "item",
-                       "metrics": {"loss": 1.0 / (i + 1)}}, f)
-        os.replace(progress + ".tmp", progress)
-    if sys.argv[4] == "tqdm":
-        print(f"\\r{i + 1}/{n} |###| {i + 1}/{n} [00:01<00:02, 5.00it/s]", end="")
-time.sleep(float(sys.argv[5]) if len(sys.argv) > 5 else 0)
-"""
+pytestmark = pytest.mark.slow
 
 
 def writer(out: Path, n: int, delay: float, mode: str, linger: float = 0) -> list[str]:
-    return python_job(WRITER) + [str(out), str(n), str(delay), mode, str(linger)]
+    return job_module("item_writer", out, n, delay, mode, linger)
 
 
 def test_progress_file_resources_and_forecast(daemon: Daemon, tmp_path: Path) -> None:

@@ -30,22 +30,9 @@ from supervisor.observe.outputs import OutputScanner, ScanResult
 from supervisor.runtime.launcher import progress_path
 from supervisor.spec import JobSpec
 from supervisor.storage import store
-from tests.conftest import REPO, Daemon, in_process_engine, python_job, wait_for
+from tests.helpers import REPO, Daemon, in_process_engine, job_module, python_job, wait_for
 
 pytestmark = pytest.mark.timeout(90)
-
-WRITER = """
-import json, os, sys, time
-out = sys.argv[1]
-os.makedirs(out, exist_ok=True)
-progress = os.environ["JOBSUP_PROGRESS_FILE"]
-for i in range(10_000):
-    open(os.path.join(out, f"item{i}.bin"), "wb").close()
-    with open(progress + ".tmp", "w") as f:
-        json.dump({"done": i + 1, "total": 10_000}, f)
-    os.replace(progress + ".tmp", progress)
-    time.sleep(0.05)
-"""
 
 
 class FailingScanner:
@@ -136,7 +123,7 @@ def test_a_failing_reading_costs_only_its_job(
     monkeypatch.setattr(observer_module, "OutputScanner", scanners({broken_dir: FailingScanner}))
     broken = submit(sessions, "broken", python_job("import time; time.sleep(60)"),
                     output_dir=broken_dir)
-    honest = submit(sessions, "honest", python_job(WRITER) + [str(tmp_path / "out")],
+    honest = submit(sessions, "honest", job_module("empty_items", tmp_path / "out"),
                     output_dir=str(tmp_path / "out"), pattern="*.bin")
     eng.tick()  # starts both
     wait_for(progress_path(eng.settings.jobs_dir, honest).exists, 20, what="a report")
@@ -178,7 +165,7 @@ def test_a_slow_scan_holds_neither_the_tick_nor_the_other_jobs(
     monkeypatch.setattr(observer_module, "OutputScanner", scanners({str(huge): BlockingScanner}))
     slow = submit(sessions, "slow", python_job("import time; time.sleep(60)"),
                   output_dir=str(huge), pattern="**/*.bin")
-    honest = submit(sessions, "honest", python_job(WRITER) + [str(tmp_path / "out")],
+    honest = submit(sessions, "honest", job_module("empty_items", tmp_path / "out"),
                     output_dir=str(tmp_path / "out"), pattern="*.bin")
     eng.tick()  # starts both
     wait_for(progress_path(eng.settings.jobs_dir, honest).exists, 20, what="a report")
@@ -299,6 +286,7 @@ def test_honest_readings_are_fresh_and_say_when(tmp_path: Path) -> None:
     observer.close()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(("pattern", "why"), [
     ("[z-a]", "reversed"),
     ("rows_*/[9-0]*.bin", "reversed"),
@@ -317,6 +305,7 @@ def test_an_invalid_pattern_is_refused_naming_the_field(
     assert daemon.http.get("/api/v1/jobs").json() == []
 
 
+@pytest.mark.slow
 def test_a_pattern_that_backtracked_for_seconds_is_accepted_and_counts(
         daemon: Daemon, tmp_path: Path) -> None:
     """The pattern that froze the daemon (8 stars, a 46-character name): the job is

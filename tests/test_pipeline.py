@@ -8,34 +8,29 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import Daemon, free_port
-from tests.workers_util import make_model
+from tests.helpers import Daemon, free_port
 from workers.tiny import DEMO_PROMPTS
 
 
-@pytest.fixture(scope="module")
-def tiny(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return make_model(tmp_path_factory.mktemp("model") / "tiny")
-
-
-def body(tiny: Path, out: Path, **extra: object) -> dict:
-    return {"model": str(tiny), "prompts": str(DEMO_PROMPTS), "out": str(out),
+def body(tiny_model: Path, out: Path, **extra: object) -> dict:
+    return {"model": str(tiny_model), "prompts": str(DEMO_PROMPTS), "out": str(out),
             "device": "cpu", "dtype": "fp32", "draft_vocab_size": 64, **extra}
 
 
-def test_bad_pipeline_requests(daemon: Daemon, tiny: Path, tmp_path: Path) -> None:
+@pytest.mark.slow
+def test_bad_pipeline_requests(daemon: Daemon, tiny_model: Path, tmp_path: Path) -> None:
     cases = [
         (body(tmp_path / "nope", tmp_path), "model"),
-        ({**body(tiny, tmp_path), "prompts": str(tmp_path / "none.jsonl")}, "prompts"),
-        (body(tiny, tmp_path, backend="openai"), "endpoint"),
-        (body(tiny, tmp_path, serve="stub", endpoint="http://127.0.0.1:1/v1"), "either"),
-        (body(tiny, tmp_path, serve="tgi"), "serve"),
-        (body(tiny, tmp_path, draft_vocab_size=0), "draft_vocab_size"),
-        (body(tiny, tmp_path, extract_gpus="two"), "extract_gpus"),
-        (body(tiny, tmp_path, gpus_per_model=0), "gpus_per_model"),
-        (body(tiny, tmp_path, eval_prompts=32), "leaves none to train on"),
-        (body(tiny, tmp_path, eval_prompts=-1), "eval_prompts"),
-        (body(tiny, tmp_path, min_acceptance_length=0), "min_acceptance_length"),
+        ({**body(tiny_model, tmp_path), "prompts": str(tmp_path / "none.jsonl")}, "prompts"),
+        (body(tiny_model, tmp_path, backend="openai"), "endpoint"),
+        (body(tiny_model, tmp_path, serve="stub", endpoint="http://127.0.0.1:1/v1"), "either"),
+        (body(tiny_model, tmp_path, serve="tgi"), "serve"),
+        (body(tiny_model, tmp_path, draft_vocab_size=0), "draft_vocab_size"),
+        (body(tiny_model, tmp_path, extract_gpus="two"), "extract_gpus"),
+        (body(tiny_model, tmp_path, gpus_per_model=0), "gpus_per_model"),
+        (body(tiny_model, tmp_path, eval_prompts=32), "leaves none to train on"),
+        (body(tiny_model, tmp_path, eval_prompts=-1), "eval_prompts"),
+        (body(tiny_model, tmp_path, min_acceptance_length=0), "min_acceptance_length"),
     ]
     for request, word in cases:
         response = daemon.http.post("/api/v1/pipelines/eagle3", json=request)
@@ -44,17 +39,17 @@ def test_bad_pipeline_requests(daemon: Daemon, tiny: Path, tmp_path: Path) -> No
     assert daemon.http.get("/api/v1/jobs").json() == []  # all or nothing
 
 
-def test_jobs_are_chained_and_labelled(daemon: Daemon, tiny: Path, tmp_path: Path) -> None:
+def test_jobs_are_chained_and_labelled(daemon: Daemon, tiny_model: Path, tmp_path: Path) -> None:
     port = free_port()
     response = daemon.http.post("/api/v1/pipelines/eagle3", json=body(
-        tiny, tmp_path / "run", serve="stub", port=port, name="chain", max_tokens=8))
+        tiny_model, tmp_path / "run", serve="stub", port=port, name="chain", max_tokens=8))
     assert response.status_code == 201, response.text
     generate, serve, extract, vocab, train, evaluate = response.json()
     assert [j["name"] for j in (generate, serve, extract, vocab, train, evaluate)] == [
         "chain-generate", "chain-serve", "chain-extract", "chain-vocab", "chain-train",
         "chain-evaluate"]
     assert serve["spec"]["stop_when_ended"] == [generate["id"]]
-    assert serve["spec"]["command"][1:4] == ["-m", "workers.stub_server", str(tiny)]
+    assert serve["spec"]["command"][1:4] == ["-m", "workers.stub_server", str(tiny_model)]
     assert f"http://127.0.0.1:{port}/v1" in generate["spec"]["command"]
     assert extract["spec"]["depends_on"] == [generate["id"]]
     assert vocab["spec"]["depends_on"] == [extract["id"]]
@@ -68,14 +63,15 @@ def test_jobs_are_chained_and_labelled(daemon: Daemon, tiny: Path, tmp_path: Pat
         daemon.http.post(f"/api/v1/jobs/{job['id']}/stop")
 
 
-def test_the_evaluate_step_measures_held_out_prompts(daemon: Daemon, tiny: Path,
+@pytest.mark.slow
+def test_the_evaluate_step_measures_held_out_prompts(daemon: Daemon, tiny_model: Path,
                                                      tmp_path: Path) -> None:
     """The last eval_prompts prompts never reach generation (so neither extraction nor
     training); workers.evaluate takes exactly those, and drops any prompt the generated
     conversations hold; its job carries the low_acceptance threshold."""
     out = tmp_path / "run"
     response = daemon.http.post("/api/v1/pipelines/eagle3", json=body(
-        tiny, out, name="held", eval_prompts=12, eval_max_new_tokens=64))
+        tiny_model, out, name="held", eval_prompts=12, eval_max_new_tokens=64))
     assert response.status_code == 201, response.text
     jobs = {j["name"]: j["spec"] for j in response.json()}
     generate = jobs["held-generate"]["command"]
@@ -87,7 +83,7 @@ def test_the_evaluate_step_measures_held_out_prompts(daemon: Daemon, tiny: Path,
     assert command[1:3] == ["-m", "workers.evaluate"]
     options = dict(zip(command[3::2], command[4::2], strict=True))
     assert options == {
-        "--target": str(tiny), "--draft": str(out / "train" / "draft"),
+        "--target": str(tiny_model), "--draft": str(out / "train" / "draft"),
         "--prompts": str(DEMO_PROMPTS), "--skip": "20", "--limit": "12",
         "--exclude": str(out / "generate" / "conversations.jsonl"),
         "--data": str(out / "hidden_states"), "--out": str(out / "evaluate"),
@@ -100,7 +96,7 @@ def test_the_evaluate_step_measures_held_out_prompts(daemon: Daemon, tiny: Path,
 
     # eval_prompts 0: no evaluate step, every prompt is trained on; the threshold is optional
     response = daemon.http.post("/api/v1/pipelines/eagle3", json=body(
-        tiny, tmp_path / "all", name="all", eval_prompts=0, min_acceptance_length=None))
+        tiny_model, tmp_path / "all", name="all", eval_prompts=0, min_acceptance_length=None))
     assert response.status_code == 201, response.text
     assert [j["name"] for j in response.json()][-1] == "all-train"
     assert "--limit" not in response.json()[0]["spec"]["command"]
@@ -109,10 +105,11 @@ def test_the_evaluate_step_measures_held_out_prompts(daemon: Daemon, tiny: Path,
         daemon.http.post(f"/api/v1/jobs/{job['id']}/stop")
 
 
-def test_extraction_on_several_gpus(daemon: Daemon, tiny: Path, tmp_path: Path) -> None:
+@pytest.mark.slow
+def test_extraction_on_several_gpus(daemon: Daemon, tiny_model: Path, tmp_path: Path) -> None:
     """The GPU options reach workers.extract (and replace --device there only)."""
     response = daemon.http.post("/api/v1/pipelines/eagle3", json=body(
-        tiny, tmp_path / "run", extract_gpus="all", gpus_per_model=2, name="multi"))
+        tiny_model, tmp_path / "run", extract_gpus="all", gpus_per_model=2, name="multi"))
     assert response.status_code == 201, response.text
     jobs = {j["name"]: j for j in response.json()}
     extract = jobs["multi-extract"]["spec"]["command"]
@@ -125,12 +122,15 @@ def test_extraction_on_several_gpus(daemon: Daemon, tiny: Path, tmp_path: Path) 
         daemon.http.post(f"/api/v1/jobs/{job['id']}/stop")
 
 
-def test_cli_pipeline_run_prints_the_job_ids(daemon: Daemon, tiny: Path, tmp_path: Path) -> None:
+@pytest.mark.slow
+def test_cli_pipeline_run_prints_the_job_ids(daemon: Daemon, tiny_model: Path,
+                                             tmp_path: Path) -> None:
     import subprocess
 
     result = subprocess.run(
-        [sys.executable, "-m", "supervisor", "pipeline", "run", "eagle3", "--model", str(tiny),
-         "--prompts", str(DEMO_PROMPTS), "--out", str(tmp_path / "o"), "--device", "cpu",
+        [sys.executable, "-m", "supervisor", "pipeline", "run", "eagle3",
+         "--model", str(tiny_model), "--prompts", str(DEMO_PROMPTS), "--out", str(tmp_path / "o"),
+         "--device", "cpu",
          "--eval-prompts", "8", "--min-acceptance-length", "0", "--url", daemon.url],
         capture_output=True, text=True, timeout=60)
     assert result.returncode == 0, result.stderr
@@ -141,8 +141,9 @@ def test_cli_pipeline_run_prints_the_job_ids(daemon: Daemon, tiny: Path, tmp_pat
     assert evaluate["min_acceptance_length"] is None  # 0: the alert is off
     assert evaluate["command"][evaluate["command"].index("--limit") + 1] == "8"
     wrong = subprocess.run(
-        [sys.executable, "-m", "supervisor", "pipeline", "run", "medusa", "--model", str(tiny),
-         "--prompts", str(DEMO_PROMPTS), "--out", str(tmp_path / "o"), "--url", daemon.url],
+        [sys.executable, "-m", "supervisor", "pipeline", "run", "medusa",
+         "--model", str(tiny_model), "--prompts", str(DEMO_PROMPTS), "--out", str(tmp_path / "o"),
+         "--url", daemon.url],
         capture_output=True, text=True, timeout=60)
     assert wrong.returncode == 1 and "unknown pipeline 'medusa'" in wrong.stderr
     first = lines[0].split()[0]

@@ -14,23 +14,10 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.conftest import Daemon, Receiver, free_port, python_job, wait_for
+from tests.helpers import Daemon, Receiver, free_port, job_module, python_job, wait_for
 from tests.test_dashboards import DEFAULT_SUBSTITUTIONS, RULES, dashboard_queries
 
-WRITER = """
-import json, os, sys, time
-out, progress = sys.argv[1], os.environ["JOBSUP_PROGRESS_FILE"]
-os.makedirs(out, exist_ok=True)
-for i in range(10_000):
-    with open(os.path.join(out, f".{i}.tmp"), "wb") as f:
-        f.write(os.urandom(4096))
-    os.replace(os.path.join(out, f".{i}.tmp"), os.path.join(out, f"{i:05d}.bin"))
-    with open(progress + ".tmp", "w") as f:
-        json.dump({"done": i + 1, "total": 10_000, "unit": "sample",
-                   "metrics": {"loss": 2.0 / (1 + i), "lr": 1e-4}}, f)
-    os.replace(progress + ".tmp", progress)
-    time.sleep(0.2)
-"""
+pytestmark = pytest.mark.slow
 
 
 def tool(name: str) -> str:
@@ -49,7 +36,7 @@ def test_live_scrape_rules_and_every_dashboard_query(make_daemon, receiver: Rece
                                                      tmp_path: Path, prometheus: dict) -> None:
     daemon: Daemon = make_daemon(env={"JOBSUP_SLACK_WEBHOOK_URL": receiver.url})
     out = tmp_path / "out"
-    writing = daemon.submit(python_job(WRITER) + [str(out)], name="extract",
+    writing = daemon.submit(job_module("sample_writer", out), name="extract",
                             output_dir=str(out), pattern="*.bin")
     crashed = daemon.submit(python_job("import sys; sys.exit(3)"), name="vocab")
     daemon.wait_state(crashed["id"], "failed")

@@ -27,10 +27,12 @@ from transformers import (  # noqa: E402
     AutoTokenizer,
 )
 
-from tests.workers_util import make_conversations, one_thread  # noqa: E402, F401
+from tests.helpers import make_conversations  # noqa: E402
 from workers.common import tokenize_conversation  # noqa: E402
 from workers.extractor import capture_layers  # noqa: E402
 from workers.tiny_int4 import EXPERT, build_tiny_int4_target, library_dequantized  # noqa: E402
+
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("one_thread")]
 
 REPO = Path(__file__).resolve().parent.parent
 LAYOUTS = ["deepseek_v3", "kimi_k25"]

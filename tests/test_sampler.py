@@ -20,7 +20,7 @@ import pytest
 from supervisor.observe.gpu import GpuReader
 from supervisor.observe.sampler import Sampler, TreeReading, TreeTarget
 from supervisor.runtime import procfs
-from tests.conftest import PY, wait_for
+from tests.helpers import PY, wait_for
 
 pytestmark = pytest.mark.timeout(30)
 

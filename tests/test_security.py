@@ -19,23 +19,13 @@ from supervisor.api import guard as guard_module
 from supervisor.api.guard import Guard, allowed_hosts, same_origin, split_host
 from supervisor.config import Settings
 from supervisor.spec import CODE_LOADING_ENV, refused_env
-from tests.conftest import PY, Daemon, python_job
+from tests.helpers import PY, Daemon, python_job
 
 TOKEN = "s3cret-token"
 EVIL = "http://evil.example"
 
 
 # -- helpers ---------------------------------------------------------------------------
-@pytest.fixture(scope="module")
-def shared(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Daemon]:
-    """One default daemon (loopback, no token) for the tests that only send requests."""
-    daemon = Daemon(tmp_path_factory.mktemp("security") / "data").start()
-    try:
-        yield daemon
-    finally:
-        daemon.shut_down()
-
-
 def raw_http(port: int, request: bytes, host: str = "127.0.0.1",
              timeout: float = 10) -> tuple[int, bytes]:
     """Send bytes as they are; (status, head and whatever body arrived with it)."""
@@ -191,6 +181,7 @@ def _non_loopback_address() -> str | None:
     return None if address.startswith("127.") else address
 
 
+@pytest.mark.slow
 def test_specific_non_loopback_bind_allows_that_address(
         make_daemon: Callable[..., Daemon]) -> None:
     address = _non_loopback_address()
@@ -207,6 +198,7 @@ def test_specific_non_loopback_bind_allows_that_address(
 
 
 # -- 2. Host and Origin: DNS rebinding, drive-by browser requests -------------------------
+@pytest.mark.slow
 def test_loopback_hosts_are_answered(shared: Daemon) -> None:
     port = shared.port
     for host in (f"127.0.0.1:{port}", "127.0.0.1", f"localhost:{port}", "localhost",
@@ -243,6 +235,7 @@ def test_missing_or_empty_host_is_refused(shared: Daemon) -> None:
     assert status in (400, 403)  # the HTTP parser may refuse it before jobsup does
 
 
+@pytest.mark.slow
 def test_allowed_hosts_setting(make_daemon: Callable[..., Daemon]) -> None:
     daemon = make_daemon(env={"JOBSUP_ALLOWED_HOSTS": "jobs.example.org, 10.1.2.3,[fd00::1]"})
     for host in ("jobs.example.org", f"JOBS.example.org:{daemon.port}", "10.1.2.3:80",
@@ -409,6 +402,7 @@ def test_declared_oversized_body_is_refused_before_it_is_sent(shared: Daemon) ->
     assert status == 413, head
 
 
+@pytest.mark.slow
 def test_max_body_bytes_is_configurable_and_chunked_bodies_stop_at_limit_plus_one(
         make_daemon: Callable[..., Daemon]) -> None:
     daemon = make_daemon(env={"JOBSUP_MAX_BODY_BYTES": "1000"})
@@ -487,6 +481,7 @@ def test_pythonpath_and_ordinary_env_reach_the_job(shared: Daemon, tmp_path: Pat
     assert shared.logs(job["id"]).split() == [str(tmp_path), "0", "lower"]
 
 
+@pytest.mark.slow
 def test_allowed_env_setting_lets_named_keys_through(make_daemon: Callable[..., Daemon],
                                                      tmp_path: Path) -> None:
     daemon = make_daemon(env={"JOBSUP_ALLOWED_ENV": "LD_LIBRARY_PATH, NODE_OPTIONS"})

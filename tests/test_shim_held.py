@@ -13,17 +13,9 @@ from pathlib import Path
 import pytest
 
 from supervisor.runtime.procfs import is_same_process, process_state
-from tests.conftest import PY, Daemon, exit_recorded, wait_for
+from tests.helpers import PY, Daemon, exit_recorded, identity, job_module, wait_for
 
-IGNORES_SIGTERM = (
-    "import signal, time\n"
-    "signal.signal(signal.SIGTERM, signal.SIG_IGN)\n"
-    "time.sleep(600)\n")
-
-
-def identity(data_dir: Path, job_id: str, name: str) -> tuple[int, float]:
-    info = json.loads((data_dir / "jobs" / job_id / "attempt-1" / name).read_text())
-    return info["pid"], info["create_time"]
+pytestmark = pytest.mark.slow
 
 
 def running_worker(daemon: Daemon, job_id: str) -> tuple[int, float]:
@@ -34,7 +26,7 @@ def running_worker(daemon: Daemon, job_id: str) -> tuple[int, float]:
 @pytest.mark.timeout(60)
 def test_stop_backstop_kills_the_job_never_the_shim(make_daemon) -> None:
     daemon: Daemon = make_daemon()
-    job = daemon.submit([PY, "-c", IGNORES_SIGTERM], name="held", stop_grace_s=1)
+    job = daemon.submit(job_module("ignores_sigterm"), name="held", stop_grace_s=1)
     worker = running_worker(daemon, job["id"])
     shim = identity(daemon.data_dir, job["id"], "shim.json")
     # the shim cannot act: the SIGTERM the stop sends it stays pending, its grace timer

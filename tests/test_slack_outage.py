@@ -6,7 +6,9 @@ import time
 
 import pytest
 
-from tests.conftest import Daemon, Receiver, python_job, wait_for
+from tests.helpers import Daemon, Receiver, python_job, wait_for
+
+pytestmark = pytest.mark.slow
 
 OUTAGE_S = 120.0
 

@@ -8,7 +8,6 @@ import json
 import logging
 import sqlite3
 import sys
-from collections.abc import Iterator
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -16,7 +15,7 @@ from typing import Any
 import pytest
 
 from supervisor.spec import MAX_INT64, JobSpec, stored_spec
-from tests.conftest import Daemon, python_job, wait_for
+from tests.helpers import Daemon, python_job, wait_for
 from tests.test_cli import jobsup
 
 INF, NAN = float("inf"), float("nan")
@@ -44,16 +43,6 @@ BAD_FIELDS: list[tuple[dict[str, Any], str]] = [
     ({"depends_on": ["ab\x00cd"]}, "depends_on"),
     ({"stop_when_ended": ["ab\x00cd"]}, "stop_when_ended"),
 ]
-
-
-@pytest.fixture(scope="module")
-def shared(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Daemon]:
-    """One daemon for the tests that only send what it refuses (it stays empty)."""
-    daemon = Daemon(tmp_path_factory.mktemp("bounds") / "data").start()
-    try:
-        yield daemon
-    finally:
-        daemon.shut_down()
 
 
 def post_raw(daemon: Daemon, path: str, body: dict[str, Any]) -> Any:
@@ -137,6 +126,7 @@ def test_stored_spec_falls_back_to_defaults(caplog: pytest.LogCaptureFixture) ->
     assert stored_spec(json.dumps({**good, "name": "\x00"})).name == "(invalid)"
 
 
+@pytest.mark.slow
 def test_a_stored_null_breaks_nothing_after_a_restart(make_daemon) -> None:
     """What a daemon without the bounds stored for `"stall_timeout_s": Infinity` (a
     null), written into the real database of a stopped daemon: list, get, stop, /metrics
@@ -169,6 +159,7 @@ def test_a_stored_null_breaks_nothing_after_a_restart(make_daemon) -> None:
     assert log.count("stored spec has invalid") == 2, log  # once per row
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("value", ["inf", "nan", "-inf", "-3", "1e12"])
 def test_cli_stall_timeout_error_and_hint(shared: Daemon, value: str) -> None:
     result = jobsup("submit", "--name", "x", "--stall-timeout", value, "--", sys.executable,

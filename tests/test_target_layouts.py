@@ -16,12 +16,13 @@ from pathlib import Path
 
 import pytest
 import torch
-from safetensors.torch import load_file
 
-from tests.workers_util import make_conversations
+from tests.helpers import make_conversations, saved
 from workers.common import tokenize_conversation
 from workers.extractor import capture_layers
 from workers.tiny import LAYOUTS, build_tiny_target
+
+pytestmark = pytest.mark.slow
 
 REPO = Path(__file__).resolve().parent.parent
 ENV = {**os.environ, "CUDA_VISIBLE_DEVICES": ""}
@@ -48,11 +49,6 @@ def run(module: str, *args: object) -> subprocess.CompletedProcess[str]:
                             capture_output=True, text=True, timeout=300, cwd=REPO, env=ENV)
     assert result.returncode == 0, result.stderr[-3000:]
     return result
-
-
-def saved(out: Path) -> dict[str, dict[str, torch.Tensor]]:
-    manifest = [json.loads(line) for line in (out / "manifest.jsonl").read_text().splitlines()]
-    return {entry["id"]: load_file(out / entry["file"]) for entry in manifest}
 
 
 def test_each_layout_extracts_the_text_models_own_hidden_states(

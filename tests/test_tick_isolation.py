@@ -16,7 +16,7 @@ from supervisor.daemon.loop import Engine
 from supervisor.spec import JobSpec, JobState
 from supervisor.storage import store
 from supervisor.storage.tables import Job
-from tests.conftest import in_process_engine, python_job, wait_for
+from tests.helpers import in_process_engine, python_job, wait_for
 
 pytestmark = pytest.mark.timeout(60)
 

@@ -19,8 +19,7 @@ import torch.nn.functional as F
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
-from tests.conftest import wait_for
-from tests.workers_util import make_conversations, make_model, one_thread  # noqa: F401 (fixture)
+from tests.helpers import make_conversations, make_model, wait_for
 from workers import extract, vocab
 from workers.draft import DraftConfig, Eagle3Draft, ttt_losses
 from workers.train import (
@@ -31,6 +30,8 @@ from workers.train import (
     train_step,
 )
 from workers.train_data import ExtractedData, load_batch
+
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 REPO = Path(__file__).resolve().parent.parent
 ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
@@ -176,6 +177,7 @@ def test_each_ttt_step_is_scored_against_the_target_t_plus_1_plus_i() -> None:
 
 # -- 2. learning ----------------------------------------------------------------------
 
+@pytest.mark.slow
 def test_loss_decreases_on_extracted_data(tiny: dict[str, Path], tmp_path: Path) -> None:
     args = parse_args(["--data", str(tiny["data"]), "--target", str(tiny["model"]),
                        "--vocab", str(tiny["vocab"]), "--out", str(tmp_path), "--ttt-steps",
@@ -202,6 +204,7 @@ def read_trace(path: Path) -> list[dict[str, Any]]:
     return [json.loads(line) for line in path.read_text().splitlines()]
 
 
+@pytest.mark.slow
 def test_kill_minus_9_then_resume_matches_an_uninterrupted_run(
         tiny: dict[str, Path], tmp_path: Path) -> None:
     args = ["--batch-tokens", "768", "--epochs", "2", "--save-every", "3", "--seed", "5",
@@ -263,6 +266,7 @@ def test_kill_minus_9_then_resume_matches_an_uninterrupted_run(
     assert kept == {"latest", f"step_{total:07d}", f"step_{total - 3:07d}"}
 
 
+@pytest.mark.slow
 def test_sigterm_saves_a_checkpoint_and_exits_143(tiny: dict[str, Path],
                                                   tmp_path: Path) -> None:
     out, trace = tmp_path / "out", tmp_path / "trace"

@@ -174,6 +174,7 @@ def test_max_length_counts_only_the_first_tokens(
     assert report["truncated_samples"] == 1 and report["coverage"] == 3 / 4
 
 
+@pytest.mark.slow
 def test_jsonl_end_to_end_through_the_cli(tmp_path: Path, tokenizer_dir: Path,
                                           target_size: int) -> None:
     conversations = [

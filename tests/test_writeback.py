@@ -18,7 +18,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from tests.workers_util import make_conversations, make_model
+from tests.helpers import make_conversations, make_model
 from workers import hidden_files
 from workers.extract import parse_args
 from workers.hidden_files import (
@@ -102,6 +102,7 @@ def tiny(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return make_model(tmp_path_factory.mktemp("model") / "tiny")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("flags, mode", [([], DEFAULT_WRITEBACK),
                                          (["--writeback", "range"], "range")])
 def test_the_worker_records_its_mode_and_leaves_the_page_cache(

@@ -669,10 +669,6 @@ def gpu_device_uses(
                          device_total_bytes=d.device.total_bytes) for d in devices]
 
 
-def progress_json(view: JobView) -> str:
-    return view.progress.model_dump_json()
-
-
 def preflight_warnings(spec: JobSpec, views: Mapping[str, JobView],
                        learned_bytes_per_item: float | None) -> list[str]:
     """Warnings for a submit: the job's projected output (expected items x declared or

@@ -20,8 +20,9 @@ between scans:
 * directories that cannot hold a match (``rows_*/*.bin`` never needs ``logs/``) and
   dot-directories are never entered.
 
-Known blind spots, by design (call :meth:`OutputScanner.rescan` rarely, e.g. every few
-minutes or on demand, to correct them):
+Known blind spots, by design (a new scanner, as after a daemon restart, walks the whole
+tree once and sees them; a periodic full walk would cost a ``du`` in the tick's reading
+budget, so there is none):
 
 * a settled file rewritten or appended to in place, without a rename, is missed: nothing
   in its directory changes. So is a writer that pauses longer than ``settle_s`` between
@@ -155,14 +156,6 @@ class OutputScanner:
             if state.unsettled and relative_dir not in listed:
                 self._restat_unsettled(relative_dir, state, now, cost)
         return self._result(cost)
-
-    def rescan(self, now: float) -> ScanResult:
-        """Forget all state and walk the whole tree again, statting every file.
-
-        Corrects the blind spots of :meth:`scan`; costs as much as ``du``, use it rarely.
-        """
-        self._dirs.clear()
-        return self.scan(now)
 
     def _path(self, relative_path: str) -> str:
         return self._root_prefix + relative_path if relative_path else self.root

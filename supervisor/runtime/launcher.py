@@ -54,10 +54,6 @@ class Attempt:
     shim_create_time: float | None = None
 
 
-def job_dir(jobs_dir: Path, job_id: str) -> Path:
-    return jobs_dir / job_id
-
-
 def attempt_dir(jobs_dir: Path, job_id: str, number: int) -> Path:
     return jobs_dir / job_id / f"attempt-{number}"
 

@@ -1,0 +1,351 @@
+"""Helpers the tests import: a real daemon process on a free loopback port, a stand-in
+Slack receiver, job argv builders, a fake clock and the tiny worker inputs. A plain
+module: the fixtures built on these live in `tests/conftest.py`."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from supervisor.runtime.fileio import read_json
+from supervisor.runtime.procfs import is_same_process
+
+REPO = Path(__file__).resolve().parent.parent
+PY = sys.executable
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def wait_for(predicate: Callable[[], Any], timeout: float, interval: float = 0.05,
+             what: str = "condition") -> Any:
+    deadline = time.monotonic() + timeout
+    while True:
+        value = predicate()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout} s waiting for {what}")
+        time.sleep(interval)
+
+
+class Daemon:
+    """`python -m supervisor serve` as a child process of the test."""
+
+    def __init__(self, data_dir: Path, env: dict[str, str] | None = None,
+                 log_dir: Path | None = None, cwd: Path = REPO):
+        self.data_dir = data_dir
+        self.log_dir = log_dir or data_dir
+        self.cwd = cwd
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        inherited = {k: v for k, v in os.environ.items() if not k.startswith("JOBSUP_")}
+        self.env = {**inherited, "JOBSUP_SAMPLE_INTERVAL": "0.5", **(env or {})}
+        self.proc: subprocess.Popen[bytes] | None = None
+        self.http = httpx.Client(base_url=self.url, timeout=10)
+        self.starts = 0
+
+    @property
+    def log_path(self) -> Path:
+        return self.log_dir / f"daemon-{self.starts}.log"
+
+    def start(self, wait: bool = True) -> Daemon:
+        self.starts += 1
+        self.data_dir.mkdir(parents=True, exist_ok=True)
+        with open(self.log_path, "wb") as log:
+            self.proc = subprocess.Popen(
+                [PY, "-m", "supervisor", "serve", "--port", str(self.port),
+                 "--data-dir", str(self.data_dir)],
+                stdout=log, stderr=subprocess.STDOUT, env=self.env, cwd=self.cwd,
+            )
+        if wait:
+            wait_for(self._healthy, 20, what=f"daemon on {self.url}; log:\n{self.log()}")
+        return self
+
+    def _healthy(self) -> bool:
+        assert self.proc is not None
+        if self.proc.poll() is not None:
+            raise AssertionError(f"daemon exited {self.proc.returncode}:\n{self.log()}")
+        try:
+            return self.http.get("/healthz").status_code == 200
+        except httpx.TransportError:
+            return False
+
+    def log(self) -> str:
+        try:
+            return self.log_path.read_text(errors="replace")
+        except OSError:
+            return ""
+
+    def kill(self) -> None:
+        """SIGKILL, as a crash would."""
+        assert self.proc is not None
+        self.proc.send_signal(signal.SIGKILL)
+        self.proc.wait(10)
+
+    def shut_down(self) -> None:
+        """Stop the daemon, close the client, and kill every shim and worker it started:
+        no job outlives its test."""
+        self.stop()
+        self.http.close()
+        kill_jobs_of(self.data_dir)
+
+    def stop(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(15)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(5)
+
+    # -- API helpers -------------------------------------------------------------------
+    def submit(self, command: list[str], name: str = "job", **spec: Any) -> dict[str, Any]:
+        response = self.http.post("/api/v1/jobs", json={"name": name, "command": command, **spec})
+        assert response.status_code == 201, response.text
+        return response.json()
+
+    def job(self, job_id: str) -> dict[str, Any]:
+        response = self.http.get(f"/api/v1/jobs/{job_id}")
+        assert response.status_code == 200, response.text
+        return response.json()
+
+    def events(self, job_id: str) -> list[dict[str, Any]]:
+        return self.http.get(f"/api/v1/jobs/{job_id}/events").json()
+
+    def wait_state(self, job_id: str, *states: str, timeout: float = 15) -> dict[str, Any]:
+        def reached() -> dict[str, Any] | None:
+            job = self.job(job_id)
+            return job if job["state"] in states else None
+
+        return wait_for(reached, timeout, what=f"job {job_id} in {states}")
+
+    def logs(self, job_id: str, tail: int = 100) -> str:
+        return self.http.get(f"/api/v1/jobs/{job_id}/logs", params={"tail": tail}).text
+
+
+
+def kill_jobs_of(data_dir: Path) -> None:
+    for pid_file in data_dir.glob("jobs/*/attempt-*/*.json"):
+        if pid_file.name not in ("shim.json", "worker.json"):
+            continue
+        try:
+            info = json.loads(pid_file.read_text())
+        except (OSError, ValueError):
+            continue
+        if not is_same_process(info.get("pid"), info.get("create_time")):
+            continue
+        try:
+            if pid_file.name == "worker.json":
+                os.killpg(info["pid"], signal.SIGKILL)
+            else:
+                os.kill(info["pid"], signal.SIGKILL)
+        except OSError:
+            pass
+
+
+def python_job(code: str) -> list[str]:
+    """argv running `code` in a fresh Python."""
+    return [PY, "-c", code]
+
+
+class Receiver:
+    """A local HTTP server standing in for Slack: records every POST, answers from a
+    script of (status, headers) and then 200. With `delay_s`, each answer comes that
+    long after the POST was recorded (a slow receiver: acted on, not yet answered);
+    `in_flight` counts the POSTs recorded and not yet answered."""
+
+    def __init__(self, delay_s: float = 0.0) -> None:
+        import threading
+        from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+        self.posts: list[tuple[float, dict[str, Any]]] = []
+        self.attempts: list[tuple[float, int]] = []
+        self.requests: list[tuple[dict[str, str], bytes]] = []
+        """Every POST's headers (lower-case names) and raw body, in order."""
+        self.script: list[tuple[int, dict[str, str]]] = []
+        self.down_until = 0.0
+        """Until this time every POST answers 503 (the service is down)."""
+        self.delay_s = delay_s
+        self.in_flight = 0
+        self.answered: list[float] = []
+        """When each answer was written (a client killed first gets none)."""
+        self.lock = threading.Lock()
+        receiver = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def do_POST(self) -> None:  # noqa: N802 - http.server's naming
+                length = int(self.headers.get("content-length", 0))
+                body = self.rfile.read(length)
+                if len(body) < length:
+                    return  # the client died mid-request: nothing arrived to act on
+                with receiver.lock:
+                    if time.time() < receiver.down_until:
+                        status, headers = 503, {}
+                    else:
+                        status, headers = (receiver.script.pop(0) if receiver.script
+                                           else (200, {}))
+                    receiver.attempts.append((time.time(), status))
+                    receiver.requests.append(
+                        ({k.lower(): v for k, v in self.headers.items()}, body))
+                    if status == 200:
+                        receiver.posts.append((time.time(), json.loads(body)))
+                    receiver.in_flight += 1
+                try:
+                    time.sleep(receiver.delay_s)
+                    self.send_response(status)
+                    for key, value in headers.items():
+                        self.send_header(key, value)
+                    self.end_headers()
+                    self.wfile.write(b"ok" if status == 200 else b"nope")
+                    with receiver.lock:
+                        receiver.answered.append(time.time())
+                except OSError:
+                    pass  # the client went away before the answer (killed mid-request)
+                finally:
+                    with receiver.lock:
+                        receiver.in_flight -= 1
+
+            def log_message(self, *args: Any) -> None:
+                pass
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}/hook"
+        self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
+        self.thread.start()
+
+    def texts(self) -> list[str]:
+        with self.lock:
+            return [body.get("text", "") for _, body in self.posts]
+
+    def close(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+
+
+
+def exit_recorded(status_file: Path) -> bool:
+    """The shim has recorded the worker's exit (the file exists from the launch on,
+    holding a reservation, see `supervisor.runtime.shim.STATUS_RESERVED_BYTES`)."""
+    try:
+        return "ended_at" in json.loads(status_file.read_bytes())
+    except (OSError, ValueError):
+        return False
+
+
+@contextmanager
+def tmpfs(path: Path, size: str) -> Iterator[Path]:
+    """A tmpfs of `size` (e.g. "16m") mounted at `path` for the block: a disk a test can
+    fill to the last byte. Needs root (CI and the dev machines run as root)."""
+    path.mkdir(parents=True, exist_ok=True)
+    if os.geteuid() != 0:
+        pytest.fail(f"this test mounts a {size} tmpfs and needs root")
+    subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(path)],
+                   check=True)
+    try:
+        yield path
+    finally:
+        subprocess.run(["umount", "-l", str(path)], check=False)
+
+
+@contextmanager
+def in_process_engine(data_dir: Path) -> Iterator[tuple[Any, Any]]:
+    """An `Engine` over a fresh SQLite database in `data_dir`, ticked by the test itself
+    (a 60 s interval: no tick of its own); (engine, sessions). Its observer's threads,
+    its backend and every job it started end with the block."""
+    from supervisor.config import Settings
+    from supervisor.daemon.loop import Engine
+    from supervisor.storage.database import make_engine, make_sessionmaker, upgrade
+
+    settings = Settings(data_dir=data_dir, sample_interval=60)
+    settings.jobs_dir.mkdir(parents=True)
+    db = make_engine(settings.resolved_database_url)
+    upgrade(db)
+    sessions = make_sessionmaker(db)
+    engine = Engine(settings, sessions)
+    try:
+        yield engine, sessions
+    finally:
+        engine.observer.close()
+        engine.backend.close()
+        kill_jobs_of(settings.data_dir)
+        db.dispose()
+
+
+T0 = 1_700_000_000.0
+"""A fake clock's start, seconds since the epoch."""
+
+
+class Clock:
+    """A fake clock the test moves by hand (notifier and engine unit tests)."""
+
+    def __init__(self, t: float = T0) -> None:
+        self.t = t
+
+    def __call__(self) -> float:
+        return self.t
+
+    def advance(self, seconds: float) -> None:
+        self.t += seconds
+
+
+def job_module(name: str, *args: object) -> list[str]:
+    """argv running the test job `tests/jobs/<name>.py` (`main()` reads `sys.argv`) in
+    a fresh Python, from any working directory."""
+    return [PY, str(REPO / "tests" / "jobs" / f"{name}.py"), *map(str, args)]
+
+
+def identity(data_dir: Path, job_id: str, name: str) -> tuple[int, float]:
+    """(pid, create_time) the shim recorded in `shim.json` / `worker.json` of attempt 1."""
+    info = read_json(data_dir / "jobs" / job_id / "attempt-1" / name)
+    assert isinstance(info, dict), f"no {name} for job {job_id}"
+    return int(info["pid"]), float(info["create_time"])
+
+
+# -- worker tests: a tiny random Llama and a conversations file --------------------------
+def make_model(path: Path) -> Path:
+    from workers.tiny import build_tiny_llama
+
+    return build_tiny_llama(path, layers=8, hidden=64)
+
+
+def make_conversations(path: Path, copies: int = 1) -> Path:
+    """The demo prompts with assistant answers of varied length (some with reasoning)."""
+    from workers.tiny import DEMO_PROMPTS
+
+    with open(path, "w") as f:
+        n = 0
+        for _ in range(copies):
+            for line in DEMO_PROMPTS.read_text().splitlines():
+                record = json.loads(line)
+                record["id"] = f"{record['id']}-{n}"
+                words = " ".join(["token"] * (3 + n * 7 % 40))
+                record["messages"].append({
+                    "role": "assistant", "content": f"Answer {n}: {words}.",
+                    "reasoning_content": "let me think" if n % 3 == 0 else None})
+                f.write(json.dumps(record) + "\n")
+                n += 1
+    return path
+
+
+def saved(out: Path) -> dict[str, Any]:
+    """What `workers.extract` wrote to `out`: the tensors of each sample, by sample id."""
+    from safetensors.torch import load_file
+
+    manifest = [json.loads(line) for line in (out / "manifest.jsonl").read_text().splitlines()]
+    return {entry["id"]: load_file(out / entry["file"]) for entry in manifest}
