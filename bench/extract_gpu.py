@@ -35,7 +35,14 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from workers.extractor import Capture, Extractor, Sample, Stats, pack_batches  # noqa: E402
+from workers.extractor import (  # noqa: E402
+    Capture,
+    Extractor,
+    Sample,
+    Stats,
+    pack_batches,
+    pad_batch,
+)
 from workers.hidden_files import (  # noqa: E402
     WRITEBACK_MODES,
     Writeback,
@@ -92,12 +99,7 @@ def prefill_ceiling(model: torch.nn.Module, samples: list[Sample], batch_tokens:
     t0 = time.perf_counter()
     with torch.inference_mode():
         for batch in batches:
-            longest = max(len(s.input_ids) for s in batch)
-            ids = torch.zeros((len(batch), longest), dtype=torch.long)
-            mask = torch.zeros_like(ids)
-            for row, s in enumerate(batch):
-                ids[row, : len(s.input_ids)] = torch.tensor(s.input_ids)
-                mask[row, : len(s.input_ids)] = 1
+            ids, mask = pad_batch(batch)
             base(input_ids=ids.to(device), attention_mask=mask.to(device), use_cache=False)
             torch.cat([capture.states[i] for i in layers], dim=-1)  # the same concat
     sync(device)

@@ -46,7 +46,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from extract_gpu import clean, disk_ceiling, file_sizes, make_samples  # noqa: E402
 
 from workers.batch_invariance import check_batch_invariance, format_report  # noqa: E402
-from workers.extractor import Extractor, Sample, Stats, pack_batches  # noqa: E402
+from workers.extractor import Extractor, Sample, Stats, pack_batches, pad_batch  # noqa: E402
 from workers.hidden_files import DEFAULT_WRITEBACK, WRITEBACK_MODES  # noqa: E402
 from workers.target import Target  # noqa: E402
 
@@ -116,21 +116,12 @@ def matmul_tflops(device: str) -> float:
     return 20 * 2 * 16384 * 7168 * 7168 / (time.perf_counter() - t0) / 1e12
 
 
-def padded(batch: list[Sample], device: str) -> tuple[torch.Tensor, torch.Tensor]:
-    longest = max(len(s.input_ids) for s in batch)
-    ids = torch.zeros((len(batch), longest), dtype=torch.long)
-    mask = torch.zeros_like(ids)
-    for row, s in enumerate(batch):
-        ids[row, : len(s.input_ids)] = torch.tensor(s.input_ids)
-        mask[row, : len(s.input_ids)] = 1
-    return ids.to(device), mask.to(device)
-
-
 def hf_prefill(model: torch.nn.Module, samples: list[Sample], batch_tokens: int,
                device: str) -> float:
     """Tokens/s of transformers' own decoder forward over the same packed batches."""
     decoder = model.get_decoder()
-    batches = [padded(b, device) for b in pack_batches(samples, batch_tokens)]
+    batches = [tuple(t.to(device) for t in pad_batch(b))
+               for b in pack_batches(samples, batch_tokens)]
     tokens = sum(len(s.input_ids) for s in samples)
     sync(device)
     t0 = time.perf_counter()
@@ -285,7 +276,7 @@ def invariance(args: argparse.Namespace) -> int:
 def split(args: argparse.Namespace) -> int:
     """One GPU vs the model split over all of them, through the real CLI."""
     from extract_multi_gpu import extract
-    from extract_split_gpu import compare, rate_and_peaks
+    from extract_split_gpu import compare, print_runs, rate_and_peaks
 
     from workers.tiny import build_tokenizer, corpus
 
@@ -319,10 +310,7 @@ def split(args: argparse.Namespace) -> int:
         rate, peaks = rate_and_peaks(stderr)
         rows.append((label, rate, peaks, time.perf_counter() - t0))
         print(f"{label}: {rate:,.0f} tokens/s, peak {peaks}", flush=True)
-    print("\n| run | tokens/s | vs 1 GPU | peak memory per device | wall (load incl.) |")
-    print("| --- | ---: | ---: | --- | ---: |")
-    for label, rate, peaks, wall in rows:
-        print(f"| {label} | {rate:,.0f} | {rate / rows[0][1]:.2f}x | {peaks} | {wall:.0f} s |")
+    print_runs(rows)
     files, identical, worst = compare(args.out / "1_GPU", args.out / f"split_over_{n}")
     print(f"\nsplit vs 1 GPU: {files} files, {identical} bit-identical, max |diff| {worst:g}")
     with contextlib.suppress(OSError):

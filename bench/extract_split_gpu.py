@@ -49,6 +49,14 @@ def rate_and_peaks(stderr: str) -> tuple[float, str]:
     return sum(map(float, rates)), "; ".join(peaks)
 
 
+def print_runs(rows: list[tuple[str, float, str, float]]) -> None:
+    """(label, tokens/s, peak memory, wall s) per run, the first the baseline."""
+    print("\n| run | tokens/s | vs 1 GPU | peak memory per device | wall (load incl.) |")
+    print("| --- | ---: | ---: | --- | ---: |")
+    for label, rate, peaks, wall in rows:
+        print(f"| {label} | {rate:,.0f} | {rate / rows[0][1]:.2f}x | {peaks} | {wall:.0f} s |")
+
+
 def compare(a: Path, b: Path) -> tuple[int, int, float]:
     """(files compared, files bit-identical, max |difference| over all tensors)."""
     files = sorted(p.relative_to(a) for p in a.glob("rows_*/*.safetensors"))
@@ -139,10 +147,7 @@ def main() -> int:
         print(f"{label}: {rate:,.0f} tokens/s, peak {peaks}", flush=True)
         if label.startswith("data-parallel"):  # not compared: free its disk space
             shutil.rmtree(args.work / label.replace(" ", "_"), ignore_errors=True)
-    print("\n| run | tokens/s | vs 1 GPU | peak memory per device | wall (load incl.) |")
-    print("| --- | ---: | ---: | --- | ---: |")
-    for label, rate, peaks, wall in rows:
-        print(f"| {label} | {rate:,.0f} | {rate / rows[0][1]:.2f}x | {peaks} | {wall:.0f} s |")
+    print_runs(rows)
     files, identical, worst = compare(args.work / "1_GPU", args.work / f"split_over_{n}")
     print(f"\nsplit vs 1 GPU: {files} files, {identical} bit-identical, max |diff| {worst:g}")
     for label, *_ in rows:
