@@ -102,9 +102,16 @@ def runnable_guard(case: Case, fenced: FencedDaemon) -> None:
             command[0] = MISSING_PROGRAM
     elif case.path == "/api/v1/pipelines/eagle3":
         prompts = body.get("prompts")
-        if isinstance(prompts, str) and (
-                "\x00" in prompts or (fenced.cwd / prompts).exists()):
+        if isinstance(prompts, str) and ("\x00" in prompts or _exists(fenced.cwd / prompts)):
             body["prompts"] = MISSING_PROGRAM
+
+
+def _exists(path: Path) -> bool:
+    """`path.exists()`, False for a name the OS refuses (too long, bad bytes)."""
+    try:
+        return path.exists()
+    except OSError:
+        return False
 
 
 SEMANTIC_422 = ["2xx", 401, 403, 404, 409, 422]

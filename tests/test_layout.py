@@ -47,3 +47,17 @@ def test_every_supervisor_module_sits_in_a_package_with_a_docstring() -> None:
                    "config.py", "clock.py", "timefmt.py"}
     for init in (REPO / "supervisor").glob("*/__init__.py"):
         assert init.read_text().startswith('"""'), init
+
+
+def test_paths_computed_from_module_files_point_at_the_checkout() -> None:
+    """Modules moved into subpackages compute paths from `__file__`: the shim's
+    PYTHONPATH must be the folder holding `supervisor/` (never `supervisor/` itself, whose
+    subpackages `api`, `client`, ... would shadow a job's own modules), and the demo's
+    prompts must exist."""
+    from supervisor.client.demo import DEMO_PROMPTS
+    from supervisor.runtime.launcher import _package_root_on_path
+
+    first = Path(_package_root_on_path().split(":")[0])
+    assert (first / "supervisor" / "__init__.py").is_file()
+    assert first.resolve() == REPO.resolve()
+    assert DEMO_PROMPTS.is_file()

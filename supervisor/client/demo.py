@@ -27,7 +27,7 @@ from supervisor.config import Settings
 from supervisor.errors import JobsupError
 
 DAEMON_START_TIMEOUT_S = 30.0
-DEMO_PROMPTS = Path(__file__).resolve().parent.parent / "workers" / "data" / "demo_prompts.jsonl"
+DEMO_PROMPTS = Path(__file__).resolve().parents[2] / "workers" / "data" / "demo_prompts.jsonl"
 
 
 def daemon_answers(client: Client) -> bool:
