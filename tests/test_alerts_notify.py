@@ -162,7 +162,7 @@ def test_metrics_names_and_retention(make_daemon) -> None:
     time.sleep(1.5)
     text = daemon.http.get("/metrics").text
     labels = f'job_id="{job["id"]}",job_name="m"'
-    for name in ("jobsup_job_items_total", "jobsup_job_cpu_percent", "jobsup_job_rss_bytes",
+    for name in ("jobsup_job_items_expected", "jobsup_job_cpu_percent", "jobsup_job_rss_bytes",
                  "jobsup_job_restarts"):
         assert f"{name}{{{labels}}}" in text, name
     assert f'jobsup_job_state{{{labels},state="running"}} 1.0' in text

@@ -38,7 +38,7 @@ JOB_SELECTOR = 'job_name=~"$job_name"'
 
 CONTRACT_METRICS = frozenset({
     # API.md "Prometheus metric names"
-    "jobsup_job_state", "jobsup_job_items_done", "jobsup_job_items_total", "jobsup_job_files",
+    "jobsup_job_state", "jobsup_job_items_done", "jobsup_job_items_expected", "jobsup_job_files",
     "jobsup_job_bytes_written", "jobsup_job_rate_items_per_second", "jobsup_job_eta_seconds",
     "jobsup_job_last_progress_timestamp_seconds", "jobsup_job_cpu_percent",
     "jobsup_job_rss_bytes", "jobsup_job_gpu_memory_bytes", "jobsup_job_disk_full_in_seconds",

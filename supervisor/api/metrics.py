@@ -72,7 +72,7 @@ class JobsCollector(Collector):
         state = _gauge("jobsup_job_state", "1 for the job's current state", ["state"])
         g = {name: _gauge(f"jobsup_job_{name}", doc) for name, doc in (
             ("items_done", "Items done (progress)"),
-            ("items_total", "Items expected in all"),
+            ("items_expected", "Items expected in all (a gauge: not a counter's _total)"),
             ("files", "Output files matching the job's pattern"),
             ("bytes_written", "Bytes of the job's output files"),
             ("rate_items_per_second", "Items per second, ignoring warm-up"),
@@ -108,11 +108,11 @@ class JobsCollector(Collector):
             view = views.get(job.id)
             if view is None:
                 if spec.expected_items is not None:
-                    g["items_total"].add_metric(labels, spec.expected_items)
+                    g["items_expected"].add_metric(labels, spec.expected_items)
                 continue
             p, f, r = view.progress, view.forecast, view.resources
             values = {
-                "items_done": p.items_done, "items_total": p.items_total, "files": p.files,
+                "items_done": p.items_done, "items_expected": p.items_total, "files": p.files,
                 "bytes_written": p.bytes_written, "rate_items_per_second": f.rate_items_per_s,
                 "eta_seconds": f.eta_s, "disk_full_in_seconds": f.disk_full_in_s,
                 "projected_total_bytes": f.projected_total_bytes,
