@@ -83,7 +83,7 @@ def make_samples(n: int, mean_len: int, vocab: int, seed: int = 0) -> list[Sampl
 
 
 def sync(device: str) -> None:
-    if device == "cuda":
+    if device.startswith("cuda"):
         torch.cuda.synchronize()
 
 

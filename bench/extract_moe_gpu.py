@@ -43,7 +43,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from extract_gpu import clean, disk_ceiling, file_sizes, make_samples  # noqa: E402
+from extract_gpu import clean, disk_ceiling, file_sizes, make_samples, sync  # noqa: E402
 
 from workers.batch_invariance import check_batch_invariance, format_report  # noqa: E402
 from workers.extractor import Extractor, Sample, Stats, pack_batches, pad_batch  # noqa: E402
@@ -130,11 +130,6 @@ def hf_prefill(model: torch.nn.Module, samples: list[Sample], batch_tokens: int,
             decoder(input_ids=ids, attention_mask=mask, use_cache=False)
     sync(device)
     return tokens / (time.perf_counter() - t0)
-
-
-def sync(device: str) -> None:
-    if device.startswith("cuda"):
-        torch.cuda.synchronize()
 
 
 def run_worker(target: Target, samples: list[Sample], out: Path, *, batch_tokens: int,
@@ -275,8 +270,7 @@ def invariance(args: argparse.Namespace) -> int:
 
 def split(args: argparse.Namespace) -> int:
     """One GPU vs the model split over all of them, through the real CLI."""
-    from extract_multi_gpu import extract
-    from extract_split_gpu import compare, print_runs, rate_and_peaks
+    from extract_split_gpu import compare, print_runs, timed_run
 
     from workers.tiny import build_tokenizer, corpus
 
@@ -303,13 +297,7 @@ def split(args: argparse.Namespace) -> int:
     for label, options in (("1 GPU", ["--gpus", "1"]),
                            (f"split over {n}", ["--gpus-per-model", str(n)])):
         os.sync()
-        t0 = time.perf_counter()
-        code, stderr = extract(model_dir, data, args.out / label.replace(" ", "_"), *options)
-        if code != 0:
-            raise SystemExit(f"{label} failed:\n{stderr[-3000:]}")
-        rate, peaks = rate_and_peaks(stderr)
-        rows.append((label, rate, peaks, time.perf_counter() - t0))
-        print(f"{label}: {rate:,.0f} tokens/s, peak {peaks}", flush=True)
+        rows.append(timed_run(model_dir, data, args.out, label, options))
     print_runs(rows)
     files, identical, worst = compare(args.out / "1_GPU", args.out / f"split_over_{n}")
     print(f"\nsplit vs 1 GPU: {files} files, {identical} bit-identical, max |diff| {worst:g}")

@@ -49,6 +49,18 @@ def rate_and_peaks(stderr: str) -> tuple[float, str]:
     return sum(map(float, rates)), "; ".join(peaks)
 
 
+def timed_run(model: Path, data: Path, work: Path, label: str,
+              options: list[str]) -> tuple[str, float, str, float]:
+    """One CLI run into `work/<label>`: (label, tokens/s, peak memory, wall s incl. load)."""
+    t0 = time.perf_counter()
+    code, stderr = extract(model, data, work / label.replace(" ", "_"), *options)
+    if code != 0:
+        raise SystemExit(f"{label} failed:\n{stderr[-3000:]}")
+    rate, peaks = rate_and_peaks(stderr)
+    print(f"{label}: {rate:,.0f} tokens/s, peak {peaks}", flush=True)
+    return label, rate, peaks, time.perf_counter() - t0
+
+
 def print_runs(rows: list[tuple[str, float, str, float]]) -> None:
     """(label, tokens/s, peak memory, wall s) per run, the first the baseline."""
     print("\n| run | tokens/s | vs 1 GPU | peak memory per device | wall (load incl.) |")
@@ -138,13 +150,7 @@ def main() -> int:
         t0 = time.perf_counter()
         os.sync()  # each run starts with no dirty pages of the one before
         print(f"sync before {label}: {time.perf_counter() - t0:.1f} s", flush=True)
-        t0 = time.perf_counter()
-        code, stderr = extract(model, data, args.work / label.replace(" ", "_"), *options)
-        if code != 0:
-            raise SystemExit(f"{label} failed:\n{stderr[-3000:]}")
-        rate, peaks = rate_and_peaks(stderr)
-        rows.append((label, rate, peaks, time.perf_counter() - t0))
-        print(f"{label}: {rate:,.0f} tokens/s, peak {peaks}", flush=True)
+        rows.append(timed_run(model, data, args.work, label, options))
         if label.startswith("data-parallel"):  # not compared: free its disk space
             shutil.rmtree(args.work / label.replace(" ", "_"), ignore_errors=True)
     print_runs(rows)
