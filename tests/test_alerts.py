@@ -239,7 +239,7 @@ def test_disk_will_fill_when_the_rest_will_not_fit() -> None:
 def test_disk_will_fill_when_disk_is_full_before_the_eta() -> None:
     job = facts(disk_full_in_s=3600.0, eta_s=7200.0, disk_free_bytes=100 * GB)
     message = rules(job, T0 + 1)["disk_will_fill"].message
-    assert "disk full in 60 min" in message and "2.0 h" in message
+    assert "disk full in 1h00m" in message and "2h00m" in message
 
 
 def test_disk_not_filling_when_the_job_ends_first() -> None:
@@ -328,9 +328,9 @@ def test_reconcile_same_rule_on_another_job_is_a_new_alert() -> None:
 
 def test_reconcile_reports_a_changed_message() -> None:
     open_alert = OpenAlert(3, "a", "stalled")
-    changes = alert_rules.reconcile([firing_of("a", "stalled", "no new item for 15 min")],
+    changes = alert_rules.reconcile([firing_of("a", "stalled", "no new item for 15m00s")],
                                [open_alert], {3: "no new item for 11 min"})
-    assert changes.updated == ((open_alert, "no new item for 15 min"),)
+    assert changes.updated == ((open_alert, "no new item for 15m00s"),)
     assert changes.opened == () and changes.resolved == ()
 
 

@@ -20,8 +20,8 @@ from typing import Any
 import httpx
 import pytest
 
+from supervisor.formatting import iso
 from supervisor.runtime.procfs import create_time, is_same_process, parse_stat
-from supervisor.timefmt import iso
 from tests.helpers import PY, Daemon, exit_recorded, identity, job_module, python_job, wait_for
 
 pytestmark = pytest.mark.slow

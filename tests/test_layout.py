@@ -44,7 +44,7 @@ def test_every_supervisor_module_sits_in_a_package_with_a_docstring() -> None:
     top = {p.name for p in (REPO / "supervisor").glob("*.py")}
     # the public contract and the few things every process shares stay at the top
     assert top == {"__init__.py", "__main__.py", "spec.py", "pipeline.py", "errors.py",
-                   "config.py", "clock.py", "timefmt.py"}
+                   "config.py", "clock.py", "formatting.py"}
     for init in (REPO / "supervisor").glob("*/__init__.py"):
         assert init.read_text().startswith('"""'), init
 

@@ -354,8 +354,8 @@ def test_firing_text_has_the_facts() -> None:
     assert ALERT["message"] in text
     assert "state: running" in text
     assert "progress: 400/1000 items, 33.2 GB written" in text
-    assert "ETA: 3.3 h (at 2023-11-15T01:33:20Z)" in text
-    assert "disk: 40.0 GB free, full in 2.7 h — the rest will NOT fit" in text
+    assert "ETA: 3h20m (at 2023-11-15T01:33:20Z)" in text
+    assert "disk: 40.0 GB free, full in 2h40m — the rest will NOT fit" in text
     assert "GPU memory: 76.0 GB" in text
     assert "last log lines:" in text and "step 400/1000 loss=1.23" in text
     assert msg["job"] is JOB and msg["alert"] is ALERT and msg["log_tail"] == LOG_TAIL

@@ -44,6 +44,7 @@ from sqlalchemy import select
 from sqlalchemy.exc import OperationalError
 from sqlalchemy.orm import Session, sessionmaker
 
+from supervisor.formatting import format_bytes, format_duration
 from supervisor.storage.tables import Notification
 
 log = logging.getLogger(__name__)
@@ -189,39 +190,23 @@ def compose(kind: str, job: dict[str, Any], *, alert: dict[str, Any] | None,
         done, total = p.get("items_done"), p.get("items_total")
         if done is not None:
             lines.append(f"progress: {done}" + (f"/{total}" if total else "") + " items, "
-                         f"{_bytes(p.get('bytes_written'))} written")
+                         f"{format_bytes(p.get('bytes_written'))} written")
         if f.get("eta_s") is not None:
-            lines.append(f"ETA: {_duration(f['eta_s'])} (at {f.get('eta_at')})")
+            lines.append(f"ETA: {format_duration(f['eta_s'])} (at {f.get('eta_at')})")
         if f.get("disk_free_bytes") is not None:
-            runway = f"disk: {_bytes(f['disk_free_bytes'])} free"
+            runway = f"disk: {format_bytes(f['disk_free_bytes'])} free"
             if f.get("disk_full_in_s") is not None:
-                runway += f", full in {_duration(f['disk_full_in_s'])}"
+                runway += f", full in {format_duration(f['disk_full_in_s'])}"
             if f.get("will_fit") is False:
                 runway += " — the rest will NOT fit"
             lines.append(runway)
         if r.get("gpu_memory_bytes"):
-            lines.append(f"GPU memory: {_bytes(r['gpu_memory_bytes'])}")
+            lines.append(f"GPU memory: {format_bytes(r['gpu_memory_bytes'])}")
         if log_tail:
             lines.append("last log lines:\n```\n" + "\n".join(log_tail)[-2500:] + "\n```")
     return redact({"kind": kind, "text": "\n".join(lines), "job": job, "alert": alert,
                    "log_tail": log_tail})
 
-
-def _bytes(n: float | None) -> str:
-    if n is None:
-        return "?"
-    for unit, size in (("TB", 1e12), ("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
-        if n >= size:
-            return f"{n / size:.1f} {unit}"
-    return f"{n:.0f} B"
-
-
-def _duration(seconds: float) -> str:
-    if seconds < 120:
-        return f"{seconds:.0f} s"
-    if seconds < 7200:
-        return f"{seconds / 60:.0f} min"
-    return f"{seconds / 3600:.1f} h"
 
 
 def backoff_s(attempts: int, max_s: float = BACKOFF_MAX_S) -> float:

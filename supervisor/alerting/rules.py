@@ -26,6 +26,8 @@ import re
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
+from supervisor.formatting import format_bytes, format_duration
+
 CRASHED, STALLED, DISK_WILL_FILL = "crashed", "stalled", "disk_will_fill"
 DISK_LOW, GPU_MEMORY_HIGH, INCOMPLETE = "disk_low", "gpu_memory_high", "incomplete"
 LOW_ACCEPTANCE = "low_acceptance"
@@ -156,13 +158,14 @@ def evaluate(job: JobFacts, *, now: float, settings: AlertSettings) -> list[Firi
         fire(STALLED, stalled)
     if job.will_fit is False:
         fire(DISK_WILL_FILL, f"{job.name}: its remaining output does not fit in the "
-                             f"{_gb(job.disk_free_bytes)} free")
+                             f"{format_bytes(job.disk_free_bytes)} free")
     elif (job.disk_full_in_s is not None and job.eta_s is not None
           and job.disk_full_in_s < job.eta_s):
-        fire(DISK_WILL_FILL, f"{job.name}: disk full in {_duration(job.disk_full_in_s)}, "
-                             f"before the job ends in {_duration(job.eta_s)}")
+        fire(DISK_WILL_FILL, f"{job.name}: disk full in {format_duration(job.disk_full_in_s)}, "
+                             f"before the job ends in {format_duration(job.eta_s)}")
     if job.disk_free_bytes is not None and job.disk_free_bytes < settings.disk_low_bytes:
-        fire(DISK_LOW, f"{job.name}: only {_gb(job.disk_free_bytes)} free on its output disk")
+        fire(DISK_LOW, f"{job.name}: only {format_bytes(job.disk_free_bytes)} free "
+                       "on its output disk")
     if (job.gpu_memory_fraction is not None
             and job.gpu_memory_fraction >= settings.gpu_memory_high_fraction):
         fire(GPU_MEMORY_HIGH, f"{job.name}: GPU memory {job.gpu_memory_fraction:.0%} full")
@@ -175,17 +178,18 @@ def stall_message(job: JobFacts, now: float) -> str | None:
         return None
     if job.first_item_at is None:
         if job.startup_timeout_s is not None and now - job.started_at > job.startup_timeout_s:
-            return (f"{job.name}: no first item {_duration(now - job.started_at)} after start "
-                    f"(startup timeout {_duration(job.startup_timeout_s)})")
+            return (f"{job.name}: no first item {format_duration(now - job.started_at)} "
+                    "after start "
+                    f"(startup timeout {format_duration(job.startup_timeout_s)})")
         quiet_since = max(job.activity_at or job.started_at, job.started_at)
         if now - quiet_since > job.stall_timeout_s:
             return (f"{job.name}: no activity (CPU, reads, GPU memory flat) for "
-                    f"{_duration(now - quiet_since)} before its first item")
+                    f"{format_duration(now - quiet_since)} before its first item")
         return None
     last = job.last_progress_at or job.first_item_at
     if now - last > job.stall_timeout_s:
         done = f" at {job.items_done} items" if job.items_done is not None else ""
-        return f"{job.name}: no new item for {_duration(now - last)}{done}"
+        return f"{job.name}: no new item for {format_duration(now - last)}{done}"
     return None
 
 
@@ -278,15 +282,3 @@ def failed_rank(text: str) -> str | None:
 def _recent(job: JobFacts, now: float, settings: AlertSettings) -> bool:
     return job.ended_at is None or now - job.ended_at < settings.ended_alert_ttl_s
 
-
-def _gb(n: int | None) -> str:
-    return "?" if n is None else f"{n / 1e9:,.1f} GB"
-
-
-def _duration(seconds: float) -> str:
-    seconds = max(0.0, seconds)
-    if seconds < 120:
-        return f"{seconds:.0f} s"
-    if seconds < 7200:
-        return f"{seconds / 60:.0f} min"
-    return f"{seconds / 3600:.1f} h"

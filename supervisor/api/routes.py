@@ -29,6 +29,7 @@ from supervisor.api.submission import submit_job
 from supervisor.api.views import alert_out, job_out, sample_out
 from supervisor.config import Settings
 from supervisor.errors import Conflict, InvalidSpec, JobsupError
+from supervisor.formatting import iso
 from supervisor.observe.observer import JobView
 from supervisor.pipeline import Eagle3Pipeline, eagle3_jobs
 from supervisor.runtime.fileio import read_from, tail_lines
@@ -46,7 +47,6 @@ from supervisor.spec import (
 )
 from supervisor.storage import store
 from supervisor.storage.tables import Job
-from supervisor.timefmt import iso
 
 log = logging.getLogger(__name__)
 

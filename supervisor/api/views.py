@@ -7,6 +7,7 @@ from collections.abc import Sequence
 
 from pydantic import ValidationError
 
+from supervisor.formatting import iso
 from supervisor.observe.observer import JobView
 from supervisor.spec import (
     AlertOut,
@@ -18,7 +19,6 @@ from supervisor.spec import (
     stored_spec,
 )
 from supervisor.storage.tables import Alert, Job, Sample
-from supervisor.timefmt import iso
 
 log = logging.getLogger(__name__)
 

@@ -13,43 +13,23 @@ from rich.progress_bar import ProgressBar
 from rich.table import Table
 from rich.text import Text
 
+from supervisor.formatting import format_bytes, format_duration
+
 STATE_STYLE = {"pending": "yellow", "running": "cyan", "succeeded": "green",
                "failed": "bold red", "stopped": "magenta", "lost": "red"}
 SPARK_CHARS = "▁▂▃▄▅▆▇█"
 
-
-def human_bytes(n: float | None) -> str:
-    """Decimal units, as `df -H` counts."""
-    if n is None:
-        return "-"
-    for unit, size in (("TB", 1e12), ("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
-        if abs(n) >= size:
-            return f"{n / size:.1f} {unit}"
-    return f"{n:.0f} B"
-
-
-def human_duration(seconds: float | None) -> str:
-    if seconds is None:
-        return "-"
-    seconds = max(0.0, seconds)
-    if seconds < 60:
-        return f"{seconds:.0f}s"
-    minutes, s = divmod(int(seconds), 60)
-    hours, m = divmod(minutes, 60)
-    if hours < 48:
-        return f"{hours}h{m:02d}m" if hours else f"{m}m{s:02d}s"
-    return f"{hours // 24}d{hours % 24:02d}h"
 
 
 def gpu_memory_text(resources: dict[str, Any]) -> str:
     """The job's GPU memory and its split over devices, each against the device's size:
     `32.1 GB  (gpu0 16.0 GB of 143.8 GB, gpu1 16.1 GB of 143.8 GB)`. Device names are
     NVML indexes, which need not match CUDA's numbering."""
-    text = human_bytes(resources["gpu_memory_bytes"])
+    text = format_bytes(resources["gpu_memory_bytes"])
     devices = resources.get("gpu_devices") or []  # absent from a daemon older than the field
     if devices:
-        split = ", ".join(f"gpu{d['index']} {human_bytes(d['memory_bytes'])} of "
-                          f"{human_bytes(d['device_total_bytes'])}" for d in devices)
+        split = ", ".join(f"gpu{d['index']} {format_bytes(d['memory_bytes'])} of "
+                          f"{format_bytes(d['device_total_bytes'])}" for d in devices)
         text += f"  ({split})"
     return text
 
@@ -57,7 +37,7 @@ def gpu_memory_text(resources: dict[str, Any]) -> str:
 def gpu_cell(resources: dict[str, Any]) -> str:
     """The job's GPU memory for a table column: the total, and how many GPUs it spans
     when more than one (`32.1 GB (2 GPUs)`)."""
-    text = human_bytes(resources["gpu_memory_bytes"])
+    text = format_bytes(resources["gpu_memory_bytes"])
     devices = resources.get("gpu_devices") or []
     return f"{text} ({len(devices)} GPUs)" if len(devices) > 1 else text
 
@@ -90,9 +70,9 @@ def runway_text(forecast: dict[str, Any]) -> Text:
     free, full_in = forecast["disk_free_bytes"], forecast["disk_full_in_s"]
     if free is None:
         return Text("-")
-    text = Text(f"{human_bytes(free)} free")
+    text = Text(f"{format_bytes(free)} free")
     if full_in is not None:
-        text.append(f", full in {human_duration(full_in)}")
+        text.append(f", full in {format_duration(full_in)}")
     if forecast["will_fit"] is False:
         text.append(" WON'T FIT", style="bold red")
     return text
@@ -114,15 +94,15 @@ def jobs_table(jobs: Sequence[dict[str, Any]], width: int | None = None) -> Tabl
     for job in jobs:
         f, p, r = job["forecast"], job["progress"], job["resources"]
         alerts = ", ".join(a["rule"] for a in job.get("alerts", []))
-        written = human_bytes(p["bytes_written"]) if p["files"] else "-"
+        written = format_bytes(p["bytes_written"]) if p["files"] else "-"
         if f["projected_total_bytes"]:
-            written += f" / {human_bytes(f['projected_total_bytes'])}"
+            written += f" / {format_bytes(f['projected_total_bytes'])}"
         running = job["state"] == "running"
         table.add_row(
             job["id"], job["name"], state_text(job["state"]), progress_cell(job),
-            rate_text(f["rate_items_per_s"]), human_duration(f["eta_s"]), written,
+            rate_text(f["rate_items_per_s"]), format_duration(f["eta_s"]), written,
             runway_text(f), f"{r['cpu_percent']:.0f}%" if running else "-",
-            human_bytes(r["rss_bytes"]) if running else "-",
+            format_bytes(r["rss_bytes"]) if running else "-",
             gpu_cell(r),
             Text(alerts, style="bold red") if alerts else "",
         )

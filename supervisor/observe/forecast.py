@@ -17,6 +17,8 @@ import statistics
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
+from supervisor.formatting import format_bytes
+
 MIN_WINDOW_ITEMS = 64
 """Smallest rate window, in items: two bursts of 32 files. Fewer items is mostly noise."""
 
@@ -348,13 +350,6 @@ def preflight(
         f"on its filesystem by {format_bytes(needed - free_bytes)}"
     )
 
-
-def format_bytes(n: float) -> str:
-    """Decimal units (1 GB = 10**9 bytes), as `df -H` and disk vendors count."""
-    for unit, size in (("TB", 1e12), ("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
-        if abs(n) >= size:
-            return f"{n / size:,.1f} {unit}"
-    return f"{n:,.0f} B"
 
 
 def _rate(history: ProgressHistory) -> RateEstimate | None:

@@ -32,13 +32,13 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Protocol, TypeVar
 
+from supervisor.formatting import iso
 from supervisor.observe import forecast, progress_file
 from supervisor.observe.outputs import OutputScanner, ScanResult
 from supervisor.observe.sampler import Sampler, TreeGpuMemory, TreeReading, TreeTarget
 from supervisor.runtime.launcher import log_path, progress_path
 from supervisor.spec import Forecast, GpuDeviceUse, JobSpec, Progress, Resources
 from supervisor.storage.tables import Sample
-from supervisor.timefmt import iso
 
 log = logging.getLogger(__name__)
 

@@ -1,0 +1,53 @@
+"""How every surface writes times, sizes and durations: the API and webhooks (ISO 8601
+UTC), and what people read (the CLI, the live table, Slack, alert messages, warnings).
+One place, so that a job's ETA or output size reads the same in a terminal and in Slack.
+"""
+
+from __future__ import annotations
+
+from datetime import UTC, datetime
+
+MISSING = "-"
+"""What a value not known yet reads as."""
+
+_BYTE_UNITS = (("PB", 1e15), ("TB", 1e12), ("GB", 1e9), ("MB", 1e6), ("kB", 1e3))
+
+
+def iso(t: float | None) -> str | None:
+    """Seconds since the epoch -> ISO 8601 UTC (`2026-11-29T14:18:15.123456Z`)."""
+    if t is None:
+        return None
+    return datetime.fromtimestamp(t, UTC).isoformat().replace("+00:00", "Z")
+
+
+def from_iso(text: str | None) -> float | None:
+    """ISO 8601 (as `iso` writes it, or with an offset) -> seconds since the epoch."""
+    if text is None:
+        return None
+    return datetime.fromisoformat(text.replace("Z", "+00:00")).timestamp()
+
+
+def format_bytes(n: float | None) -> str:
+    """Decimal units (1 GB = 10**9 bytes), as `df -H` and disk vendors count:
+    `512 B`, `83.0 MB`, `3.2 TB`."""
+    if n is None:
+        return MISSING
+    for unit, size in _BYTE_UNITS:
+        if abs(n) >= size:
+            return f"{n / size:.1f} {unit}"
+    return f"{n:.0f} B"
+
+
+def format_duration(seconds: float | None) -> str:
+    """A span for people, two units at most: `45s`, `4m10s`, `1h05m`, `2d07h`.
+    Negative spans read as 0s."""
+    if seconds is None:
+        return MISSING
+    seconds = max(0.0, seconds)
+    if seconds < 60:
+        return f"{seconds:.0f}s"
+    minutes, s = divmod(int(seconds), 60)
+    hours, m = divmod(minutes, 60)
+    if hours < 48:
+        return f"{hours}h{m:02d}m" if hours else f"{m}m{s:02d}s"
+    return f"{hours // 24}d{hours % 24:02d}h"
