@@ -9,6 +9,7 @@ trees are started here, the collector reads a real SQLite database and the daemo
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import re
 import signal
@@ -293,7 +294,7 @@ def test_job_view_and_metric_per_device(monkeypatch: pytest.MonkeyPatch, trees: 
     resources = observer.views["j1"].resources
     assert resources.gpu_memory_bytes == 25 * GB
     assert resources.gpu_devices is not None
-    assert [d.model_dump() for d in resources.gpu_devices] == [
+    assert [dataclasses.asdict(d) for d in resources.gpu_devices] == [
         {"index": 0, "name": "NVIDIA H200", "uuid": "GPU-aaaa", "memory_bytes": 16 * GB,
          "device_used_bytes": 60 * GB, "device_total_bytes": H200_BYTES},
         {"index": 1, "name": "NVIDIA H200", "uuid": "GPU-bbbb", "memory_bytes": 9 * GB,

@@ -7,7 +7,6 @@ from __future__ import annotations
 import os
 import time
 from collections.abc import Callable, Iterator, Mapping
-from datetime import datetime
 from pathlib import Path
 
 from prometheus_client import CollectorRegistry, Histogram
@@ -18,7 +17,7 @@ from sqlalchemy.orm import Session, sessionmaker
 
 from supervisor.alerting import rules
 from supervisor.alerting.notify import Notifier
-from supervisor.observe.observer import JobView
+from supervisor.observe.view import JobView
 from supervisor.spec import AlertState, JobState, stored_spec
 from supervisor.storage.tables import Alert, Job
 
@@ -118,7 +117,7 @@ class JobsCollector(Collector):
                 "projected_total_bytes": f.projected_total_bytes,
                 "will_fit": None if f.will_fit is None else float(f.will_fit),
                 "gpu_memory_bytes": r.gpu_memory_bytes,
-                "last_progress_timestamp_seconds": _timestamp(p.last_progress_at),
+                "last_progress_timestamp_seconds": p.last_progress_at,
             }
             if job.state == JobState.RUNNING.value:
                 values.update(cpu_percent=r.cpu_percent, rss_bytes=r.rss_bytes)
@@ -179,11 +178,6 @@ class JobsCollector(Collector):
                     family.add_metric([destination], counter[destination])
                 yield family
 
-
-def _timestamp(iso: str | None) -> float | None:
-    if iso is None:
-        return None
-    return datetime.fromisoformat(iso.replace("Z", "+00:00")).timestamp()
 
 
 def build_registry(collector: JobsCollector) -> tuple[CollectorRegistry, Histogram]:

@@ -30,7 +30,7 @@ from supervisor.api.views import alert_out, job_out, sample_out
 from supervisor.config import Settings
 from supervisor.errors import Conflict, InvalidSpec, JobsupError
 from supervisor.formatting import iso
-from supervisor.observe.observer import JobView
+from supervisor.observe.view import JobView
 from supervisor.pipeline import Eagle3Pipeline, eagle3_jobs
 from supervisor.runtime.fileio import read_from, tail_lines
 from supervisor.runtime.launcher import log_path

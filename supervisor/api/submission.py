@@ -10,7 +10,7 @@ from pathlib import Path
 from sqlalchemy.orm import Session
 
 from supervisor.errors import InvalidSpec
-from supervisor.observe.observer import JobView, preflight_warnings
+from supervisor.observe.view import JobView, preflight_warnings
 from supervisor.runtime.launcher import check_runnable
 from supervisor.spec import JobSpec
 from supervisor.storage import store

@@ -1,20 +1,29 @@
-"""Rows and live views -> the API's response models (the contract's shapes, ISO times)."""
+"""Rows and the observer's records -> the API's response models (the contract's shapes,
+ISO times). The one place inside the daemon where records become response models; the
+message edge (`alerting/`) builds its snapshot of a job here too."""
 
 from __future__ import annotations
 
 import logging
 from collections.abc import Sequence
 
-from pydantic import ValidationError
-
 from supervisor.formatting import iso
-from supervisor.observe.observer import JobView
+from supervisor.observe.forecast import JobForecast
+from supervisor.observe.view import (
+    JobView,
+    ProgressRecord,
+    ResourceRecord,
+    progress_model,
+    stored_progress,
+)
 from supervisor.spec import (
     AlertOut,
     ExitReason,
+    Forecast,
+    GpuDeviceUse,
     JobOut,
     JobState,
-    Progress,
+    Resources,
     SampleOut,
     stored_spec,
 )
@@ -34,32 +43,38 @@ def job_out(job: Job, view: JobView | None, *, alerts: Sequence[Alert] = (),
     """A job row, its latest view (or its stored progress) and its firing alerts."""
     spec = stored_spec(job.spec_json)
     if view is None:
-        progress = stored_progress(job.progress_json) if job.progress_json else None
-        view = JobView(progress=progress or Progress(items_total=spec.expected_items))
+        progress = stored_progress(job.progress_json)
+        view = JobView(progress=progress or ProgressRecord(items_total=spec.expected_items))
     return JobOut(
         id=job.id, name=job.name, spec=spec,
         state=JobState(job.state), pid=job.pid, exit_code=job.exit_code, signal=job.signal,
         exit_reason=ExitReason(job.exit_reason) if job.exit_reason else None,
         reason=job.reason, restarts=job.restarts, attempt=job.attempt,
         created_at=iso(job.created_at) or "", started_at=iso(job.started_at),
-        ended_at=iso(job.ended_at), progress=view.progress, forecast=view.forecast,
-        resources=view.resources, alerts=[alert_out(a) for a in alerts],
+        ended_at=iso(job.ended_at), progress=progress_model(view.progress),
+        forecast=forecast_model(view.forecast), resources=resources_model(view.resources),
+        alerts=[alert_out(a) for a in alerts],
         warnings=warnings or [],
     )
 
 
-def stored_progress(progress_json: str) -> Progress | None:
-    """A job's stored progress, or None (shown as none yet) if it no longer validates."""
-    try:
-        return Progress.model_validate_json(progress_json)
-    except ValidationError as exc:
-        if hash(progress_json) not in _warned_progress:
-            _warned_progress.add(hash(progress_json))
-            log.warning("unreadable stored progress (%s); showing none", exc)
-        return None
+
+def forecast_model(f: JobForecast) -> Forecast:
+    return Forecast(
+        rate_items_per_s=f.rate_items_per_s, eta_s=f.eta_s, eta_at=iso(f.eta_at),
+        bytes_per_item=f.bytes_per_item, projected_total_bytes=f.projected_total_bytes,
+        disk_free_bytes=f.disk_free_bytes, disk_full_in_s=f.disk_full_in_s,
+        will_fit=f.will_fit)
 
 
-_warned_progress: set[int] = set()
+def resources_model(r: ResourceRecord) -> Resources:
+    devices = None if r.gpu_devices is None else [
+        GpuDeviceUse(index=d.index, name=d.name, uuid=d.uuid, memory_bytes=d.memory_bytes,
+                     device_used_bytes=d.device_used_bytes,
+                     device_total_bytes=d.device_total_bytes) for d in r.gpu_devices]
+    return Resources(status=r.status, num_procs=r.num_procs, num_threads=r.num_threads,
+                     cpu_percent=r.cpu_percent, rss_bytes=r.rss_bytes, read_bytes=r.read_bytes,
+                     gpu_memory_bytes=r.gpu_memory_bytes, gpu_devices=devices)
 
 
 def sample_out(row: Sample) -> SampleOut:

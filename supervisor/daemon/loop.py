@@ -15,11 +15,11 @@ from sqlalchemy.orm import Session, sessionmaker
 from supervisor.alerting import rules
 from supervisor.alerting.notify import Destination, Notifier
 from supervisor.alerting.recorder import AlertRecorder
-from supervisor.api.views import stored_progress
 from supervisor.clock import SteadyClock
 from supervisor.config import Settings
 from supervisor.daemon import lifecycle
 from supervisor.observe.observer import SCAN_BUDGET_S, ObservedJob, Observer
+from supervisor.observe.view import progress_json, stored_progress
 from supervisor.runtime.fileio import tail_lines
 from supervisor.runtime.launcher import (
     Attempt,
@@ -123,7 +123,7 @@ class Engine:
         while the daemon was down (the tick reads the exit files the shims wrote)."""
         with self.sessions() as session:
             for job in store.list_jobs(session):
-                progress = stored_progress(job.progress_json) if job.progress_json else None
+                progress = stored_progress(job.progress_json)
                 if progress is not None:
                     self.observer.seed(job.id, progress)
             for job in store.jobs_in_states(session, JobState.RUNNING):
@@ -215,7 +215,7 @@ class Engine:
             for job in running:
                 view = self.observer.views.get(job.id)
                 if view is not None:
-                    job.progress_json = view.progress.model_dump_json()
+                    job.progress_json = progress_json(view.progress)
         if written.ok:
             self._unsaved_samples = []
         else:

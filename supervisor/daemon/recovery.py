@@ -48,6 +48,7 @@ from supervisor.daemon.lifecycle import signal_name
 from supervisor.daemon.loop import LOG_TAIL_LINES
 from supervisor.errors import DatabaseDamaged
 from supervisor.observe.progress_file import from_progress_file
+from supervisor.observe.view import ProgressRecord, progress_json
 from supervisor.runtime import files
 from supervisor.runtime.fileio import read_json, tail_lines
 from supervisor.runtime.launcher import (
@@ -61,7 +62,6 @@ from supervisor.spec import (
     ExitReason,
     JobSpec,
     JobState,
-    Progress,
     RestartPolicy,
     stored_spec,
 )
@@ -176,10 +176,10 @@ def _rebuild_job(jobs_dir: Path, jdir: Path, now: float) -> tuple[Job, str, bool
     job.state, job.reason = state.value, reason
     progress = from_progress_file(progress_path(jobs_dir, job.id))
     if progress is not None:
-        job.progress_json = Progress(
+        job.progress_json = progress_json(ProgressRecord(
             items_done=progress.items_done,
             items_total=progress.items_total or spec.expected_items,
-            source="progress_file", metrics=progress.metrics).model_dump_json()
+            source="progress_file", metrics=progress.metrics))
     return job, f"{REBUILT} (from {source}): {reason}", from_launch
 
 

@@ -76,7 +76,7 @@ class RateEstimate:
 
 
 @dataclass(frozen=True)
-class Forecast:
+class JobForecast:
     """Field names follow the `forecast` object of docs/api.md."""
 
     rate_items_per_s: float | None
@@ -222,7 +222,7 @@ def forecast_job(
     now: float,
     disk_free_bytes: int | None,
     declared_bytes_per_item: float | None = None,
-) -> Forecast:
+) -> JobForecast:
     """Rate, ETA and disk outlook of one job, as if it had its filesystem to itself.
 
     ETA: remaining items / rate, counted from the last progress point, less the time
@@ -262,7 +262,7 @@ def forecast_job(
         disk_full_in_s = disk_free_bytes / bytes_per_s if bytes_per_s > 0 else None
         if remaining_bytes is not None:
             will_fit = remaining_bytes <= disk_free_bytes
-    return Forecast(
+    return JobForecast(
         rate_items_per_s=rate,
         eta_s=eta_s,
         eta_at=now + eta_s if eta_s is not None else None,
@@ -274,7 +274,7 @@ def forecast_job(
     )
 
 
-def disk_demand(job_id: str, forecast: Forecast, *, bytes_written: int) -> JobDiskDemand:
+def disk_demand(job_id: str, forecast: JobForecast, *, bytes_written: int) -> JobDiskDemand:
     """A job's forecast, as the demand `disk_runway` sums over its filesystem."""
     bytes_per_s = None
     if forecast.rate_items_per_s is not None and forecast.bytes_per_item is not None:
@@ -314,7 +314,7 @@ def disk_runway(demands: Sequence[JobDiskDemand], *, free_bytes: int) -> DiskRun
     )
 
 
-def with_runway(forecast: Forecast, runway: DiskRunway, job_id: str) -> Forecast:
+def with_runway(forecast: JobForecast, runway: DiskRunway, job_id: str) -> JobForecast:
     """The job's forecast with its filesystem's shared disk outlook put in."""
     for job in runway.jobs:
         if job.job_id == job_id:

@@ -22,22 +22,26 @@ from __future__ import annotations
 
 import concurrent.futures
 import logging
-import os
-import queue
-import threading
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any, Protocol, TypeVar
+from typing import Protocol
 
-from supervisor.formatting import iso
 from supervisor.observe import forecast, progress_file
 from supervisor.observe.outputs import OutputScanner, ScanResult
 from supervisor.observe.sampler import Sampler, TreeGpuMemory, TreeReading, TreeTarget
+from supervisor.observe.threads import FilePool
+from supervisor.observe.view import (
+    GpuShare,
+    JobView,
+    ProgressRecord,
+    ResourceRecord,
+    disk_free,
+)
 from supervisor.runtime.launcher import log_path, progress_path
-from supervisor.spec import Forecast, GpuDeviceUse, JobSpec, Progress, Resources
+from supervisor.spec import JobSpec
 from supervisor.storage.tables import Sample
 
 log = logging.getLogger(__name__)
@@ -73,22 +77,6 @@ class ObservedJob:
     worker_pid: int | None
     started_at: float | None = None
 
-
-@dataclass(frozen=True)
-class JobView:
-    """A job's latest progress, forecast and resources, as the API shows them."""
-
-    progress: Progress
-    forecast: Forecast = field(default_factory=Forecast)
-    resources: Resources = field(default_factory=Resources)
-    cpu_time_s: float = 0.0
-    read_bytes: int = 0
-    disk_device: int | None = None
-    first_item_at: float | None = None
-    """When this attempt produced its first new item (None while warming up)."""
-    activity_at: float | None = None
-    """Last time CPU time, read bytes, bytes written or GPU memory moved."""
-    gpu_memory_fraction: float | None = None
 
 
 ACTIVITY_CPU_S = 0.05
@@ -226,87 +214,6 @@ class _Ending:
     job: ObservedJob
 
 
-T = TypeVar("T")
-
-
-class _Workers:
-    """A few daemon threads running the file readings. Daemon threads, not
-    `concurrent.futures.ThreadPoolExecutor` (which joins its threads at exit): a reading
-    stuck on a dead file server never keeps the daemon from exiting."""
-
-    def __init__(self, size: int) -> None:
-        self.size = size
-        self._tasks: queue.SimpleQueue[tuple[Future[Any], Callable[[], Any]] | None] = (
-            queue.SimpleQueue())
-        self._threads: list[threading.Thread] = []
-        self._outstanding = 0
-        """Tasks submitted and not finished (under `_lock`): more than there are threads,
-        and a task would wait behind a reading that may never end."""
-        self._lock = threading.Lock()
-        self._closed = False
-
-    def submit(self, task: Callable[[], T]) -> Future[T]:
-        future: Future[T] = Future()
-        with self._lock:
-            if self._closed:
-                raise RuntimeError("the observer is closed")
-            self._outstanding += 1
-            if len(self._threads) < self.size and self._outstanding > len(self._threads):
-                thread = threading.Thread(target=self._work, daemon=True,
-                                          name=f"jobsup-observe-{len(self._threads)}")
-                thread.start()
-                self._threads.append(thread)
-            self._tasks.put((future, task))
-        return future
-
-    def close(self) -> None:
-        """Cancel what has not started and let the threads end; a running reading
-        finishes in its thread (nobody waits for it)."""
-        with self._lock:
-            if self._closed:
-                return
-            self._closed = True
-            while True:
-                try:
-                    queued = self._tasks.get_nowait()
-                except queue.Empty:
-                    break
-                if queued is not None:
-                    queued[0].cancel()
-            for _ in self._threads:
-                self._tasks.put(None)
-
-    def _work(self) -> None:
-        while (queued := self._tasks.get()) is not None:
-            future, task = queued
-            try:
-                if not future.set_running_or_notify_cancel():
-                    continue
-                try:
-                    result = task()
-                except BaseException as error:  # whatever it is, the future must complete
-                    future.set_exception(error)
-                else:
-                    future.set_result(result)
-            finally:
-                with self._lock:
-                    self._outstanding -= 1
-
-
-def disk_free(path: str | None) -> tuple[int | None, int | None]:
-    """(free bytes for unprivileged writers, device id) of the filesystem holding `path`
-    or its nearest existing parent; (None, None) when nothing can be read."""
-    if not path:
-        return None, None
-    current = Path(path)
-    while True:
-        try:
-            st = os.statvfs(current)
-            return st.f_bavail * st.f_frsize, os.stat(current).st_dev
-        except OSError:
-            if current.parent == current:
-                return None, None
-            current = current.parent
 
 
 def _output_scanner(root: str, pattern: str) -> Scanner:
@@ -318,15 +225,16 @@ def _describe(error: BaseException) -> str:
     return f"{type(error).__name__}: {text}" if text else type(error).__name__
 
 
-def _final_progress(shown: Progress, job: ObservedJob, reading: FileReading) -> Progress:
+def _final_progress(shown: ProgressRecord, job: ObservedJob,
+                    reading: FileReading) -> ProgressRecord:
     """An ended job's progress from its final reading (`shown`: what the view had)."""
     items_done, items_total, metrics, source = _items(job.spec, reading)
     moved = items_done is not None and items_done != shown.items_done
-    return Progress(
+    return ProgressRecord(
         items_done=items_done, items_total=items_total, files=reading.files,
         bytes_written=reading.bytes_written, source=source,
-        last_progress_at=iso(reading.t) if moved else shown.last_progress_at,
-        metrics=metrics, observed_at=iso(reading.t))
+        last_progress_at=reading.t if moved else shown.last_progress_at,
+        metrics=metrics, observed_at=reading.t)
 
 
 def _items(spec: JobSpec, reading: FileReading
@@ -351,7 +259,7 @@ class Observer:
         self.sampler = sampler or Sampler()
         self.scan_budget_s = scan_budget_s
         self.make_scanner: ScannerFactory = make_scanner or _output_scanner
-        self._workers = _Workers(workers)
+        self._workers = FilePool(workers)
         self._state: dict[str, _JobState] = {}
         self._ending: dict[str, _Ending] = {}
         self._tick = 0
@@ -374,7 +282,7 @@ class Observer:
                 waiting, timeout=max(0.0, started + self.scan_budget_s - time.monotonic()))
         samples, views = [], dict(self.views)
         demands: dict[int, list[tuple[str, forecast.JobDiskDemand, int, float]]] = {}
-        forecasts: dict[str, forecast.Forecast] = {}
+        forecasts: dict[str, forecast.JobForecast] = {}
         for job, state in zip(jobs, states, strict=True):
             state.pick_up()
             tree = readings.get(job.job_id)
@@ -410,7 +318,7 @@ class Observer:
                 log.exception("disk runway of jobs %s failed", [g[0] for g in group])
                 continue
             for job_id, job_forecast in shared.items():
-                views[job_id] = _with_forecast(views[job_id], job_forecast)
+                views[job_id] = replace(views[job_id], forecast=job_forecast)
         self.views = views
         return samples
 
@@ -437,8 +345,8 @@ class Observer:
             if final is not None:
                 self._ending[job_id] = _Ending(final, state.job)
                 if progress is not None:
-                    progress = progress.model_copy(
-                        update={"observation_error": "final output scan still running"})
+                    progress = replace(progress,
+                                       observation_error="final output scan still running")
         if view is not None and progress is not None:
             views = dict(self.views)
             views[job_id] = JobView(progress=progress, disk_device=view.disk_device)
@@ -454,7 +362,7 @@ class Observer:
         state = self._state.get(job_id)
         return state.last_progress_at if state else None
 
-    def seed(self, job_id: str, progress: Progress) -> None:
+    def seed(self, job_id: str, progress: ProgressRecord) -> None:
         """A view for a job seen before a daemon restart (its stored progress)."""
         self.views.setdefault(job_id, JobView(progress=progress))
 
@@ -503,7 +411,7 @@ class Observer:
         return readings, errors
 
     def _observe_one(self, job: ObservedJob, state: _JobState, tree: TreeReading,
-                     now: float) -> tuple[JobView, Sample | None, forecast.Forecast]:
+                     now: float) -> tuple[JobView, Sample | None, forecast.JobForecast]:
         spec = job.spec
         outcome, state.outcome = state.outcome, None
         previous = self.views.get(job.job_id)
@@ -512,18 +420,18 @@ class Observer:
             items_done, items_total, metrics, source = _items(spec, fresh)
             state.note_items(items_done, fresh.t)
             self._remember(state, forecast.Observation(fresh.t, items_done, fresh.bytes_written))
-            progress = Progress(
+            progress = ProgressRecord(
                 items_done=items_done, items_total=items_total, files=fresh.files,
                 bytes_written=fresh.bytes_written, source=source,
-                last_progress_at=iso(state.last_progress_at), metrics=metrics,
-                observed_at=iso(fresh.t))
+                last_progress_at=state.last_progress_at, metrics=metrics,
+                observed_at=fresh.t)
             state.logged_error = None
         else:  # nothing new: the last known figures, and why
             error = self._why_not_fresh(job, state, outcome)
             self._log_error(job.job_id, state, error, outcome)
-            shown = previous.progress if previous is not None else Progress(
+            shown = previous.progress if previous is not None else ProgressRecord(
                 items_total=spec.expected_items)
-            progress = shown.model_copy(update={"observation_error": error})
+            progress = replace(shown, observation_error=error)
         reading = state.reading
         free_bytes = reading.free_bytes if reading is not None else None
         device = (reading.device if reading is not None
@@ -533,17 +441,16 @@ class Observer:
         job_forecast = forecast.forecast_job(
             state.history, items_total=progress.items_total, now=now,
             disk_free_bytes=free_bytes, declared_bytes_per_item=spec.bytes_per_item)
-        resources = Resources(
+        resources = ResourceRecord(
             status=tree.status, num_procs=tree.num_procs, num_threads=tree.num_threads,
             cpu_percent=round(tree.cpu_percent, 1), rss_bytes=tree.rss_bytes,
             read_bytes=tree.read_bytes, gpu_memory_bytes=tree.gpu_memory_bytes,
-            gpu_devices=gpu_device_uses(tree.gpu_devices))
-        view = _with_forecast(
-            JobView(progress=progress, resources=resources, cpu_time_s=tree.cpu_time_s,
-                    read_bytes=tree.read_bytes, disk_device=device,
-                    first_item_at=state.first_item_at, activity_at=state.activity_at,
-                    gpu_memory_fraction=tree.gpu_memory_fraction),
-            job_forecast)
+            gpu_devices=gpu_shares(tree.gpu_devices))
+        view = JobView(progress=progress, forecast=job_forecast, resources=resources,
+                       cpu_time_s=tree.cpu_time_s, read_bytes=tree.read_bytes,
+                       disk_device=device, first_item_at=state.first_item_at,
+                       activity_at=state.activity_at,
+                       gpu_memory_fraction=tree.gpu_memory_fraction)
         if progress.observation_error is not None:
             return view, None, job_forecast
         sample = Sample(
@@ -570,9 +477,8 @@ class Observer:
     def _stale_view(self, job: ObservedJob, error: str) -> JobView:
         """The job's previous view, saying why it is not fresh."""
         previous = self.views.get(job.job_id) or JobView(
-            progress=Progress(items_total=job.spec.expected_items))
-        progress = previous.progress.model_copy(update={"observation_error": error})
-        return replace(previous, progress=progress)
+            progress=ProgressRecord(items_total=job.spec.expected_items))
+        return previous.failing(error)
 
     @staticmethod
     def _log_error(job_id: str, state: _JobState, message: str,
@@ -616,9 +522,8 @@ class Observer:
             else:
                 error = ending.future.exception()
             if error is not None:
-                progress = view.progress.model_copy(
-                    update={"observation_error": f"final output scan failed: "
-                                                 f"{_describe(error)}"})
+                progress = replace(view.progress, observation_error=f"final output scan "
+                                                                    f"failed: {_describe(error)}")
             else:
                 progress = _final_progress(view.progress, ending.job, ending.future.result())
             views = views if views is not None else dict(self.views)
@@ -651,38 +556,9 @@ class Observer:
             state.activity_at = max(state.activity_at or 0.0, rows[-1].t)
 
 
-def _with_forecast(view: JobView, f: forecast.Forecast) -> JobView:
-    shown = Forecast(
-        rate_items_per_s=f.rate_items_per_s, eta_s=f.eta_s, eta_at=iso(f.eta_at),
-        bytes_per_item=f.bytes_per_item, projected_total_bytes=f.projected_total_bytes,
-        disk_free_bytes=f.disk_free_bytes, disk_full_in_s=f.disk_full_in_s,
-        will_fit=f.will_fit)
-    return replace(view, forecast=shown)
-
-
-def gpu_device_uses(
-        devices: Sequence[TreeGpuMemory] | None) -> list[GpuDeviceUse] | None:
+def gpu_shares(devices: Sequence[TreeGpuMemory] | None) -> tuple[GpuShare, ...] | None:
     if devices is None:
         return None
-    return [GpuDeviceUse(index=d.device.index, name=d.device.name, uuid=d.device.uuid,
-                         memory_bytes=d.memory_bytes, device_used_bytes=d.device.used_bytes,
-                         device_total_bytes=d.device.total_bytes) for d in devices]
-
-
-def preflight_warnings(spec: JobSpec, views: Mapping[str, JobView],
-                       learned_bytes_per_item: float | None) -> list[str]:
-    """Warnings for a submit: the job's projected output (expected items x declared or
-    learned bytes per item) plus what running jobs on the same filesystem still have to
-    write, against the free bytes there."""
-    bytes_per_item = spec.bytes_per_item or learned_bytes_per_item
-    free_bytes, device = disk_free(spec.output_dir or spec.cwd)
-    others = 0
-    for view in views.values():
-        f = view.forecast
-        if view.disk_device == device and f.projected_total_bytes is not None:
-            others += max(f.projected_total_bytes - view.progress.bytes_written, 0)
-    warning = forecast.preflight(expected_items=spec.expected_items, bytes_per_item=bytes_per_item,
-                           free_bytes=free_bytes, other_remaining_bytes=others)
-    return [warning] if warning else []
-
-
+    return tuple(GpuShare(index=d.device.index, name=d.device.name, uuid=d.device.uuid,
+                          memory_bytes=d.memory_bytes, device_used_bytes=d.device.used_bytes,
+                          device_total_bytes=d.device.total_bytes) for d in devices)
