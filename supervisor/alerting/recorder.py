@@ -89,35 +89,32 @@ class AlertRecorder:
             {a.id: a.message for a in open_rows}, settled_job_ids=jobs)
         rows = {a.id: a for a in open_rows}
         for f in changes.opened:
-            alert = Alert(job_id=f.job_id, rule=f.rule, severity=f.severity,
-                          state=AlertState.FIRING.value, started_at=now, message=f.message)
-            session.add(alert)
-            session.flush()
+            told_at = self._sent_unrecorded.get((f.job_id, f.rule))  # while the disk was full
+            alert = store.open_alert(session, job_id=f.job_id, rule=f.rule, severity=f.severity,
+                                     message=f.message, started_at=told_at or now)
             log.warning("job %s: alert %s firing: %s", f.job_id, f.rule, f.message)
-            if (f.job_id, f.rule) in self._sent_unrecorded:  # told while the disk was full
-                alert.started_at = self._sent_unrecorded[(f.job_id, f.rule)]
+            if told_at is not None:
                 recorded.append((f.job_id, f.rule))
                 continue
             self._enqueue(session, "firing", jobs[f.job_id], alert, now)
         for opened in changes.resolved:
             alert = rows[opened.id]
-            alert.state, alert.resolved_at = AlertState.RESOLVED.value, now
+            store.resolve_alert(alert, now=now)
             log.info("job %s: alert %s resolved", alert.job_id, alert.rule)
             if alert.rule not in rules.EVENT_RULES:  # those only age out
                 self._enqueue(session, "resolved", jobs[alert.job_id], alert, now)
         for opened, message in changes.updated:
-            rows[opened.id].message = message
+            store.reword_alert(rows[opened.id], message)
         firing_keys = {(f.job_id, f.rule) for f in firing}
         for key, started_at in list(self._sent_unrecorded.items()):
             if key in firing_keys or key[0] not in jobs:
                 continue  # still firing (recorded above) or its job not evaluated
             recorded.append(key)  # fired and ended while nothing could be written
             rule = key[1]
-            alert = Alert(job_id=key[0], rule=rule, severity=rules.SEVERITY[rule],
-                          state=AlertState.RESOLVED.value, started_at=started_at,
-                          resolved_at=now, message="(sent while the database's disk was full)")
-            session.add(alert)
-            session.flush()
+            alert = store.open_alert(
+                session, job_id=key[0], rule=rule, severity=rules.SEVERITY[rule],
+                message="(sent while the database's disk was full)", started_at=started_at,
+                resolved_at=now)
             self._enqueue(session, "resolved", jobs[key[0]], alert, now)
         if self.settings.notify_on_success and self.notifier.destinations:
             # this tick's and recent successes not yet in the outbox: a daemon that died

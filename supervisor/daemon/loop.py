@@ -254,8 +254,7 @@ class Engine:
             return
 
         if job.stop_requested_at is None and self._served_its_purpose(session, job):
-            job.stop_requested_at = now
-            job.reason = "stopping: the jobs it served have ended"
+            store.stop_when_served(job, now=now)
         if job.stop_requested_at is not None:
             self._stop_running(job, attempt, now)
 
@@ -328,7 +327,7 @@ class Engine:
     def _finish(self, session: Session, job: Job, status: ExitStatus, now: float) -> None:
         """Record the exit and apply what the lifecycle decides follows it: ended, or
         pending again for a restart."""
-        job.exit_code, job.signal = status.exit_code, status.signal
+        store.record_exit(job, exit_code=status.exit_code, signal=status.signal)
         # the shim's wall-clock time; never later than the daemon's own clock (a system
         # clock stepped forward must not push the end, and the alerts' windows, ahead)
         ended_at = min(status.ended_at, now)
@@ -361,14 +360,12 @@ class Engine:
                now: float) -> None:
         """Write a lifecycle decision: the exit reason, a restart's bookkeeping, and the
         transition through the store (at `at`, the time the job's state changed)."""
-        if decision.exit_reason is not None:
-            job.exit_reason = decision.exit_reason.value
-        if decision.restart_in_s is not None:
-            job.restarts += 1
-            job.next_start_at = now + decision.restart_in_s
-        store.transition(session, job, decision.state, now=at, reason=decision.reason)
-        if job.next_start_at is not None and decision.restart_in_s is not None:
-            self.wake_at(job.next_start_at)
+        restart_at = (now + decision.restart_in_s if decision.restart_in_s is not None
+                      else None)
+        store.transition(session, job, decision.state, now=at, reason=decision.reason,
+                         exit_reason=decision.exit_reason, restart_at=restart_at)
+        if restart_at is not None:
+            self.wake_at(restart_at)
 
     def wake_at(self, t: float) -> None:
         """Tick at `t` (restart backoff shorter than the tick interval)."""
@@ -400,12 +397,7 @@ class Engine:
     def _launch(self, session: Session, job: Job, spec: JobSpec, now: float) -> None:
         """Record the attempt first, then start it: a daemon crash between the two
         leaves a `running` row the next daemon can settle, never a job started twice."""
-        job.attempt += 1
-        job.started_at, job.ended_at, job.next_start_at = now, None, None
-        job.pid = job.pid_create_time = job.shim_pid = job.shim_create_time = None
-        job.exit_code = job.signal = job.exit_reason = None
-        store.transition(session, job, JobState.RUNNING, now=now,
-                         reason=f"started (attempt {job.attempt})")
+        store.start_attempt(session, job, now=now)
         session.commit()
         try:
             attempt = self.backend.start(job.id, job.attempt, spec,
@@ -414,13 +406,13 @@ class Engine:
                                          or self.settings.stop_grace_s)
         except OSError as exc:
             if exc.errno in (errno.ENOSPC, errno.EDQUOT):  # the data dir's disk is full
-                job.next_start_at = now + LAUNCH_RETRY_S
                 store.transition(session, job, JobState.PENDING, now=now,
                                  reason=f"waiting for space in the data dir to launch "
-                                        f"({exc.strerror}); next try in {LAUNCH_RETRY_S:.0f} s")
+                                        f"({exc.strerror}); next try in {LAUNCH_RETRY_S:.0f} s",
+                                 retry_at=now + LAUNCH_RETRY_S)
                 return
-            job.exit_reason = ExitReason.EXIT.value
             store.transition(session, job, JobState.FAILED, now=now,
-                             reason=f"could not start the job's shim: {exc}")
+                             reason=f"could not start the job's shim: {exc}",
+                             exit_reason=ExitReason.EXIT)
             return
         job.shim_pid, job.shim_create_time = attempt.shim_pid, attempt.shim_create_time

@@ -65,9 +65,10 @@ from supervisor.spec import (
     RestartPolicy,
     stored_spec,
 )
+from supervisor.storage import store
 from supervisor.storage.database import make_engine, make_sessionmaker, sqlite_path, upgrade
 from supervisor.storage.store import JOB_RECORD
-from supervisor.storage.tables import Job, JobEvent
+from supervisor.storage.tables import Job
 
 log = logging.getLogger(__name__)
 
@@ -139,9 +140,7 @@ def rebuild(session: Session, jobs_dir: Path, now: float) -> RebuildSummary:
             summary.skipped.append(job_id)
             continue
         job, event_reason, from_launch = rebuilt
-        session.add(job)
-        session.add(JobEvent(job_id=job.id, t=now, from_state=None, to_state=job.state,
-                             reason=event_reason))
+        store.restore_job(session, job, reason=event_reason, now=now)
         summary.states[job.state] += 1
         summary.from_launch += from_launch
         log.info("job %s rebuilt: %s (%s)", job.id, job.state, job.reason or "")

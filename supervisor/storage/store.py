@@ -1,4 +1,6 @@
-"""Reads and writes of jobs and their events. States change only through `transition`."""
+"""Reads and writes of jobs, their events, samples and alerts. A job's state changes only
+through `transition`, an alert's only through `open_alert` / `resolve_alert`; the
+notification outbox has its own module (`outbox.py`)."""
 
 from __future__ import annotations
 
@@ -14,7 +16,7 @@ from sqlalchemy.orm import Session
 
 from supervisor.errors import JobNotFound, JobRecordUnwritable
 from supervisor.runtime.fileio import atomic_write_json
-from supervisor.spec import AlertState, JobSpec, JobState
+from supervisor.spec import AlertState, ExitReason, JobSpec, JobState
 from supervisor.storage.database import UNCOMMITTED_JOB_RECORDS
 from supervisor.storage.tables import Alert, Job, JobEvent, Notification, Sample
 
@@ -111,6 +113,35 @@ def existing_ids(session: Session, ids: Sequence[str]) -> set[str]:
     return set(session.scalars(select(Job.id).where(Job.id.in_(list(ids)))).all())
 
 
+def start_attempt(session: Session, job: Job, *, now: float) -> None:
+    """A new attempt of a pending job: its number, no process or exit yet, running."""
+    job.attempt += 1
+    job.started_at, job.ended_at, job.next_start_at = now, None, None
+    job.pid = job.pid_create_time = job.shim_pid = job.shim_create_time = None
+    job.exit_code = job.signal = job.exit_reason = None
+    transition(session, job, JobState.RUNNING, now=now, reason=f"started (attempt {job.attempt})")
+
+
+def record_exit(job: Job, *, exit_code: int | None, signal: int | None) -> None:
+    """The attempt's exit status, as its shim recorded it (before the transition that
+    follows from it)."""
+    job.exit_code, job.signal = exit_code, signal
+
+
+def stop_when_served(job: Job, *, now: float) -> None:
+    """The engine stops a job whose `stop_when_ended` jobs have all ended."""
+    job.stop_requested_at = now
+    job.reason = "stopping: the jobs it served have ended"
+
+
+def restore_job(session: Session, job: Job, *, reason: str, now: float) -> None:
+    """A job rebuilt from the data dir (the database was lost): its row and the event
+    that says where it came from."""
+    session.add(job)
+    session.add(JobEvent(job_id=job.id, t=now, from_state=None, to_state=job.state,
+                         reason=reason))
+
+
 def request_stop(session: Session, job_id: str, *, now: float) -> None:
     """Record the user's stop; the engine acts on it in its next tick. A single UPDATE,
     so it never overwrites what the engine writes to the same row."""
@@ -127,11 +158,21 @@ def events(session: Session, job_id: str) -> Sequence[JobEvent]:
 
 
 def transition(session: Session, job: Job, to: JobState, *, now: float,
-               reason: str | None) -> None:
-    """The one place a job's state changes: sets it and records the event."""
+               reason: str | None, exit_reason: ExitReason | None = None,
+               restart_at: float | None = None, retry_at: float | None = None) -> None:
+    """The one place a job's state changes: sets it (with why it ended, when its
+    restart is due, counted as a restart, or when a launch that could not start is
+    tried again, not counted) and records the event."""
     from_state = job.state
     job.state = to.value
     job.reason = reason
+    if exit_reason is not None:
+        job.exit_reason = exit_reason.value
+    if restart_at is not None:
+        job.restarts += 1
+        job.next_start_at = restart_at
+    elif retry_at is not None:
+        job.next_start_at = retry_at
     if to.ended:
         job.ended_at = now
     session.add(JobEvent(job_id=job.id, t=now, from_state=from_state, to_state=to.value,
@@ -256,3 +297,25 @@ def firing_alerts_by_job(session: Session, *,
     for alert in session.scalars(query.order_by(Alert.started_at, Alert.id)):
         grouped.setdefault(alert.job_id, []).append(alert)
     return grouped
+
+
+def open_alert(session: Session, *, job_id: str, rule: str, severity: str, message: str,
+               started_at: float, resolved_at: float | None = None) -> Alert:
+    """Record an alert that fires (or, with `resolved_at`, one that fired and resolved
+    while nothing could be recorded); flushed, so that its id is known."""
+    alert = Alert(job_id=job_id, rule=rule, severity=severity, started_at=started_at,
+                  message=message, resolved_at=resolved_at,
+                  state=(AlertState.FIRING if resolved_at is None
+                         else AlertState.RESOLVED).value)
+    session.add(alert)
+    session.flush()
+    return alert
+
+
+def resolve_alert(alert: Alert, *, now: float) -> None:
+    alert.state, alert.resolved_at = AlertState.RESOLVED.value, now
+
+
+def reword_alert(alert: Alert, message: str) -> None:
+    """A firing alert's message follows its facts (e.g. how long a job has been quiet)."""
+    alert.message = message
