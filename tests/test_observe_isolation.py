@@ -43,7 +43,7 @@ class FailingScanner:
     def __init__(self, root: str, pattern: str) -> None:
         self.root = root
 
-    def scan(self, now: float) -> ScanResult:
+    def scan(self, now: float, *, final: bool = False) -> ScanResult:
         raise RuntimeError(f"cannot read {self.root}: disk on fire")
 
 
@@ -60,7 +60,7 @@ class BlockingScanner:
     def __init__(self, root: str, pattern: str) -> None:
         self.real = OutputScanner(root, pattern)
 
-    def scan(self, now: float) -> ScanResult:
+    def scan(self, now: float, *, final: bool = False) -> ScanResult:
         if not BlockingScanner._running.acquire(blocking=False):
             BlockingScanner.overlaps += 1
             raise AssertionError("two scans at once on one scanner")
@@ -257,7 +257,7 @@ from supervisor.observe import observer as observer_module
 from supervisor.spec import JobSpec
 class Stuck:
     def __init__(self, root, pattern): pass
-    def scan(self, now): threading.Event().wait()
+    def scan(self, now, *, final=False): threading.Event().wait()
 observer_module.OutputScanner = Stuck
 observer = observer_module.Observer(Path({str(tmp_path)!r}))
 job = observer_module.ObservedJob("j", JobSpec(name="j", command=["true"], output_dir="/x"), 1,

@@ -126,21 +126,38 @@ def test_atomic_replace_of_settled_file_is_seen(tmp_path: Path) -> None:
 
 
 def test_growing_file_is_tracked_until_it_settles(tmp_path: Path) -> None:
-    scanner = OutputScanner(str(tmp_path), settle_s=10.0, dir_recheck_s=0.0)
+    scanner = OutputScanner(str(tmp_path), settle_s=10.0, dir_recheck_s=0.0,
+                            active_recheck_s=2.0)
     path = tmp_path / "big.bin"
     write(path, 100)
     now = time.time()
     assert scanner.scan(now).bytes == 100
     with path.open("ab") as handle:  # in place: no directory change
         handle.write(b"y" * 900)
-    grown = scanner.scan(now + 1)
+    early = scanner.scan(now + 1)  # new 1 s ago: statted again active_recheck_s after
+    assert (early.bytes, early.files_statted, early.dirs_listed) == (100, 0, 0)
+    grown = scanner.scan(now + 2.5)
     assert (grown.bytes, grown.files_statted, grown.dirs_listed) == (1000, 1, 0)
     with path.open("ab") as handle:
         handle.write(b"z" * 24)
-    assert scanner.scan(now + 2).bytes == 1024
+    assert scanner.scan(now + 5).bytes == 1024  # it grew: again 2 s later
     # mtime old and size unchanged since the previous stat: settled, statted no more
     assert scanner.scan(now + 60).files_statted == 1
     assert scanner.scan(now + 61).files_statted == 0
+
+
+def test_a_file_written_once_is_statted_a_few_times_not_every_scan(tmp_path: Path) -> None:
+    """Write temp, rename: seen new, statted again `active_recheck_s` later (unchanged),
+    then once when its mtime is `settle_s` old (settled): 3 stats over 15 scans a second
+    apart, where statting every unsettled file each scan took 11."""
+    scanner = OutputScanner(str(tmp_path), settle_s=10.0, dir_recheck_s=0.0,
+                            active_recheck_s=2.0)
+    write(tmp_path / "item.bin", 64)
+    mtime = os.stat(tmp_path / "item.bin").st_mtime
+    statted = [scanner.scan(mtime + 0.1 + second).files_statted for second in range(15)]
+    assert sum(statted) == 3, statted
+    assert statted[0] == 1 and statted[-1] == 0
+    assert scanner.scan(mtime + 30).bytes == 64
 
 
 def test_deleted_files_and_removed_dirs_are_reflected(tmp_path: Path) -> None:

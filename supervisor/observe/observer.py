@@ -87,7 +87,7 @@ Python process still wakes up now and then)."""
 class Scanner(Protocol):
     """What the observer needs of an output scanner (`OutputScanner`)."""
 
-    def scan(self, now: float) -> ScanResult: ...
+    def scan(self, now: float, *, final: bool = False) -> ScanResult: ...
 
 
 ScannerFactory = Callable[[str, str], Scanner]
@@ -107,6 +107,9 @@ class FileReading:
     source: str | None  # "progress_file", "log", or None when neither reports
     free_bytes: int | None
     device: int | None
+    waiting: bool = False
+    """Output files whose size may still change were not statted this time (the
+    scanner's `waiting`): a final reading after the job's end is worth taking."""
 
 
 class _FileSide:
@@ -118,16 +121,18 @@ class _FileSide:
         self.make_scanner = make_scanner
         self.scanner: Scanner | None = None
 
-    def read(self, job: ObservedJob, now: float) -> FileReading:
+    def read(self, job: ObservedJob, now: float, *, final: bool = False) -> FileReading:
+        """`final`: the job has ended; every output file still settling is statted."""
         spec = job.spec
         files = bytes_written = 0
+        waiting = False
         if spec.output_dir:
             if self.scanner is None:  # here, not in the tick: an invalid pattern raises
                 self.scanner = self.make_scanner(spec.output_dir, spec.pattern)
             # file mtimes are system-clock times: the scanner compares them with that
             # clock, not with the daemon's steady one (clock.py)
-            scan = self.scanner.scan(time.time())
-            files, bytes_written = scan.files, scan.bytes
+            scan = self.scanner.scan(time.time(), final=final)
+            files, bytes_written, waiting = scan.files, scan.bytes, scan.waiting > 0
         free_bytes, device = disk_free(spec.output_dir or spec.cwd)
         reported = progress_file.from_progress_file(progress_path(self.jobs_dir, job.job_id))
         source: str | None = "progress_file"
@@ -135,7 +140,7 @@ class _FileSide:
             reported = progress_file.from_log(log_path(self.jobs_dir, job.job_id, job.attempt))
             source = "log" if reported is not None else None
         return FileReading(now, files, bytes_written, bool(spec.output_dir), reported,
-                           source, free_bytes, device)
+                           source, free_bytes, device, waiting)
 
 
 @dataclass(frozen=True)
@@ -326,9 +331,9 @@ class Observer:
         """The job ended: drop its per-tick state; its view keeps the final progress but
         no forecast (an ended job writes nothing more) and no live resources.
 
-        If its file reading is still running, that reading (or, if it started before
-        the job's last tick, one more after it) becomes the job's final reading: a
-        later tick puts its figures in the view when it is done."""
+        If its file reading is still running, or its last one left output files still
+        settling unstatted, one more reading after it (stating them all) becomes the
+        job's final reading: a later tick puts its figures in the view when it is done."""
         state = self._state.pop(job_id, None)
         self.sampler.forget([job_id])
         view = self.views.get(job_id)
@@ -336,10 +341,14 @@ class Observer:
         if state is not None and isinstance(state.outcome, FileReading) \
                 and state.job is not None and progress is not None:  # read, never shown
             progress = _final_progress(progress, state.job, state.outcome)
-        if state is not None and state.inflight is not None and state.job is not None:
+        last = state.outcome if state is not None else None
+        if state is not None and not isinstance(last, FileReading):
+            last = state.reading
+        if state is not None and state.job is not None and (
+                state.inflight is not None or (isinstance(last, FileReading) and last.waiting)):
             try:
-                final = (state.inflight.future if state.inflight.tick == self._tick
-                         else self._workers.submit(self._final_reading(state)))
+                final: Future[FileReading] | None = self._workers.submit(
+                    self._final_reading(state))
             except RuntimeError:  # closed: the last figures stay
                 final = None
             if final is not None:
@@ -492,15 +501,17 @@ class Observer:
                     exc_info=(type(error), error, error.__traceback__))
 
     def _final_reading(self, state: _JobState) -> Callable[[], FileReading]:
-        """A reading to run after the job's in-flight one (so never two at once on its
-        scanner), taken for the time it starts on the observer's clock."""
-        assert state.inflight is not None and state.job is not None
-        running, job, files = state.inflight.future, state.job, state.files
+        """A final reading, run after the job's in-flight one if any (so never two at
+        once on its scanner), taken for the time it starts on the observer's clock."""
+        assert state.job is not None
+        running = state.inflight.future if state.inflight is not None else None
+        job, files = state.job, state.files
         tick_now, tick_started = state.tick_at
 
         def read() -> FileReading:
-            concurrent.futures.wait([running])
-            return files.read(job, tick_now + (time.monotonic() - tick_started))
+            if running is not None:
+                concurrent.futures.wait([running])
+            return files.read(job, tick_now + (time.monotonic() - tick_started), final=True)
 
         return read
 

@@ -16,7 +16,12 @@ between scans:
 * a file is re-statted only while it is unsettled: first seen with an mtime less than
   ``settle_s`` before ``now``, or with a size/mtime different from the previous stat.
   Settled files are not statted again, unless their directory is re-listed and the entry
-  has a different inode (the name was atomically replaced);
+  has a different inode (the name was atomically replaced). An unsettled file is not
+  statted every scan either: ``active_recheck_s`` after a stat that found it new or
+  growing, else once its mtime is ``settle_s`` old, the first moment it can settle. A
+  file written once (write temp, rename) is statted about three times in all, not once
+  per scan for ``settle_s``; the bytes of a file still being written lag by up to
+  ``active_recheck_s``;
 * directories that cannot hold a match (``rows_*/*.bin`` never needs ``logs/``) and
   dot-directories are never entered.
 
@@ -34,8 +39,9 @@ budget, so there is none):
   clock (``time.time()``) for that to hold.
 
 Cost: O(directories) stats per scan, plus one listing per changed directory (O(entries)
-in it) plus one stat per new or unsettled file. A huge flat directory (1M files in one
-directory) is one stat per scan while idle, but every new file re-lists all of it; shard
+in it) plus one stat per new file or unsettled one that is due. A huge flat directory
+(1M files in one directory) is one stat per scan while idle, but every new file re-lists
+all of it; shard
 outputs into directories of a few thousand files. Even the O(directories) stats could be
 avoided with inotify/fanotify, which do not see writes made by other NFS/Lustre clients;
 at ~7 us per directory (3-5 ms per scan for 1M files in 500 shards, against ~4 s for
@@ -77,6 +83,7 @@ class ScanResult:
     dirs_listed: int  # directories re-listed (scandir) this scan
     files_statted: int  # files statted this scan
     newest_mtime: float | None = None  # newest mtime of a matching file, seconds since epoch
+    waiting: int = 0  # unsettled files whose next stat is not due yet (a `final` scan: 0)
 
 
 _FileState = tuple[int, int, int]
@@ -92,7 +99,8 @@ class _DirState:
     recheck: bool  # list again next scan even if the ctime did not move
     subdirs: dict[str, str] = field(default_factory=dict)  # name -> path relative to root
     files: dict[str, _FileState] = field(default_factory=dict)  # matching files by name
-    unsettled: set[str] = field(default_factory=set)  # names to stat again next scan
+    unsettled: dict[str, int] = field(default_factory=dict)
+    """Names to stat again -> when (ns since the epoch, on the scan's clock)."""
     bytes_total: int = 0  # sum of the sizes in files, in bytes
     newest_mtime_ns: int | None = None
 
@@ -126,20 +134,24 @@ class OutputScanner:
         pattern: str = DEFAULT_PATTERN,
         settle_s: float = 10.0,
         dir_recheck_s: float = 2.0,
+        active_recheck_s: float = 2.0,
     ) -> None:
         """``settle_s``: a file whose mtime is older than this, and whose size and mtime
         did not change since the previous stat, is settled and not statted again.
         ``dir_recheck_s``: a directory changed less than this before ``now`` is listed
-        again next scan, to cover coarse timestamps (see the module docstring)."""
+        again next scan, to cover coarse timestamps (see the module docstring).
+        ``active_recheck_s``: how soon a file found new or changed is statted again."""
         self.root = root
         self._root_prefix = root.rstrip("/") + "/"
         self.matcher = GlobMatcher(pattern)
         self.settle_s = settle_s
         self.dir_recheck_s = dir_recheck_s
+        self.active_recheck_s = active_recheck_s
         self._dirs: dict[str, _DirState] = {}  # by path relative to root, "" for the root
 
-    def scan(self, now: float) -> ScanResult:
-        """Bring the state up to date with the disk and return the totals.
+    def scan(self, now: float, *, final: bool = False) -> ScanResult:
+        """Bring the state up to date with the disk and return the totals. `final`:
+        the writer has ended; stat every unsettled file now, due or not.
 
         Never raises for a missing root, a root that is a file, a directory or file that
         vanishes mid-scan, or an unreadable directory (skipped, logged at debug level).
@@ -153,8 +165,8 @@ class OutputScanner:
             if state is not None:
                 pending.extend(state.subdirs.values())
         for relative_dir, state in self._dirs.items():
-            if state.unsettled and relative_dir not in listed:
-                self._restat_unsettled(relative_dir, state, now, cost)
+            if state.unsettled and (final or relative_dir not in listed):
+                self._restat_unsettled(relative_dir, state, now, cost, final=final)
         return self._result(cost)
 
     def _path(self, relative_path: str) -> str:
@@ -200,19 +212,22 @@ class OutputScanner:
             recheck=dir_stat.st_ctime_ns >= recent_ns,
         )
         old_files = old.files if old is not None else {}
-        old_unsettled = old.unsettled if old is not None else set()
+        old_unsettled = old.unsettled if old is not None else {}
+        now_ns = int(now * 1e9)
         path = self._path(relative_dir)
         try:
             with os.scandir(path) as entries:
                 for entry in entries:
                     known = old_files.get(entry.name)
-                    if (
-                        known is not None
-                        and entry.name not in old_unsettled
-                        and entry.inode() == known[2]
-                    ):
-                        state.files[entry.name] = known  # settled, not replaced: no stat
-                        continue
+                    if known is not None and entry.inode() == known[2]:
+                        due_ns = old_unsettled.get(entry.name)
+                        if due_ns is None:
+                            state.files[entry.name] = known  # settled, not replaced: no stat
+                            continue
+                        if due_ns > now_ns:  # unsettled, not due yet: as it was
+                            state.files[entry.name] = known
+                            state.unsettled[entry.name] = due_ns
+                            continue
                     self._take_entry(relative_dir, entry, known, state, now, cost)
         except (FileNotFoundError, NotADirectoryError):
             state.recheck = True  # vanished between stat and listing: gone next scan
@@ -263,25 +278,36 @@ class OutputScanner:
             file_stat = os.stat(path)
         except OSError:  # deleted between listing and stat: not an item any more
             state.files.pop(name, None)
-            state.unsettled.discard(name)
+            state.unsettled.pop(name, None)
             return
         if not stat.S_ISREG(file_stat.st_mode):
             state.files.pop(name, None)
-            state.unsettled.discard(name)
+            state.unsettled.pop(name, None)
             return
         current = (file_stat.st_size, file_stat.st_mtime_ns, file_stat.st_ino)
-        changed = known is not None and known[:2] != current[:2]  # size or mtime moved
-        settled = not changed and file_stat.st_mtime_ns <= int((now - self.settle_s) * 1e9)
+        moved = known is None or known[:2] != current[:2]  # new, or its size or mtime moved
+        settles_at_ns = file_stat.st_mtime_ns + int(self.settle_s * 1e9)
+        now_ns = int(now * 1e9)
         state.files[name] = current
-        if settled:
-            state.unsettled.discard(name)
+        if known is not None and not moved and settles_at_ns <= now_ns:
+            state.unsettled.pop(name, None)  # settled: unchanged since a stat, and old
+        elif known is None and settles_at_ns <= now_ns:
+            state.unsettled.pop(name, None)  # first seen, and old already
+        elif moved:
+            state.unsettled[name] = min(now_ns + int(self.active_recheck_s * 1e9),
+                                        settles_at_ns)
         else:
-            state.unsettled.add(name)
+            state.unsettled[name] = settles_at_ns
 
     def _restat_unsettled(
-        self, relative_dir: str, state: _DirState, now: float, cost: _Cost
+        self, relative_dir: str, state: _DirState, now: float, cost: _Cost, *, final: bool
     ) -> None:
-        for name in sorted(state.unsettled):
+        now_ns = int(now * 1e9)
+        due = sorted(name for name, due_ns in state.unsettled.items()
+                     if final or due_ns <= now_ns)
+        if not due:
+            return
+        for name in due:
             known = state.files.get(name)
             path = self._path(_join(relative_dir, name))
             self._stat_file(path, name, known, state, now, cost)
@@ -310,4 +336,5 @@ class OutputScanner:
             dirs_listed=cost.dirs_listed,
             files_statted=cost.files_statted,
             newest_mtime=newest_ns / 1e9 if newest_ns is not None else None,
+            waiting=sum(len(state.unsettled) for state in states),
         )
