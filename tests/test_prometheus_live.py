@@ -14,6 +14,7 @@ import signal
 import socket
 import subprocess
 import time
+from datetime import datetime
 from pathlib import Path
 
 import httpx
@@ -73,6 +74,26 @@ def test_live_scrape_rules_and_every_dashboard_query(make_daemon, receiver: Rece
     ended = re.search(rf'^jobsup_job_ended_timestamp_seconds{{job_id="{crashed["id"]}",'
                       rf'job_name="vocab"}} (\S+)$', scrape, re.MULTILINE)
     assert ended and abs(float(ended[1]) - time.time()) < 60, ended
+
+    def series(text: str, name: str, job: dict) -> str | None:
+        found = re.search(rf'^{name}{{job_id="{job["id"]}",[^}}]*}} (\S+)$', text, re.MULTILINE)
+        return found[1] if found else None
+
+    # not ended: a restart's pending is no end; the first start stays put across restarts
+    for job in (writing, looping):
+        assert series(scrape, "jobsup_job_ended_timestamp_seconds", job) is None, job["name"]
+    first_started = series(scrape, "jobsup_job_first_started_timestamp_seconds", looping)
+    restarts = float(series(scrape, "jobsup_job_restarts", looping) or 0)
+    events = daemon.events(looping["id"])
+    first_run = datetime.fromisoformat(next(e["t"] for e in events if e["to_state"] == "running"))
+    assert first_started and abs(float(first_started) - first_run.timestamp()) < 1e-3
+
+    def restarted() -> str | None:
+        text = daemon.http.get("/metrics").text
+        return text if float(series(text, "jobsup_job_restarts", looping) or 0) > restarts else None
+
+    later = wait_for(restarted, 15, what="another restart")
+    assert series(later, "jobsup_job_first_started_timestamp_seconds", looping) == first_started
     check = subprocess.run([tool("promtool"), "check", "metrics"], input=scrape,
                            capture_output=True, text=True, timeout=30)
     findings = (check.stdout + check.stderr).strip().splitlines()
