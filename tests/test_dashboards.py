@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import yaml
 
 REPO = Path(__file__).resolve().parent.parent
 DASHBOARDS = REPO / "dashboards"
@@ -35,6 +36,9 @@ DATASOURCE = {"type": "prometheus", "uid": "${datasource}"}
 """Every panel and target queries through the dashboard's data-source variable."""
 
 JOB_SELECTOR = 'job_name=~"$job_name"'
+INSTANCE_SELECTORS = ('job=~"$job"', 'instance=~"$instance"')
+"""Every series a panel reads is filtered by the scrape job and the daemons chosen: one
+Grafana, one Prometheus, many machines."""
 
 CONTRACT_METRICS = frozenset({
     # API.md "Prometheus metric names"
@@ -50,22 +54,27 @@ CONTRACT_METRICS = frozenset({
     "jobsup_job_exit_code", "jobsup_job_restarts", "jobsup_job_gpu_device_memory_bytes",
     "jobsup_notifications_sent_total",
     "jobsup_notifications_failed_total", "jobsup_notifications_retries_total",
+    "jobsup_job_ended_timestamp_seconds", "jobsup_job_first_started_timestamp_seconds",
+    "jobsup_build_info", "jobsup_host_info",
 })
 """Series names users script against: a typo here would be a panel or alert that is
 silently empty forever."""
 
-REQUIRED_ALERTS = ("JobsupJobStalled", "JobsupJobCrashed", "JobsupDiskFillsBeforeJobEnds",
-                   "JobsupDaemonDown")
+REQUIRED_ALERTS = ("JobsupJobStalled", "JobsupJobCrashed", "JobsupJobRestartLoop",
+                   "JobsupDiskFillsBeforeJobEnds", "JobsupDaemonDown")
 """Alert names people route on in Alertmanager."""
 
 DEFAULT_SUBSTITUTIONS = {
+    "job": "jobsup",
+    "instance": ".*",
     "job_name": ".*",
     "metric": ".*",
     "__rate_interval": "1m",
     "__interval": "1m",
     "__range": "1h",
 }
-"""What Grafana puts in for each variable the dashboard's queries use ("All" is `.*`)."""
+"""What Grafana puts in for each variable the dashboard's queries use by default ("All"
+is `.*`; the scrape job is the one the example configs name)."""
 
 _VARIABLE = re.compile(r"\$(?:\{(\w+)\}|(\w+))")
 
@@ -148,6 +157,26 @@ def test_every_alert_is_unit_tested_firing_and_quiet() -> None:
     assert alerts - firing == set(), "alerts without a test that they fire"
 
 
+def _alert_rules() -> list[dict[str, Any]]:
+    groups = yaml.safe_load(RULES.read_text())["groups"]
+    return [rule for group in groups for rule in group["rules"] if "alert" in rule]
+
+
+def test_every_alert_names_the_machine_and_the_job() -> None:
+    """127.0.0.1:8765 is the same on every host (#16): each alert gets the daemon's
+    hostname, joined from jobsup_host_info, and says it; a job's alert names the job."""
+    rules = _alert_rules()
+    assert {r["alert"] for r in rules} >= set(REQUIRED_ALERTS)
+    for rule in rules:
+        name, expr, annotations = rule["alert"], rule["expr"], rule["annotations"]
+        assert "group_left (hostname)" in expr and "jobsup_host_info" in expr, name
+        for key in ("summary", "description"):
+            assert "$labels.hostname" in annotations[key], f"{name} {key}"
+        if "jobsup_job_" in expr:
+            assert "$labels.job_name" in annotations["summary"], name
+            assert "$labels.job_id" in annotations["description"], name
+
+
 # --- Prometheus and Alertmanager configs -------------------------------------------------
 
 def test_example_prometheus_config_passes_promtool() -> None:
@@ -183,6 +212,48 @@ def test_alertmanager_config_passes_amtool() -> None:
              f"--verify.receivers={receiver}", *labels)
 
 
+def _render(amtool: str, template: str, data: dict[str, Any], tmp_path: Path) -> str:
+    """An Alertmanager template rendered by amtool for one notification's data."""
+    data_file = tmp_path / "data.json"
+    data_file.write_text(json.dumps(data))
+    return _run(amtool, "template", "render", f"--template.glob={tmp_path / 'none'}/*.tmpl",
+                f"--template.text={template}", f"--template.data={data_file}")
+
+
+def _notification(receiver: str, labels: dict[str, str], status: str = "firing") -> dict[str, Any]:
+    alert = {"status": status, "labels": labels,
+             "annotations": {"summary": "the summary", "description": "the description"},
+             "startsAt": "2026-01-01T00:00:00Z", "endsAt": "0001-01-01T00:00:00Z",
+             "generatorURL": "http://prometheus:9090/graph", "fingerprint": "0123456789abcdef"}
+    return {"receiver": receiver, "status": status, "alerts": [alert],
+            "groupLabels": {"alertname": labels["alertname"]}, "commonLabels": labels,
+            "commonAnnotations": alert["annotations"], "externalURL": "http://alertmanager:9093"}
+
+
+def test_alertmanager_titles_name_the_job_and_the_machine(tmp_path: Path) -> None:
+    amtool = _tool("amtool", "prometheus-alertmanager")
+    receivers = {r["name"]: r["slack_configs"][0]
+                 for r in yaml.safe_load(ALERTMANAGER_YML.read_text())["receivers"]}
+    assert set(receivers) == {"slack", "slack-events"}
+    crash = {"alertname": "JobsupJobCrashed", "severity": "critical", "job": "jobsup",
+             "instance": "127.0.0.1:8765", "hostname": "gpu-a", "job_id": "a1",
+             "job_name": "extract", "state": "failed"}
+    down = {"alertname": "JobsupDaemonDown", "severity": "critical", "job": "jobsup",
+            "instance": "10.0.0.9:8765"}
+    for name, config in receivers.items():
+        title = config["title"]
+        assert _render(amtool, title, _notification(name, crash), tmp_path) == (
+            "[FIRING:1] JobsupJobCrashed extract on gpu-a")
+        # a daemon that never exported its hostname: the scrape address
+        assert _render(amtool, title, _notification(name, down), tmp_path) == (
+            "[FIRING:1] JobsupDaemonDown on 10.0.0.9:8765")
+        text = _render(amtool, config["text"], _notification(name, crash), tmp_path)
+        assert text.startswith("*the summary*\nthe description"), text
+    assert _render(amtool, receivers["slack"]["title"],
+                   _notification("slack", down, status="resolved"), tmp_path) == (
+        "[RESOLVED] JobsupDaemonDown on 10.0.0.9:8765")
+
+
 def test_compose_file_mounts_exist() -> None:
     compose = (DOCKER / "compose.yaml").read_text()
     paths = re.findall(r"^\s*- (\.\.?/[^:\s]+):", compose, re.MULTILINE)
@@ -209,15 +280,25 @@ def test_dashboard_is_importable() -> None:
     variables = {v["name"]: v for v in dashboard["templating"]["list"]}
     datasource = variables["datasource"]
     assert (datasource["type"], datasource["query"]) == ("datasource", "prometheus")
-    job_name = variables["job_name"]
-    query = job_name["query"]
-    query = query["query"] if isinstance(query, dict) else query
-    assert job_name["type"] == "query" and job_name["datasource"] == DATASOURCE
-    assert query == "label_values(jobsup_job_state, job_name)"
-    assert job_name["multi"] and job_name["includeAll"]
-    for variable in variables.values():
+    assert list(variables) == ["datasource", "job", "instance", "job_name", "metric"]
+    queries = {}
+    for name, variable in variables.items():
         if variable["type"] == "query":
-            assert variable["datasource"] == DATASOURCE, variable["name"]
+            assert variable["datasource"] == DATASOURCE, name
+            query = variable["query"]
+            queries[name] = query["query"] if isinstance(query, dict) else query
+            assert variable["definition"] == queries[name], name
+    # the scrape job: one, "jobsup" by default; daemons by their build info; jobs and
+    # worker metrics of the chosen daemons
+    assert queries["job"] == "label_values(jobsup_build_info, job)"
+    assert not variables["job"]["multi"] and variables["job"]["current"]["value"] == "jobsup"
+    assert queries["instance"] == 'label_values(jobsup_build_info{job=~"$job"}, instance)'
+    assert queries["job_name"] == (
+        'label_values(jobsup_job_state{job=~"$job", instance=~"$instance"}, job_name)')
+    assert all(selector in queries["metric"] for selector in (*INSTANCE_SELECTORS, JOB_SELECTOR))
+    for name in ("instance", "job_name", "metric"):
+        variable = variables[name]
+        assert variable["multi"] and variable["includeAll"] and variable["allValue"] == ".*"
 
 
 def test_every_panel_queries_through_the_datasource_variable() -> None:
@@ -234,23 +315,49 @@ def test_every_panel_queries_through_the_datasource_variable() -> None:
             assert target["datasource"] == DATASOURCE, title
 
 
-def test_job_queries_follow_the_job_selector() -> None:
-    """Every selector of a job series is filtered by the $job_name variable."""
+def test_every_query_follows_the_instance_and_job_selectors() -> None:
+    """Every selector of every query is filtered by the $job and $instance variables (no
+    hard-coded `up{job="jobsup"}`), and every selector of a job series by $job_name."""
+    selectors = 0
     for panel in _panels(_dashboard()):
         for target in panel["targets"]:
-            for name, matchers in re.findall(r"\b(jobsup_job_\w+)\s*(\{[^}]*\})?",
-                                             target["expr"]):
-                assert JOB_SELECTOR in matchers, (
-                    f"{panel['title']}: {name} without {JOB_SELECTOR}: {target['expr']}")
+            expr = target["expr"]
+            found = re.findall(r"\b(jobsup_\w+|up)\b\s*(\{[^}]*\})?", expr)
+            assert found, f"{panel['title']}: no series in {expr}"
+            for name, matchers in found:
+                selectors += 1
+                wanted = [*INSTANCE_SELECTORS, *([JOB_SELECTOR] if name.startswith("jobsup_job_")
+                                                 else [])]
+                missing = [w for w in wanted if w not in matchers]
+                assert missing == [], f"{panel['title']}: {name} without {missing}: {expr}"
+    assert selectors >= 33
+
+
+def test_filesystem_legend_names_the_machine() -> None:
+    """/data on two hosts is two filesystems: the legend says whose."""
+    (panel,) = [p for p in _panels(_dashboard()) if p["title"] == "Free space per filesystem"]
+    (target,) = panel["targets"]
+    assert "group_left (hostname)" in target["expr"] and "jobsup_host_info" in target["expr"]
+    assert "{{hostname}}" in target["legendFormat"] and "{{mountpoint}}" in target["legendFormat"]
+    assert "{{instance}}" in target["legendFormat"]
 
 
 def test_jobs_table_merges_instant_queries_by_job() -> None:
-    (table,) = [p for p in _panels(_dashboard()) if p["type"] == "table"]
-    assert table["transformations"][0]["id"] == "merge"
+    (table,) = [p for p in _panels(_dashboard()) if p["title"] == "Jobs"]
+    assert table["type"] == "table" and table["transformations"][0]["id"] == "merge"
     for target in table["targets"]:
         assert target["instant"] and target["format"] == "table", target["refId"]
-        # the merge joins rows on the labels every query has: job_id and job_name
-        assert "by (job_id, job_name" in target["expr"], target["expr"]
+        # the merge joins rows on the labels every query has: the daemon (job ids are
+        # unique per daemon only), job_id and job_name
+        assert "by (instance, job_id, job_name" in target["expr"], target["expr"]
+
+
+def test_daemons_table_names_each_machine_and_build() -> None:
+    (table,) = [p for p in _panels(_dashboard()) if p["title"] == "Daemons"]
+    (target,) = table["targets"]
+    assert target["instant"] and target["format"] == "table"
+    assert "max by (instance, hostname, version, python)" in target["expr"]
+    assert "jobsup_build_info" in target["expr"] and "jobsup_host_info" in target["expr"]
 
 
 def test_only_contract_metric_names() -> None:
@@ -289,5 +396,7 @@ def test_dashboard_queries_substitute_every_variable() -> None:
     assert queries and all("$" not in expr for _, expr in queries)
     assert any('job_name=~".*"' in expr for _, expr in queries)
     assert dashboard_queries({f"${k}": v for k, v in DEFAULT_SUBSTITUTIONS.items()}) == queries
-    with pytest.raises(KeyError, match="job_name"):
-        dashboard_queries({"__rate_interval": "1m"})
+    for variable in ("job", "instance", "job_name"):
+        partial = {k: v for k, v in DEFAULT_SUBSTITUTIONS.items() if k != variable}
+        with pytest.raises(KeyError, match=rf"variable \${variable}'$"):
+            dashboard_queries(partial)

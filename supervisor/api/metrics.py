@@ -5,21 +5,24 @@ job disappear after `metrics_ended_retention_s`."""
 from __future__ import annotations
 
 import os
+import platform
+import socket
 import time
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 
 from prometheus_client import CollectorRegistry, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
-from sqlalchemy import or_, select
+from sqlalchemy import func, or_, select
 from sqlalchemy.orm import Session, sessionmaker
 
+from supervisor import __version__
 from supervisor.alerting import rules
 from supervisor.alerting.notify import Notifier
 from supervisor.observe.view import JobView
 from supervisor.spec import AlertState, JobState, stored_spec
-from supervisor.storage.tables import Alert, Job
+from supervisor.storage.tables import Alert, Job, JobEvent
 
 JOB_LABELS = ["job_id", "job_name"]
 TICK_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
@@ -50,7 +53,8 @@ class JobsCollector(Collector):
                  notifier: Notifier | None, ended_retention_s: float,
                  gpu_available: Callable[[], bool] = lambda: False,
                  clock: Callable[[], float] = time.time,
-                 last_tick: Callable[[], float | None] = lambda: None):
+                 last_tick: Callable[[], float | None] = lambda: None,
+                 hostname: str | None = None):
         self.sessions = sessions
         self.views = views
         self.notifier = notifier
@@ -59,6 +63,9 @@ class JobsCollector(Collector):
         self.clock = clock
         self.last_tick = last_tick
         """Unix time of the engine loop's last finished tick; None before the first."""
+        self.hostname = hostname or socket.gethostname()
+        """The machine's name in `jobsup_host_info`: what alerts and the dashboard show
+        instead of the scrape address (127.0.0.1:8765 on every host)."""
 
     def collect(self) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:
         now = self.clock()
@@ -67,6 +74,7 @@ class JobsCollector(Collector):
                 Job.ended_at.is_(None), Job.ended_at >= now - self.ended_retention_s))).all()
             firing = session.scalars(
                 select(Alert).where(Alert.state == AlertState.FIRING.value)).all()
+            first_started = _first_starts(session, [job.id for job in jobs])
         views = self.views()
         state = _gauge("jobsup_job_state", "1 for the job's current state", ["state"])
         g = {name: _gauge(f"jobsup_job_{name}", doc) for name, doc in (
@@ -132,6 +140,8 @@ class JobsCollector(Collector):
         yield from g.values()
         yield metric
         yield gpu_device_memory
+        yield from _job_times(jobs, first_started)
+        yield from _identity(self.hostname)
 
         free = GaugeMetricFamily("jobsup_filesystem_free_bytes",
                                  "Free bytes of a filesystem running jobs write to",
@@ -178,6 +188,51 @@ class JobsCollector(Collector):
                     family.add_metric([destination], counter[destination])
                 yield family
 
+
+def _first_starts(session: Session, job_ids: list[str]) -> dict[str, float]:
+    """When each job's first attempt started (its first transition to running)."""
+    if not job_ids:
+        return {}
+    rows = session.execute(
+        select(JobEvent.job_id, func.min(JobEvent.t))
+        .where(JobEvent.job_id.in_(job_ids), JobEvent.to_state == JobState.RUNNING.value)
+        .group_by(JobEvent.job_id)).all()
+    return {job_id: t for job_id, t in rows}
+
+
+def _job_times(jobs: Sequence[Job],
+               first_started: Mapping[str, float]) -> Iterator[GaugeMetricFamily]:
+    """Times, not counts, so that alert rules can see what happened before Prometheus's
+    first sample: `time() - jobsup_job_ended_timestamp_seconds < 900` holds from the first
+    scrape after a crash, where `increase()` or `offset` of a new series has nothing to
+    compare with."""
+    ended = _gauge("jobsup_job_ended_timestamp_seconds",
+                   "When the job ended (Unix time); absent while it has not")
+    first = _gauge("jobsup_job_first_started_timestamp_seconds",
+                   "When the job's first attempt started (Unix time); with "
+                   "jobsup_job_restarts, how fast it restarts")
+    for job in jobs:
+        labels = [job.id, job.name]
+        if job.ended_at is not None:
+            ended.add_metric(labels, job.ended_at)
+        if job.id in first_started:
+            first.add_metric(labels, first_started[job.id])
+    yield ended
+    yield first
+
+
+def _identity(hostname: str) -> Iterator[GaugeMetricFamily]:
+    """Info metrics (value 1): which build runs, and on which machine. Rules and the
+    dashboard join them on `instance` (`* on (instance, job) group_left (hostname)
+    jobsup_host_info`)."""
+    build = GaugeMetricFamily("jobsup_build_info", "The jobsup daemon's version and Python",
+                              labels=["version", "python"])
+    build.add_metric([__version__, platform.python_version()], 1.0)
+    yield build
+    host = GaugeMetricFamily("jobsup_host_info", "The machine the jobsup daemon runs on",
+                             labels=["hostname"])
+    host.add_metric([hostname], 1.0)
+    yield host
 
 
 def build_registry(collector: JobsCollector) -> tuple[CollectorRegistry, Histogram]:
