@@ -315,9 +315,9 @@ def render(rows: list[tuple[int, int, dict[str, Timing]]], args: argparse.Namesp
         "`statm`, `status` and `io` of every process on the machine, where ours reads "
         "`stat` of all and",
         "`io` only of the jobs' processes. The naive walk pays a "
-        "whole pass per",
-        "job. Compare the one-pass column: with "
-        f"{last[0]} jobs psutil done well costs {fair:.1f}x the CPU of ours; the",
+        "whole pass per job.",
+        f"Compare the one-pass column: with {last[0]} jobs psutil done well costs "
+        f"{fair:.1f}x the CPU of ours; the",
         "naive ratio measures the strawman's per-job pass, not psutil. The VM is shared with "
         "other work, so",
         "single ticks vary (see p90); medians move between runs, the ratios by less.",

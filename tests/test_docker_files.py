@@ -180,3 +180,12 @@ def test_compose_mounts_code_and_data_at_their_host_paths() -> None:
     for mount in mounts:
         source, target = re.fullmatch(r"\$\{(\w+):\?[^}]*\}:\$\{(\w+)\}(?::ro)?", mount).groups()
         assert source == target, mount
+
+
+def test_the_daemon_and_the_cli_run_without_psutil() -> None:
+    """psutil left the runtime dependencies: nothing the daemon or the CLI loads imports it."""
+    code = ("import sys; import supervisor.daemon.app, supervisor.client.cli, "
+            "supervisor.runtime.shim; print('psutil' in sys.modules)")
+    result = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True,
+                            text=True, timeout=60, check=True)
+    assert result.stdout.strip() == "False"
