@@ -78,7 +78,9 @@ class Engine:
         state was checked: their reading is rooted at the shim without a second look."""
         self._killed: set[tuple[str, int]] = set()
         self._exiting = False
-        """Set by `stop_jobs`: no pending job starts, and stops say why."""
+        """Set by `stop_jobs`: no pending job starts."""
+        self._stopped_for_exit: set[str] = set()
+        """Jobs `stop_jobs` asked to stop (not those a user had stopped already)."""
         # a tick waits for the jobs' file readings at most 1 s, less with short ticks
         self.observer = Observer(settings.jobs_dir,
                                  scan_budget_s=min(SCAN_BUDGET_S, settings.sample_interval / 2))
@@ -131,6 +133,8 @@ class Engine:
             running = store.jobs_in_states(session, JobState.RUNNING)
             now = self.clock()
             for job in running:
+                if job.stop_requested_at is None:
+                    self._stopped_for_exit.add(job.id)
                 store.request_stop(session, job.id, now=now)
             session.commit()
             grace_s = max((self._grace(job) for job in running), default=0.0)
@@ -385,7 +389,7 @@ class Engine:
         stop_cause = ("because the jobs it served have ended"
                       if stop_requested and self._served_its_purpose(session, job)
                       else "because the daemon is exiting (--stop-jobs-on-exit)"
-                      if self._exiting else "on request")
+                      if job.id in self._stopped_for_exit else "on request")
         spec = stored_spec(job.spec_json)
         decision = lifecycle.after_exit(
             lifecycle.Exit(status.exit_code, status.signal, spawn_error=status.spawn_error,
