@@ -67,6 +67,12 @@ class Settings(BaseSettings):
     stop_grace_s: float = Field(default=10.0, gt=0)
     """Default seconds between SIGTERM and SIGKILL on stop (a job spec may override)."""
 
+    stop_jobs_on_exit: bool = False
+    """On SIGTERM/SIGINT the daemon stops every running job as `POST /jobs/{id}/stop`
+    does (SIGTERM, the job's grace, SIGKILL) and waits for them before it exits. Off by
+    default: a daemon restart re-adopts running jobs. On in a container, where the
+    daemon's exit ends the namespace and SIGKILLs whatever still runs there."""
+
     url: str = "http://127.0.0.1:8765"
     """Where client commands find the daemon."""
 

@@ -4,15 +4,15 @@ What the log patterns accept (see `supervisor/observe/progress_file.py`):
 
 * a tqdm bar, `|<spaces>N/TOTAL<spaces>[` or `|<spaces>N/?<spaces>[` (total unknown):
   taken as is, even when N > TOTAL (tqdm overshoots); TOTAL 0 means unknown;
-* otherwise the last bare `N/TOTAL` of a line (`step 120/5000`, `[3 / 10]`), accepted only
-  when 0 < TOTAL and N <= TOTAL. Neither number may touch a digit, `/`, `.`, `:` or `-`,
-  so `2026/11/29`, `12:00/30`, `0.5/1.5`, `10.0.0.0/24`, `a/1/2/b` are rejected; a
-  rejected last match makes the line count as having none;
+* only when no such bar is in the window: the last bare `N/TOTAL` of a line
+  (`step 120/5000`, `[3 / 10] shards`), accepted only when the word right before or
+  after it names a counter (`COUNTER_WORDS`: step, iter, batch, sample, item, epoch,
+  shard, file, ...; plurals too), 0 < TOTAL and N <= TOTAL. Neither number may touch a
+  digit, `/`, `.`, `:` or `-`, so `2026/11/29`, `12:00/30`, `0.5/1.5`, `10.0.0.0/24`,
+  `a/1/2/b` are rejected; a rejected last match makes the line count as having none;
+  `rank 0/8 ready`, `GPU 0/1` and a day/month `11/29` name no counter and are not read;
 * lines are split on `\\r` and `\\n` and searched from the end of the last
   `LOG_TAIL_BYTES`; the first, possibly cut, line of that window is not used.
-
-Known ambiguity: a bare day/month `11/29` is indistinguishable from `11 of 29` and is
-accepted; so is `GPU 0/1`.
 """
 
 from __future__ import annotations
@@ -195,9 +195,64 @@ def test_not_a_count(tmp_path: Path, line: bytes) -> None:
     assert from_log(write_log(tmp_path / "log", line + b"\n")) is None
 
 
-def test_ambiguous_day_month_is_read_as_a_count(tmp_path: Path) -> None:
-    """Documented limitation: `11/29` alone could be a date; it reads as 11 of 29."""
-    assert from_log(write_log(tmp_path / "log", b"11/29 job started\n")) == Reported(11, 29)
+@pytest.mark.parametrize("line", [b"11/29 job started", b"rank 0/8 ready", b"GPU 0/1",
+                                  b"[rank 3/8] init done", b"node 2/4 joined", b"ratio 1/3"])
+def test_bare_count_without_a_counter_word_is_not_progress(tmp_path: Path,
+                                                           line: bytes) -> None:
+    assert from_log(write_log(tmp_path / "log", b"starting\n" + line + b"\n")) is None
+
+
+@pytest.mark.parametrize(
+    ("line", "expected"),
+    [
+        (b"Epoch [2/3]", Reported(2, 3)),
+        (b"batches: 4/10", Reported(4, 10)),
+        (b"processed 3/10 files", Reported(3, 10)),
+        (b"Iteration=7/9 lr=3e-4", Reported(7, 9)),
+        (b"samples 12/64 written", Reported(12, 64)),
+    ],
+)
+def test_counter_word_before_or_after(tmp_path: Path, line: bytes, expected: Reported) -> None:
+    assert from_log(write_log(tmp_path / "log", line + b"\n")) == expected
+
+
+def test_rank_ready_after_a_finished_bar_is_not_progress(tmp_path: Path) -> None:
+    """The issue's case: a finished tqdm bar (redrawn with `\\r`), then a torch.distributed
+    banner. The bar is the progress, not `rank 0/8`: 0/8 would read as a restart."""
+    data = (b"Loading checkpoint shards:   0%|          | 0/8 [00:00<?, ?it/s]"
+            + b"".join(b"\rLoading checkpoint shards: %3d%%|%-10s| %d/8 [00:%02d<00:00]"
+                       % (n * 100 // 8, b"#" * (n * 10 // 8), n, n) for n in range(1, 9))
+            + b"\nrank 0/8 ready\nrank 1/8 ready\n")
+    assert from_log(write_log(tmp_path / "log", data)) == Reported(8, 8)
+    # and without the bar, the banner alone is no progress either
+    assert from_log(write_log(tmp_path / "b", b"rank 0/8 ready\nrank 1/8 ready\n")) is None
+
+
+def test_step_lines_are_progress_without_a_bar(tmp_path: Path) -> None:
+    data = b"".join(b"step %d/100 loss=%.1f\n" % (n, 2.0 - n / 100) for n in range(0, 41, 10))
+    assert data.endswith(b"step 40/100 loss=1.6\n")
+    log = b"[rank0] init\nrank 0/8 ready\n" + data.replace(b"1.6", b"1.2")
+    assert from_log(write_log(tmp_path / "log", log)) == Reported(40, 100)
+
+
+def test_a_bar_in_the_window_wins_over_later_step_lines(tmp_path: Path) -> None:
+    """A bare count never overrides a tqdm bar seen in the same window, even a later one:
+    the step lines come back once the bar has scrolled out of the window."""
+    data = b"".join(bar(n, 1000) for n in range(0, 461, 10)) + b"\nstep 40/100 loss=1.2\n"
+    assert from_log(write_log(tmp_path / "log", data)) == Reported(460, 1000)
+    noise = b"".join(b"step %d/100 loss=1.2\n" % (n % 100) for n in range(1000))
+    assert len(noise) > LOG_TAIL_BYTES
+    assert from_log(write_log(tmp_path / "b", data + noise)) == Reported(99, 100)
+
+
+def test_counted_lines_after_a_finished_bar_are_the_progress(tmp_path: Path) -> None:
+    """A finished bar (checkpoint shards 8/8) is over: the training steps logged after it
+    are the progress, while `rank 0/8 ready` still is not."""
+    data = (bar(8, 8) + b"\nrank 0/8 ready\n"
+            + b"".join(b"step %d/1000 loss=2.0\n" % n for n in range(1, 41)))
+    assert from_log(write_log(tmp_path / "log", data)) == Reported(40, 1000)
+    assert from_log(write_log(tmp_path / "b", bar(8, 8) + b"\nrank 0/8 ready\n")) \
+        == Reported(8, 8)
 
 
 def test_rejected_line_falls_back_to_an_earlier_line(tmp_path: Path) -> None:
@@ -208,8 +263,9 @@ def test_rejected_line_falls_back_to_an_earlier_line(tmp_path: Path) -> None:
 def test_tqdm_after_plain_and_plain_after_tqdm(tmp_path: Path) -> None:
     assert from_log(write_log(tmp_path / "a", b"step 1/9\n" + bar(460, 1000) + b"\n")) \
         == Reported(460, 1000)
+    # the bar in the window wins (test_a_bar_in_the_window_wins_over_later_step_lines)
     assert from_log(write_log(tmp_path / "b", bar(460, 1000) + b"\nstep 2/9\n")) \
-        == Reported(2, 9)
+        == Reported(460, 1000)
 
 
 def test_missing_and_empty_log(tmp_path: Path) -> None:

@@ -77,11 +77,16 @@ def serve(
         "--rebuild-db", envvar="JOBSUP_REBUILD_DB",
         help="If the database is damaged, move it aside (jobsup.db.damaged-<time>) and "
              "rebuild the jobs from DATA_DIR/jobs. A sound database is left alone.")] = False,
+    stop_jobs_on_exit: Annotated[bool, typer.Option(
+        "--stop-jobs-on-exit", envvar="JOBSUP_STOP_JOBS_ON_EXIT",
+        help="On SIGTERM, stop every running job (SIGTERM, grace, SIGKILL) and wait for "
+             "them before exiting (in a container). Default: jobs keep running.")] = False,
 ) -> None:
     """Run the daemon (foreground)."""
     from supervisor.daemon.app import serve as run_daemon
 
-    overrides: dict[str, Any] = {"host": host, "port": port, "rebuild_db": rebuild_db}
+    overrides: dict[str, Any] = {"host": host, "port": port, "rebuild_db": rebuild_db,
+                                 "stop_jobs_on_exit": stop_jobs_on_exit}
     if data_dir is not None:
         overrides["data_dir"] = data_dir
     settings = Settings(**overrides)

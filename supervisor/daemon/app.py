@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import errno
 import fcntl
 import ipaddress
@@ -115,6 +116,8 @@ def build_app(settings: Settings) -> FastAPI:
         try:
             yield
         finally:
+            if settings.stop_jobs_on_exit:  # the HTTP server is closed by now
+                await asyncio.to_thread(engine.stop_jobs)
             engine.stop()
             db_engine.dispose()
 

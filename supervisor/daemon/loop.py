@@ -44,6 +44,10 @@ the daemon can claim it, else waited for (its shim is starting) or lost."""
 STOP_BACKSTOP_S = 5.0
 """Seconds past a job's stop grace after which the daemon SIGKILLs the job itself."""
 
+EXIT_STOP_MARGIN_S = 5.0
+"""`stop_jobs` waits this long past the longest grace plus the backstop before it gives
+up on a job and lets the daemon exit."""
+
 LAUNCH_RETRY_S = 10.0
 """Seconds before a launch that failed for lack of space in the data dir is tried again."""
 
@@ -73,6 +77,10 @@ class Engine:
         """This tick's running jobs whose shim was alive (and not stopped) when their
         state was checked: their reading is rooted at the shim without a second look."""
         self._killed: set[tuple[str, int]] = set()
+        self._exiting = False
+        """Set by `stop_jobs`: no pending job starts."""
+        self._stopped_for_exit: set[str] = set()
+        """Jobs `stop_jobs` asked to stop (not those a user had stopped already)."""
         # a tick waits for the jobs' file readings at most 1 s, less with short ticks
         self.observer = Observer(settings.jobs_dir,
                                  scan_budget_s=min(SCAN_BUDGET_S, settings.sample_interval / 2))
@@ -113,6 +121,40 @@ class Engine:
         self.notifier.stop()
         self.observer.close()
         self.backend.close()
+
+    def stop_jobs(self, poll_s: float = 0.1) -> None:
+        """Before the daemon exits (`serve --stop-jobs-on-exit`): stop every running job
+        as `POST /jobs/{id}/stop` does (the shim's SIGTERM -> grace -> SIGKILL, the loop's
+        backstop) and wait until each one's end is recorded, at most the longest grace +
+        `STOP_BACKSTOP_S` + `EXIT_STOP_MARGIN_S`. Pending jobs stay pending, unstarted.
+        The loop thread does the work; this only asks and waits."""
+        self._exiting = True
+        with self.sessions() as session:
+            running = store.jobs_in_states(session, JobState.RUNNING)
+            now = self.clock()
+            for job in running:
+                if job.stop_requested_at is None:
+                    self._stopped_for_exit.add(job.id)
+                store.request_stop(session, job.id, now=now)
+            session.commit()
+            grace_s = max((self._grace(job) for job in running), default=0.0)
+        if not running:
+            return
+        log.info("stopping %d running job(s) before exit (--stop-jobs-on-exit; grace up to "
+                 "%.0f s)", len(running), grace_s)
+        self.wake()
+        deadline = time.monotonic() + grace_s + STOP_BACKSTOP_S + EXIT_STOP_MARGIN_S
+        while True:
+            with self.sessions() as session:
+                left = [job.id for job in store.jobs_in_states(session, JobState.RUNNING)]
+            if not left:
+                log.info("every job stopped; exiting")
+                return
+            if time.monotonic() > deadline or self._thread is None \
+                    or not self._thread.is_alive():
+                log.error("exiting with job(s) %s still running", ", ".join(left))
+                return
+            time.sleep(poll_s)
 
     def wake(self) -> None:
         """Run a tick now (a process exited, a job was submitted or stopped)."""
@@ -345,7 +387,8 @@ class Engine:
                       if (job.id, job.attempt) in self._killed else "SIGTERM")
         stop_cause = ("because the jobs it served have ended"
                       if stop_requested and self._served_its_purpose(session, job)
-                      else "on request")
+                      else "because the daemon is exiting (--stop-jobs-on-exit)"
+                      if job.id in self._stopped_for_exit else "on request")
         spec = stored_spec(job.spec_json)
         decision = lifecycle.after_exit(
             lifecycle.Exit(status.exit_code, status.signal, spawn_error=status.spawn_error,
@@ -376,6 +419,8 @@ class Engine:
             timer.start()
 
     def _check_pending(self, session: Session, job: Job, now: float) -> None:
+        if self._exiting:  # the daemon is stopping its jobs: start none
+            return
         spec = stored_spec(job.spec_json)
         dependencies = []
         for dep_id in spec.depends_on:

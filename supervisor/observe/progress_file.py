@@ -28,7 +28,18 @@ LOG_TAIL_BYTES = 16 * 1024
 TQDM_RE = re.compile(rb"\|\s*(\d+)/(\d+|\?)\s*\[")
 """tqdm's default bar: ` 45%|####      | 450/1000 [00:10<00:12, 45.0it/s]`."""
 PLAIN_RE = re.compile(rb"(?<![\d/.:-])(\d+)\s*/\s*(\d+)(?![\d/.:-])")
-"""A bare `n/total` (`step 120/5000`), accepted only when n <= total."""
+"""A bare `n/total` (`step 120/5000`), accepted only when n <= total, the word next to it
+names a counter (`COUNTER_WORDS`) and no tqdm bar is in the window."""
+COUNTER_WORDS = frozenset(
+    b"step iter iteration it batch sample item epoch shard chunk file row record example "
+    b"doc document sequence seq prompt update round part page image task".split())
+"""Words that make a bare `n/total` a count: `step 40/100`, `Epoch [2/3]`, `[3/10] shards`.
+Singular forms; a trailing `s` or `es` is dropped first. `rank 0/8`, `GPU 0/1` or a lone
+`11/29` name no counter and are not progress."""
+WORD_RE = re.compile(rb"[A-Za-z]+")
+WORD_NEAR_BYTES = 32
+"""How far from the numbers the counter word is looked for (a bounded slice: no regex
+over a whole long line)."""
 METRICS_MAX = 64
 """Metrics kept from one progress file (the first ones, in the file's order)."""
 METRIC_NAME_RE = re.compile(r"[A-Za-z_][A-Za-z0-9_.:-]{0,63}")
@@ -77,9 +88,12 @@ def from_progress_file(path: str | os.PathLike[str]) -> Reported | None:
 
 
 def from_log(path: str | os.PathLike[str]) -> Reported | None:
-    """The last progress bar (or `n/total`) in the log's tail. tqdm redraws with `\\r`,
-    so the tail is split on both `\\r` and `\\n` and searched from the end. A line cut
-    by the window's start is dropped: the end of `4500/5000` is not `500/5000`."""
+    """The last tqdm bar in the log's tail (a finished one only if no counted line
+    follows it), else the last bare `n/total` that names a counter (`step 40/100`;
+    never `rank 0/8 ready`). tqdm redraws
+    with `\\r`, so the tail is split on both `\\r` and `\\n` and searched from the end.
+    A line cut by the window's start is dropped: the end of `4500/5000` is not
+    `500/5000`."""
     try:
         with open_regular(path) as (fd, size):  # never a FIFO, device, or past `size`
             start = max(0, size - LOG_TAIL_BYTES)
@@ -90,6 +104,11 @@ def from_log(path: str | os.PathLike[str]) -> Reported | None:
     lines = re.split(rb"[\r\n]", tail)
     if start > 0:
         lines = lines[1:]  # the cut line, or b"" when the byte before was a line break
+    # the last tqdm bar with a storable count wins over every bare count, unless it is
+    # finished (n == total: the checkpoint shards loaded) and a counted line came after
+    # it (`step 40/1000` of the training that followed); else the last bare count next
+    # to a counter word
+    plain_found: Reported | None = None
     for line in reversed(lines):
         match = TQDM_RE.search(line)
         if match:
@@ -97,13 +116,36 @@ def from_log(path: str | os.PathLike[str]) -> Reported | None:
             total = None if match.group(2) == b"?" else _count(match.group(2))
             if done is None or (total is None and match.group(2) != b"?"):
                 continue  # beyond what can be stored: not a count
+            if plain_found is not None and total is not None and done == total:
+                return plain_found
             return Reported(done, total or None)
-        plain = list(PLAIN_RE.finditer(line))
-        if plain:
-            done, total = _count(plain[-1].group(1)), _count(plain[-1].group(2))
-            if done is not None and total is not None and total > 0 and done <= total:
-                return Reported(done, total)
+        if plain_found is None:
+            plain_found = _plain_count(line)
+    return plain_found
+
+
+def _plain_count(line: bytes) -> Reported | None:
+    """The line's last bare `n/total`, if it names a counter and n <= total."""
+    plain = list(PLAIN_RE.finditer(line))
+    if not plain:
+        return None
+    last = plain[-1]
+    before = line[max(0, last.start() - WORD_NEAR_BYTES):last.start()].rstrip(b" \t:=#[(")
+    after = line[last.end():last.end() + WORD_NEAR_BYTES].lstrip(b" \t])")
+    word_before = WORD_RE.findall(before)
+    if not ((word_before and before.endswith(word_before[-1]) and _is_counter(word_before[-1]))
+            or ((word_after := WORD_RE.match(after)) and _is_counter(word_after.group()))):
+        return None
+    done, total = _count(last.group(1)), _count(last.group(2))
+    if done is not None and total is not None and total > 0 and done <= total:
+        return Reported(done, total)
     return None
+
+
+def _is_counter(word: bytes) -> bool:
+    word = word.lower()
+    return any(form in COUNTER_WORDS for form in
+               (word, word.removesuffix(b"s"), word.removesuffix(b"es")))
 
 
 def _count(digits: bytes) -> int | None:

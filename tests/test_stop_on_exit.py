@@ -1,0 +1,110 @@
+"""`jobsup serve --stop-jobs-on-exit` (JOBSUP_STOP_JOBS_ON_EXIT): on SIGTERM the daemon
+stops its running jobs (SIGTERM, grace, SIGKILL) and waits for them before it exits, as a
+container needs; without it, jobs outlive the daemon (a restart re-adopts them)."""
+
+from __future__ import annotations
+
+import sqlite3
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.helpers import Daemon, job_module, python_job, wait_for
+
+pytestmark = pytest.mark.slow
+
+GRACE_S = 3.0
+
+# exits by itself 1 s after SIGTERM (a checkpoint being saved), leaving a marker
+CLEAN_STOP = """
+import signal, sys, time
+log, ready = sys.argv[1:3]
+def on_term(signum, frame):
+    open(log, "a").write("term\\n")
+    time.sleep(1.0)
+    open(log, "a").write("saved\\n")
+    sys.exit(0)
+signal.signal(signal.SIGTERM, on_term)
+open(ready, "w").close()
+while True:
+    time.sleep(0.2)
+"""
+
+
+def stored_state(data_dir: Path, job_id: str) -> tuple[str, str | None]:
+    """The job's state and reason as the database holds them (the daemon is gone)."""
+    with sqlite3.connect(data_dir / "jobsup.db") as db:
+        row = db.execute("SELECT state, reason FROM jobs WHERE id = ?", (job_id,)).fetchone()
+    return row[0], row[1]
+
+
+def alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def test_sigterm_stops_jobs_and_waits_for_them(make_daemon, tmp_path: Path) -> None:
+    daemon: Daemon = make_daemon({"JOBSUP_STOP_JOBS_ON_EXIT": "1"})
+    clean_log, clean_ready = tmp_path / "clean.log", tmp_path / "clean.ready"
+    stubborn_log, stubborn_ready = tmp_path / "stubborn.log", tmp_path / "stubborn.ready"
+    clean = daemon.submit(python_job(CLEAN_STOP) + [str(clean_log), str(clean_ready)],
+                          name="clean", stop_grace_s=GRACE_S)
+    # records SIGTERM and keeps running: SIGKILL after its grace
+    stubborn = daemon.submit(job_module("signal_recorder", stubborn_log, stubborn_ready),
+                             name="stubborn", stop_grace_s=GRACE_S)
+    wait_for(lambda: clean_ready.exists() and stubborn_ready.exists(), 15,
+             what="both jobs ready")
+
+    def recorded_pids() -> list[int] | None:
+        found = [daemon.job(j["id"])["pid"] for j in (clean, stubborn)]
+        return found if all(found) else None
+
+    pids = wait_for(recorded_pids, 10, what="both pids recorded")
+    # a pending job (waits on the stubborn one) must not start during the exit
+    later = daemon.submit(python_job("pass"), name="later", depends_on=[stubborn["id"]])
+
+    assert daemon.proc is not None
+    t0 = time.monotonic()
+    daemon.proc.terminate()
+    rc = daemon.proc.wait(GRACE_S + 15)
+    took_s = time.monotonic() - t0
+
+    # uvicorn re-raises the signal it caught once it has shut down
+    assert rc in (0, -15), daemon.log()
+    # it waited for the jobs: the clean one's cleanup finished, the stubborn one was
+    # SIGKILLed after its grace, so the exit took the grace and not much longer
+    assert clean_log.read_text().splitlines() == ["term", "saved"]
+    assert stubborn_log.read_text().splitlines() == ["15"]
+    assert GRACE_S <= took_s < GRACE_S + 8, took_s
+    assert not any(alive(pid) for pid in pids)
+    for job in (clean, stubborn):
+        state, reason = stored_state(daemon.data_dir, job["id"])
+        assert state == "stopped", (state, reason)
+        assert "daemon is exiting" in (reason or ""), reason
+    assert stored_state(daemon.data_dir, later["id"])[0] == "pending"
+    assert "every job stopped" in daemon.log()
+
+
+def test_without_the_flag_jobs_outlive_the_daemon(make_daemon, tmp_path: Path) -> None:
+    daemon: Daemon = make_daemon()
+    log, ready = tmp_path / "job.log", tmp_path / "job.ready"
+    job = daemon.submit(job_module("signal_recorder", log, ready), stop_grace_s=GRACE_S)
+    wait_for(ready.exists, 15, what="job ready")
+    pid = wait_for(lambda: daemon.job(job["id"])["pid"], 10, what="the pid recorded")
+
+    assert daemon.proc is not None
+    t0 = time.monotonic()
+    daemon.proc.terminate()
+    assert daemon.proc.wait(10) in (0, -15)
+    assert time.monotonic() - t0 < GRACE_S  # nothing waited for
+    time.sleep(0.5)
+    assert alive(pid)
+    assert not log.exists()  # no signal reached the job
+    assert stored_state(daemon.data_dir, job["id"])[0] == "running"
+    # and a restarted daemon re-adopts it
+    daemon.start()
+    assert daemon.wait_state(job["id"], "running", timeout=5)["pid"] == pid
