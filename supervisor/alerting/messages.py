@@ -71,14 +71,17 @@ def cut(text: str, max_chars: int) -> str:
 def fit(text: str, max_chars: int) -> str:
     """`text` escaped for Slack and cut so that the escaped form has at most `max_chars`
     characters (cut before escaping: an entity is never split)."""
-    if max_chars <= 0:
-        return ""
-    n = max_chars
-    escaped = escape(cut(text, n))
-    while len(escaped) > max_chars:
-        n -= len(escaped) - max_chars
-        escaped = escape(cut(text, n))
-    return escaped
+    escaped = escape(text)
+    if len(escaped) <= max_chars:
+        return escaped
+    lo, hi = 0, min(len(text), max_chars)  # the longest cut whose escaped form fits
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if len(escape(cut(text, mid))) <= max_chars:
+            lo = mid
+        else:
+            hi = mid - 1
+    return escape(cut(text, lo)) if lo > 0 else ""
 
 
 def fence_safe(text: str) -> str:
