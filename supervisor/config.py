@@ -6,6 +6,7 @@ Defaults work with no configuration: a daemon on 127.0.0.1:8765 keeping its stat
 
 from __future__ import annotations
 
+import socket
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
@@ -86,6 +87,19 @@ class Settings(BaseSettings):
     """Signs every request to the generic webhook (`X-Jobsup-Signature`: HMAC-SHA256 of
     `v1:{timestamp}:{body}`, see docs/security.md); unset, requests are not signed."""
 
+    hostname: str | None = None
+    """The machine's name in every message (Slack's header, the webhook's `host`);
+    default `socket.gethostname()`."""
+
+    public_url: str | None = None
+    """The daemon's URL as a reader of a message reaches it (the job links in Slack and
+    webhook messages); default the URL it serves, `http://HOST:PORT` (this machine's
+    name for a wildcard bind)."""
+
+    grafana_url: str | None = None
+    """The jobsup Grafana dashboard's URL (e.g. `https://grafana.example.org/d/jobsup/jobsup`):
+    messages then link to it with `var-job_name` set to the job's name."""
+
     notify_backoff_max_s: float = Field(default=120.0, gt=0)
     """Longest wait between two delivery attempts of a message (5xx, network errors)."""
 
@@ -128,6 +142,17 @@ class Settings(BaseSettings):
         if self.database_url:
             return self.database_url
         return f"sqlite:///{self.data_dir / 'jobsup.db'}"
+
+    @property
+    def resolved_hostname(self) -> str:
+        return self.hostname or socket.gethostname()
+
+    @property
+    def resolved_public_url(self) -> str:
+        if self.public_url:
+            return self.public_url
+        host = self.host if self.host not in ("0.0.0.0", "::", "") else self.resolved_hostname
+        return f"http://[{host}]:{self.port}" if ":" in host else f"http://{host}:{self.port}"
 
     @property
     def jobs_dir(self) -> Path:

@@ -2,15 +2,29 @@
 
 from __future__ import annotations
 
+import json
 import os
+import socket
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
+from slack_sdk.models.blocks import Block
 
 from tests.helpers import Daemon, Receiver, python_job, wait_for
 
 pytestmark = pytest.mark.slow
+
+
+def slack_message(body: dict[str, Any]) -> str:
+    """A Slack body's fallback text and every text of its blocks, one string; each block
+    validated by Slack's own model on the way."""
+    texts = [body["text"]]
+    for raw in body["blocks"]:
+        Block.parse(raw).validate_json()
+        texts.append(json.dumps(raw, ensure_ascii=False))
+    return "\n".join(texts)
 
 
 def slack_daemon(make_daemon, receiver: Receiver, **env: str) -> Daemon:
@@ -27,15 +41,85 @@ def test_crash_gives_exactly_one_message_within_5_s(make_daemon, receiver: Recei
     t_end = time.time()
     wait_for(lambda: receiver.posts, 5, what="a Slack message")
     time.sleep(2.5)  # a few more ticks: still exactly one
-    (text,) = receiver.texts()
+    ((_, body),) = receiver.posts
     assert time.time() - t_end < 8
+    text = body["text"]
     assert "CRITICAL: crashed" in text and "extract" in text and job["id"] in text
     assert "exited with code 1" in text and "CUDA out of memory" in text
-    assert "last log lines" in text and "loading" in text
+    whole = slack_message(body)
+    assert "last log lines" in whole and "loading" in whole
+    assert socket.gethostname() in whole  # the default host
     assert done["reason"] == "exited with code 1 — CUDA out of memory (seen in the log)"
     (alert,) = daemon.http.get("/api/v1/alerts", params={"state": "firing"}).json()
     assert alert["rule"] == "crashed" and alert["job_id"] == job["id"]
     assert [a["rule"] for a in daemon.job(job["id"])["alerts"]] == ["crashed"]
+
+
+def test_a_crashed_job_arrives_in_block_kit_with_host_attempt_cause_tail_and_links(
+        make_daemon, receiver: Receiver) -> None:
+    """A job that fails on both of its attempts: one Block Kit message, from the host
+    named by JOBSUP_HOSTNAME, with "attempt 2 of 2", the cause once, the log tail escaped
+    (the job's `<!channel>` mentions no one, its ``` does not close the block) and links
+    to the daemon and to Grafana."""
+    daemon = slack_daemon(make_daemon, receiver, JOBSUP_HOSTNAME="gpu-node-7",
+                          JOBSUP_PUBLIC_URL="https://jobs.example",
+                          JOBSUP_GRAFANA_URL="https://grafana.example/d/jobsup/jobsup",
+                          JOBSUP_RESTART_BACKOFF_S="0.2")
+    code = ("import os, sys\n"
+            "print('attempt', os.environ['JOBSUP_ATTEMPT'], '<!channel> & <b>')\n"
+            "print('```')\n"
+            "print('x' * 5000)\n"
+            "print('RuntimeError: NCCL error: unhandled system error')\n"
+            "sys.exit(1)")
+    job = daemon.submit(python_job(code), name="train-draft", restart_policy="on-failure",
+                        max_restarts=1)
+    done = daemon.wait_state(job["id"], "failed", timeout=20)
+    assert done["attempt"] == 2
+    wait_for(lambda: receiver.posts, 8, what="the crash message")
+    time.sleep(1.5)  # a few more ticks: still one message
+    ((_, body),) = receiver.posts
+    assert set(body) == {"text", "blocks"}
+    whole = slack_message(body)
+    header = body["blocks"][0]["text"]["text"]
+    assert header == ":rotating_light: CRITICAL: crashed — train-draft on gpu-node-7"
+    assert '"*attempt*\\n2 of 2"' in whole
+    assert whole.count("NCCL error or timeout (seen in the log)") == 2  # fallback, cause
+    assert "attempt 2 &lt;!channel&gt; &amp; &lt;b&gt;" in whole
+    assert "<!channel>" not in whole and "<b>" not in whole
+    (tail,) = [b["text"]["text"] for b in body["blocks"]
+               if b["type"] == "section" and "last log lines" in b.get("text", {}).get("text", "")]
+    assert tail.count("```") == 2  # the job's own ``` made safe
+    (long_line,) = [line for line in tail.split("\n") if "xxx" in line]
+    assert len(long_line) == 300 and long_line.endswith("x…")  # capped, not the tail cut
+    assert tail.endswith("RuntimeError: NCCL error: unhandled system error\n```")
+    assert f"<https://jobs.example/api/v1/jobs/{job['id']}|job>" in whole
+    assert "<https://grafana.example/d/jobsup/jobsup?var-job_name=train-draft|Grafana>" in whole
+    for absent in ("ETA", "*rate*", "*disk*", "*written*"):  # an ended job, no output dir
+        assert absent not in whole
+
+
+def test_the_generic_webhook_gets_the_versioned_event(make_daemon, receiver: Receiver) -> None:
+    daemon = make_daemon(env={"JOBSUP_WEBHOOK_URL": receiver.url,
+                              "JOBSUP_NOTIFY_ON_SUCCESS": "false",
+                              "JOBSUP_HOSTNAME": "gpu-node-7"})
+    job = daemon.submit(python_job("import sys; print('a <!channel> & b'); sys.exit(3)"),
+                        name="hooked")
+    daemon.wait_state(job["id"], "failed")
+    wait_for(lambda: receiver.posts, 8, what="the webhook message")
+    ((headers, raw),) = receiver.requests
+    event = json.loads(raw)
+    assert event["schema"] == "jobsup.event/v1" and event["kind"] == "firing"
+    assert event["event_id"] == headers["x-jobsup-event-id"]
+    assert event["host"] == "gpu-node-7"
+    assert (event["attempt"], event["max_attempts"]) == (1, 1)
+    assert event["cause"] == event["alert"]["message"] and "exited with code 3" in event["cause"]
+    assert event["run_time_s"] is not None and event["stopped_by_user"] is False
+    assert event["job"]["id"] == job["id"] and event["alert"]["rule"] == "crashed"
+    assert event["log_tail"] == ["a <!channel> & b"]  # for machines: as the job wrote it
+    assert event["links"]["job"] == f"{daemon.url}/api/v1/jobs/{job['id']}"
+    assert event["links"]["grafana"] is None
+    assert "slack" not in event and "blocks" not in event
+    assert "on gpu-node-7" in event["text"]
 
 
 def test_429_retry_after_is_honoured(make_daemon, receiver: Receiver) -> None:
@@ -112,6 +196,9 @@ time.sleep(600)                # hang
     metrics = daemon.http.get("/metrics").text
     assert f'jobsup_job_stalled{{job_id="{job["id"]}",job_name="hangs"}} 1.0' in metrics
     daemon.http.post(f"/api/v1/jobs/{job['id']}/stop")
+    wait_for(lambda: len(receiver.posts) >= 2, 15, what="the resolved message after the stop")
+    resolved = receiver.texts()[1]
+    assert "RESOLVED: stalled" in resolved and "stopped by the user" in resolved
 
 
 def test_stall_before_the_first_item_and_recovery(make_daemon, receiver: Receiver,
@@ -135,6 +222,7 @@ for i in range(200):
     flag.touch()
     wait_for(lambda: len(receiver.posts) >= 2, 15, what="the resolve follow-up")
     assert "RESOLVED: stalled" in receiver.texts()[1]
+    assert "cleared while the job runs" in receiver.texts()[1]
     assert daemon.job(job["id"])["alerts"] == []
     resolved = daemon.http.get("/api/v1/alerts", params={"state": "resolved"}).json()
     assert [a["rule"] for a in resolved] == ["stalled"] and resolved[0]["resolved_at"]

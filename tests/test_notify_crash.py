@@ -136,7 +136,7 @@ def test_no_secret_reaches_a_receiver_or_the_log(make_daemon, tmp_path: Path) ->
         assert "logging in with <redacted>" in "\n".join(message["log_tail"])
         assert "seen by the job: None" in message["text"]
         ((_, slack_body),) = slack.posts
-        assert list(slack_body) == ["text"] and "CRITICAL: crashed" in slack_body["text"]
+        assert list(slack_body) == ["text", "blocks"] and "CRITICAL: crashed" in slack_body["text"]
         ((slack_headers, _),) = slack.requests
         ((headers, body),) = hook.requests
         assert slack_headers["x-jobsup-event-id"] == headers["x-jobsup-event-id"] \

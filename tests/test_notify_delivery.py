@@ -23,7 +23,8 @@ from sqlalchemy import event, select, text
 from sqlalchemy.orm import Session, sessionmaker
 
 from supervisor.alerting import notify
-from supervisor.alerting.notify import Destination, Notifier, compose
+from supervisor.alerting.messages import compose
+from supervisor.alerting.notify import Destination, Notifier
 from supervisor.storage.database import alembic_config, make_engine, make_sessionmaker, upgrade
 from supervisor.storage.tables import Notification
 from tests.helpers import Receiver, free_port, wait_for
@@ -117,7 +118,7 @@ def test_one_event_id_per_message_for_every_destination_and_attempt(
                              Destination("webhook", hook.url))
     msg = compose("firing", JOB, alert=ALERT, log_tail=LOG_TAIL)
     enqueue(notifier, sessions, msg, clock())
-    enqueue(notifier, sessions, {**msg, "text": "second"}, clock())
+    enqueue(notifier, sessions, {**msg, "slack": {"text": "second"}}, clock())
     for _ in range(6):
         notifier.deliver_due()
         clock.advance(1.0)
@@ -126,9 +127,9 @@ def test_one_event_id_per_message_for_every_destination_and_attempt(
     assert str(uuid.UUID(slack_1.event_id)) == slack_1.event_id
     seen = [(h["x-jobsup-event-id"], h["x-jobsup-attempt"]) for h, _ in receiver.requests]
     assert seen == [(slack_1.event_id, "1"), (slack_1.event_id, "2"), (slack_2.event_id, "1")]
-    # Slack's body stays {"text": ...}: the id travels in the header only
+    # Slack's body is its message alone: the id travels in the header only
     assert [json.loads(body) for _, body in receiver.requests] == [
-        {"text": msg["text"]}, {"text": msg["text"]}, {"text": "second"}]
+        msg["slack"], msg["slack"], {"text": "second"}]
     for headers, body in hook.requests:
         assert json.loads(body)["event_id"] == headers["x-jobsup-event-id"]
         assert headers["x-jobsup-attempt"] == "1"

@@ -14,14 +14,18 @@ from sqlalchemy import select
 from sqlalchemy.orm import Session, sessionmaker
 
 from supervisor.alerting import notify
-from supervisor.alerting.notify import Destination, Notifier, compose, retry_after_s
+from supervisor.alerting.messages import SCHEMA, MessageContext, compose
+from supervisor.alerting.notify import Destination, Notifier, retry_after_s
 from supervisor.storage.database import make_engine, make_sessionmaker, upgrade
 from supervisor.storage.tables import Notification
 from tests.helpers import T0, Receiver, free_port
 
 JOB: dict[str, Any] = {
     "id": "a1b2c3", "name": "extract-hidden", "state": "running",
-    "reason": None,
+    "reason": None, "attempt": 2, "restarts": 1,
+    "spec": {"name": "extract-hidden", "command": ["python", "x.py"],
+             "output_dir": "/data/hidden", "restart_policy": "on-failure", "max_restarts": 2},
+    "started_at": "2023-11-14T20:00:00Z", "ended_at": None,
     "progress": {"items_done": 400, "items_total": 1000, "files": 400,
                  "bytes_written": 33_200_000_000, "source": "progress_file",
                  "last_progress_at": "2023-11-14T22:13:20Z", "metrics": {}},
@@ -281,8 +285,10 @@ def test_slack_gets_text_and_webhook_gets_the_whole_message(make_notifier, sessi
         notifier.deliver_due()  # one call serves both destinations
         ((_, slack_body),) = receiver.posts
         ((_, webhook_body),) = hook.posts
-        assert slack_body == {"text": msg["text"]}
-        assert webhook_body == {**msg, "event_id": rows(sessions, "webhook")[0].event_id}
+        assert slack_body == msg["slack"] and list(slack_body) == ["text", "blocks"]
+        event = {k: v for k, v in msg.items() if k != "slack"}
+        assert webhook_body == {**event, "event_id": rows(sessions, "webhook")[0].event_id}
+        assert webhook_body["schema"] == SCHEMA
         assert webhook_body["job"]["id"] == "a1b2c3"
         assert webhook_body["alert"]["rule"] == "disk_will_fill"
         assert webhook_body["log_tail"] == LOG_TAIL and webhook_body["kind"] == "firing"
@@ -346,55 +352,132 @@ def test_enqueue_writes_one_row_per_destination(make_notifier, sessions, clock) 
 
 # -- compose ----------------------------------------------------------------------------------
 
+CONTEXT = MessageContext(host="gpu-node-7", public_url="http://jobs.example:8765",
+                         grafana_url="https://grafana.example/d/jobsup/jobsup")
+T_NOW = 1_700_000_000.0  # 2023-11-14T22:13:20Z: 2h13m20s after JOB's start
+
+
 def test_firing_text_has_the_facts() -> None:
-    msg = compose("firing", JOB, alert=ALERT, log_tail=LOG_TAIL)
+    msg = compose("firing", JOB, alert=ALERT, log_tail=LOG_TAIL, context=CONTEXT, now=T_NOW)
     text = msg["text"]
-    assert text.startswith(":rotating_light: *CRITICAL: disk_will_fill*")
-    assert "extract-hidden" in text and "a1b2c3" in text
+    assert text.startswith("CRITICAL: disk_will_fill — job extract-hidden (a1b2c3) on "
+                           "gpu-node-7\n")
     assert ALERT["message"] in text
-    assert "state: running" in text
-    assert "progress: 400/1000 items, 33.2 GB written" in text
+    assert "state: running" in text and "attempt: 2 of 3" in text
+    assert "run time: 2h13m" in text
+    assert "progress: 400/1000 items" in text and "written: 33.2 GB" in text
+    assert "rate: 0.05 items/s" in text
     assert "ETA: 3h20m (at 2023-11-15T01:33:20Z)" in text
     assert "disk: 40.0 GB free, full in 2h40m — the rest will NOT fit" in text
     assert "GPU memory: 76.0 GB" in text
-    assert "last log lines:" in text and "step 400/1000 loss=1.23" in text
+    assert "last log lines:\nstep 399/1000\nstep 400/1000 loss=1.23" in text
+    assert "job: http://jobs.example:8765/api/v1/jobs/a1b2c3" in text
     assert msg["job"] is JOB and msg["alert"] is ALERT and msg["log_tail"] == LOG_TAIL
 
 
-def test_firing_text_with_a_reason_and_little_known() -> None:
-    job = {**JOB, "state": "failed", "reason": "exited with code 1",
-           "progress": {"items_done": None}, "forecast": {}, "resources": {}}
-    crashed = {**ALERT, "rule": "crashed", "message": "extract-hidden failed"}
-    text = compose("firing", job, alert=crashed, log_tail=[])["text"]
-    assert "*CRITICAL: crashed*" in text
-    assert "state: failed — exited with code 1" in text
-    for absent in ("progress:", "ETA:", "disk:", "GPU memory:", "last log lines"):
-        assert absent not in text
+def test_the_event_is_versioned_and_carries_host_attempt_cause_links() -> None:
+    msg = compose("firing", JOB, alert=ALERT, log_tail=LOG_TAIL, context=CONTEXT, now=T_NOW)
+    assert msg["schema"] == "jobsup.event/v1" and msg["kind"] == "firing"
+    assert msg["host"] == "gpu-node-7"
+    assert (msg["attempt"], msg["max_attempts"]) == (2, 3)
+    assert msg["run_time_s"] == 8000.0 and msg["stopped_by_user"] is False
+    assert msg["cause"] == ALERT["message"]
+    assert msg["links"] == {
+        "job": "http://jobs.example:8765/api/v1/jobs/a1b2c3",
+        "logs": "http://jobs.example:8765/api/v1/jobs/a1b2c3/logs?tail=200",
+        "grafana": "https://grafana.example/d/jobsup/jobsup?var-job_name=extract-hidden"}
+    plain = compose("firing", JOB, alert=ALERT, log_tail=[],
+                    context=MessageContext(host="h", public_url="http://127.0.0.1:8765/"))
+    assert plain["links"]["grafana"] is None and plain["run_time_s"] is None  # no `now`
+    assert plain["links"]["job"] == "http://127.0.0.1:8765/api/v1/jobs/a1b2c3"
+    assert "run time" not in plain["text"]
+
+
+def test_a_crashed_job_shows_its_cause_once_and_no_running_facts() -> None:
+    job = {**JOB, "state": "failed", "ended_at": "2023-11-14T21:00:00Z", "attempt": 3,
+           "reason": "exited with code 1 — NCCL error (seen in the log)",
+           "spec": {**JOB["spec"], "output_dir": None}}
+    crashed = {**ALERT, "rule": "crashed",
+               "message": "extract-hidden failed: exited with code 1 — NCCL error (seen in "
+                          "the log)"}
+    msg = compose("firing", job, alert=crashed, log_tail=[], context=CONTEXT, now=T_NOW)
+    text = msg["text"]
+    assert text.startswith("CRITICAL: crashed")
+    assert text.count("exited with code 1") == 1 and msg["cause"] == crashed["message"]
+    assert "attempt: 3 of 3" in text and "run time: 1h00m" in text
+    assert "progress: 400/1000 items" in text
+    for absent in ("ETA", "rate:", "disk:", "written:", "GPU memory:", "last log lines"):
+        assert absent not in text, absent
+    blocks = json_text(msg["slack"])
+    for absent in ("ETA", "*rate*", "*disk*", "*written*", "B written"):
+        assert absent not in blocks, absent
+
+
+def test_no_output_dir_means_no_bytes_or_disk_even_while_running() -> None:
+    job = {**JOB, "spec": {**JOB["spec"], "output_dir": None}}
+    msg = compose("firing", job, alert=ALERT, log_tail=[], context=CONTEXT, now=T_NOW)
+    assert "written" not in msg["text"] and "disk:" not in msg["text"]
+    assert "ETA: 3h20m" in msg["text"]  # still running: its forecast applies
 
 
 def test_resolved_text_is_short() -> None:
     alert = {**ALERT, "rule": "stalled", "severity": "warning", "state": "resolved",
              "message": "extract-hidden: no new item for 11 min at 400 items"}
-    text = compose("resolved", JOB, alert=alert, log_tail=LOG_TAIL)["text"]
-    assert text.startswith(":white_check_mark: *RESOLVED: stalled*")
-    assert "extract-hidden" in text and "a1b2c3" in text
-    assert len(text.splitlines()) <= 2
+    msg = compose("resolved", JOB, alert=alert, log_tail=LOG_TAIL, context=CONTEXT)
+    text = msg["text"]
+    assert text.startswith("RESOLVED: stalled — job extract-hidden (a1b2c3) on gpu-node-7")
+    assert "was: extract-hidden: no new item" in text and "cleared while the job runs" in text
     for absent in ("progress:", "ETA:", "disk:", "GPU memory:", "last log lines", "step 400"):
         assert absent not in text
+        assert absent not in json_text(msg["slack"])
+    assert msg["slack"]["text"].startswith(":white_check_mark: RESOLVED: stalled")
+
+
+def test_resolved_after_a_user_stop_says_so() -> None:
+    alert = {**ALERT, "rule": "stalled", "severity": "warning", "state": "resolved",
+             "message": "extract-hidden: no new item for 11 min at 400 items"}
+    job = {**JOB, "state": "stopped", "exit_reason": "stopped",
+           "reason": "stopped on request (SIGTERM)", "ended_at": "2023-11-14T21:00:00Z"}
+    msg = compose("resolved", job, alert=alert, log_tail=[], context=CONTEXT)
+    assert msg["stopped_by_user"] is True
+    assert "the job was stopped by the user (stopped on request (SIGTERM))" in msg["cause"]
+    assert "stopped by the user" in msg["slack"]["text"]
+    served = {**job, "reason": "stopped because the jobs it served have ended"}
+    other = compose("resolved", served, alert=alert, log_tail=[], context=CONTEXT)
+    assert other["stopped_by_user"] is False and "by the user" not in other["text"]
+    assert "the job stopped: stopped because the jobs it served have ended" in other["cause"]
 
 
 def test_succeeded_text_without_an_alert() -> None:
-    job = {**JOB, "state": "succeeded"}
-    msg = compose("succeeded", job, alert=None, log_tail=[])
-    assert msg["text"].startswith(":tada: *job `extract-hidden` (a1b2c3) succeeded*")
-    assert msg["alert"] is None
+    job = {**JOB, "state": "succeeded", "reason": "exited with code 0",
+           "ended_at": "2023-11-14T21:00:00Z"}
+    msg = compose("succeeded", job, alert=None, log_tail=[], context=CONTEXT)
+    assert msg["text"].startswith("job succeeded — job extract-hidden (a1b2c3) on gpu-node-7")
+    assert msg["slack"]["text"].startswith(":tada: job succeeded")
+    assert msg["alert"] is None and msg["cause"] == "exited with code 0"
 
 
-def test_a_long_log_tail_is_cut_from_the_front() -> None:
+def test_a_long_log_tail_keeps_the_last_lines() -> None:
     tail = [f"line {n:05d}" for n in range(1000)]
-    text = compose("firing", JOB, alert=ALERT, log_tail=tail)["text"]
-    assert "line 00999" in text and "line 00000" not in text
-    assert len(text) < 3500
+    msg = compose("firing", JOB, alert=ALERT, log_tail=tail, context=CONTEXT)
+    (code,) = [b["text"]["text"] for b in msg["slack"]["blocks"]
+               if "last log lines" in b.get("text", {}).get("text", "")]
+    assert code.endswith("line 00999\n```") and "line 00000" not in code
+    assert len(code) <= 3000
+
+
+def test_an_old_outbox_row_without_blocks_still_reaches_slack() -> None:
+    old = {"kind": "firing", "text": "*CRITICAL: crashed* old row", "job": JOB, "alert": ALERT,
+           "log_tail": []}
+    assert Destination("slack", "http://127.0.0.1:9/").body(old, "e") == {
+        "text": "*CRITICAL: crashed* old row"}
+    assert Destination("webhook", "http://127.0.0.1:9/").body(old, "e") == {**old,
+                                                                          "event_id": "e"}
+
+
+def json_text(value: Any) -> str:
+    import json
+    return json.dumps(value, ensure_ascii=False)
 
 
 # -- Retry-After --------------------------------------------------------------------------------

@@ -1,4 +1,5 @@
-"""Delivery of alert messages: Slack incoming webhook and a generic JSON webhook.
+"""Delivery of alert messages: Slack incoming webhook and a generic JSON webhook (what
+the messages say: `messages.py`).
 
 The outbox is the `notifications` table: the engine writes a row per destination in
 the same transaction as the alert, and this module's thread delivers them, oldest
@@ -44,7 +45,6 @@ from sqlalchemy import select
 from sqlalchemy.exc import OperationalError
 from sqlalchemy.orm import Session, sessionmaker
 
-from supervisor.formatting import format_bytes, format_duration
 from supervisor.storage.tables import Notification
 
 log = logging.getLogger(__name__)
@@ -57,8 +57,6 @@ REQUEST_TIMEOUT_S = 10.0
 MAX_RETRY_AFTER_S = 3600.0
 """A `Retry-After` longer than this is taken as this: one bad header must not block a
 destination's queue forever."""
-EMOJI = {"firing": ":rotating_light:", "resolved": ":white_check_mark:",
-         "succeeded": ":tada:"}
 
 EVENT_ID_HEADER = "X-Jobsup-Event-Id"
 ATTEMPT_HEADER = "X-Jobsup-Attempt"
@@ -148,12 +146,13 @@ class Destination:
     url: str
 
     def body(self, message: dict[str, Any], event_id: str) -> dict[str, Any]:
-        """Slack gets the text alone (its incoming webhooks ignore unknown keys, but the
-        event id travels in a header); the generic webhook the whole message and its id."""
+        """Slack gets its Block Kit message (`slack`: text and blocks; the event id
+        travels in a header); the generic webhook the event (`messages.py`) and its id."""
         message = redact(message)  # again: outbox rows written before redaction existed
-        if self.name == "slack":
-            return {"text": message["text"]}
-        return {**message, "event_id": event_id}
+        slack = message.get("slack")
+        if self.name == "slack":  # a row written before Block Kit has `text` alone
+            return slack if isinstance(slack, dict) else {"text": message["text"]}
+        return {**{k: v for k, v in message.items() if k != "slack"}, "event_id": event_id}
 
     def request(self, message: dict[str, Any], *, event_id: str, attempt: int,
                 redelivery: bool, secret: str | None, now: float) -> tuple[bytes, dict[str, str]]:
@@ -168,45 +167,6 @@ class Destination:
             headers[TIMESTAMP_HEADER] = str(timestamp)
             headers[SIGNATURE_HEADER] = sign(secret, timestamp, body)
         return body, headers
-
-
-def compose(kind: str, job: dict[str, Any], *, alert: dict[str, Any] | None,
-            log_tail: list[str]) -> dict[str, Any]:
-    """The message: a human text (Slack) plus the structured facts (generic webhook),
-    the job's env values redacted (`redact`)."""
-    p, f, r = job["progress"], job["forecast"], job["resources"]
-    head = f"{EMOJI.get(kind, '')} "
-    if alert is not None:
-        verb = "RESOLVED" if kind == "resolved" else alert["severity"].upper()
-        head += f"*{verb}: {alert['rule']}* — job `{job['name']}` ({job['id']})"
-    else:
-        head += f"*job `{job['name']}` ({job['id']}) {job['state']}*"
-    lines = [head]
-    if alert is not None:
-        lines.append(f"was: {alert['message']}" if kind == "resolved" else alert["message"])
-    if kind != "resolved":
-        lines.append(f"state: {job['state']}" + (f" — {job['reason']}" if job.get("reason")
-                                                  else ""))
-        done, total = p.get("items_done"), p.get("items_total")
-        if done is not None:
-            lines.append(f"progress: {done}" + (f"/{total}" if total else "") + " items, "
-                         f"{format_bytes(p.get('bytes_written'))} written")
-        if f.get("eta_s") is not None:
-            lines.append(f"ETA: {format_duration(f['eta_s'])} (at {f.get('eta_at')})")
-        if f.get("disk_free_bytes") is not None:
-            runway = f"disk: {format_bytes(f['disk_free_bytes'])} free"
-            if f.get("disk_full_in_s") is not None:
-                runway += f", full in {format_duration(f['disk_full_in_s'])}"
-            if f.get("will_fit") is False:
-                runway += " — the rest will NOT fit"
-            lines.append(runway)
-        if r.get("gpu_memory_bytes"):
-            lines.append(f"GPU memory: {format_bytes(r['gpu_memory_bytes'])}")
-        if log_tail:
-            lines.append("last log lines:\n```\n" + "\n".join(log_tail)[-2500:] + "\n```")
-    return redact({"kind": kind, "text": "\n".join(lines), "job": job, "alert": alert,
-                   "log_tail": log_tail})
-
 
 
 def backoff_s(attempts: int, max_s: float = BACKOFF_MAX_S) -> float:

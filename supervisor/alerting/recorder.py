@@ -12,7 +12,8 @@ from typing import Any
 from sqlalchemy.orm import Session
 
 from supervisor.alerting import rules
-from supervisor.alerting.notify import Notifier, compose
+from supervisor.alerting.messages import MessageContext, compose
+from supervisor.alerting.notify import Notifier
 from supervisor.api.views import alert_out, job_out
 from supervisor.config import Settings
 from supervisor.observe.observer import Observer
@@ -40,6 +41,9 @@ class AlertRecorder:
             disk_low_bytes=settings.disk_low_bytes,
             gpu_memory_high_fraction=settings.gpu_memory_high_fraction,
             ended_alert_ttl_s=settings.ended_alert_ttl_s)
+        self.context = MessageContext(host=settings.resolved_hostname,
+                                      public_url=settings.resolved_public_url,
+                                      grafana_url=settings.grafana_url)
         self._sent_unrecorded: dict[tuple[str, str], float] = {}
         """(job, rule) of alerts sent while the database was full -> when they fired."""
 
@@ -64,7 +68,7 @@ class AlertRecorder:
                 alert = {"id": 0, "job_id": f.job_id, "rule": f.rule, "severity": f.severity,
                          "state": "firing", "started_at": "", "resolved_at": None,
                          "message": f.message}
-                self.notifier.send_unrecorded(self._message("firing", job, alert))
+                self.notifier.send_unrecorded(self._message("firing", job, alert, now))
 
     def record(self, session: Session, running: Sequence[Job], now: float,
                recorded: list[tuple[str, str]]) -> None:
@@ -155,12 +159,15 @@ class AlertRecorder:
         if not self.notifier.destinations:
             return
         message = self._message(kind, job,
-                                alert_out(alert).model_dump(mode="json") if alert else None)
+                                alert_out(alert).model_dump(mode="json") if alert else None,
+                                now)
         self.notifier.enqueue(session, kind, message, job_id=job.id,
                               alert_id=alert.id if alert else None, now=now)
 
-    def _message(self, kind: str, job: Job, alert: dict[str, Any] | None) -> dict[str, Any]:
+    def _message(self, kind: str, job: Job, alert: dict[str, Any] | None,
+                 now: float) -> dict[str, Any]:
         snapshot = job_out(job, self.observer.views.get(job.id)).model_dump(mode="json")
         lines, _ = (tail_lines(log_path(self.settings.jobs_dir, job.id, job.attempt),
                                LOG_TAIL_LINES) if job.attempt else ([], 0))
-        return compose(kind, snapshot, log_tail=lines, alert=alert)
+        return compose(kind, snapshot, log_tail=lines, alert=alert, context=self.context,
+                       now=now)

@@ -125,6 +125,7 @@ def build_app(settings: Settings) -> FastAPI:
                               settings.metrics_ended_retention_s,
                               gpu_available=lambda: engine.observer.sampler.gpu.available,
                               clock=engine.clock,
+                              hostname=settings.resolved_hostname,
                               last_tick=lambda: ticks.last_tick_time())
     registry, tick_histogram = build_registry(collector)
     ticks = TickWatch(engine, tick_histogram.observe)
