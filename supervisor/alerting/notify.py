@@ -41,10 +41,10 @@ from typing import Any
 from urllib.parse import urlsplit
 
 import httpx
-from sqlalchemy import select
 from sqlalchemy.exc import OperationalError
 from sqlalchemy.orm import Session, sessionmaker
 
+from supervisor.storage import outbox
 from supervisor.storage.tables import Notification
 
 log = logging.getLogger(__name__)
@@ -252,11 +252,8 @@ class Notifier:
         commits."""
         event_id = new_event_id()
         payload = json.dumps(redact(message))
-        for name in self.destinations:
-            session.add(Notification(destination=name, kind=kind, job_id=job_id,
-                                     alert_id=alert_id, payload_json=payload, created_at=now,
-                                     attempts=0, next_attempt_at=now, event_id=event_id,
-                                     redelivery=False))
+        outbox.add(session, self.destinations, kind=kind, job_id=job_id, alert_id=alert_id,
+                   payload_json=payload, event_id=event_id, now=now)
 
     def send_unrecorded(self, message: dict[str, Any]) -> None:
         """Queue a message in memory only (its outbox row could not be written): sent
@@ -313,12 +310,7 @@ class Notifier:
                 wait_s = min(wait_s, MIN_INTERVAL_S)
                 continue
             with self.sessions() as session:
-                head = session.scalars(
-                    select(Notification)
-                    .where(Notification.destination == name, Notification.sent_at.is_(None),
-                           Notification.failed_at.is_(None))
-                    .order_by(Notification.id).limit(1)
-                ).first()
+                head = outbox.head(session, name)
                 if head is None:
                     continue
                 if head.id in self._outcomes:  # answered; its outcome not yet written
@@ -369,12 +361,10 @@ class Notifier:
         if row.in_flight_since is not None:
             # only a daemon that died mid-request leaves this set: this process clears it
             # with every outcome (or holds the outcome in `_outcomes`, handled above)
-            row.redelivery = True
             log.warning("notification %d (event %s) to %s was in flight when the daemon "
                         "stopped; sending it again, marked as a possible redelivery",
                         row_id, event_id, destination.name)
-        row.attempts += 1
-        row.in_flight_since = now
+        outbox.start_attempt(row, now=now)
         if not self._commit(session, f"the attempt at notification {row_id}"):
             return  # not sent: nothing may leave that the outbox does not know about
         outcome = self._attempt(destination, message, event_id=event_id,
@@ -425,12 +415,9 @@ class Notifier:
     def _record(self, session: Session, row_id: int, outcome: dict[str, Any]) -> bool:
         """Write an attempt's outcome; where the database cannot take it, keep it until
         it can (the row is not sent again meanwhile: its outcome is known)."""
-        row = session.get(Notification, row_id)
-        if row is None:
+        if not outbox.record_outcome(session, row_id, outcome):
             self._outcomes.pop(row_id, None)
             return True
-        for column, value in outcome.items():
-            setattr(row, column, value)
         if self._commit(session, f"the outcome of notification {row_id}"):
             self._outcomes.pop(row_id, None)
             return True

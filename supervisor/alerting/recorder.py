@@ -20,7 +20,7 @@ from supervisor.observe.observer import Observer
 from supervisor.runtime.fileio import tail_lines
 from supervisor.runtime.launcher import log_path
 from supervisor.spec import AlertState, JobState, stored_spec
-from supervisor.storage import store
+from supervisor.storage import outbox, store
 from supervisor.storage.tables import Alert, Job
 
 log = logging.getLogger(__name__)
@@ -125,7 +125,7 @@ class AlertRecorder:
             # between recording the end and this step left theirs unsent
             succeeded = [job for job in jobs.values() if job.state == JobState.SUCCEEDED.value
                          and (job.ended_at or now) >= now - RECENTLY_ENDED_S]
-            told = store.jobs_notified(session, "succeeded", [job.id for job in succeeded])
+            told = outbox.jobs_notified(session, "succeeded", [job.id for job in succeeded])
             for job in succeeded:
                 if job.id not in told:
                     self._enqueue(session, "succeeded", job, None, now)

@@ -18,7 +18,7 @@ from supervisor.errors import JobNotFound, JobRecordUnwritable
 from supervisor.runtime.fileio import atomic_write_json
 from supervisor.spec import AlertState, ExitReason, JobSpec, JobState
 from supervisor.storage.database import UNCOMMITTED_JOB_RECORDS
-from supervisor.storage.tables import Alert, Job, JobEvent, Notification, Sample
+from supervisor.storage.tables import Alert, Job, JobEvent, Sample
 
 log = logging.getLogger(__name__)
 
@@ -97,14 +97,6 @@ def jobs_ended_since(session: Session, since: float) -> Sequence[Job]:
     return session.scalars(select(Job).where(Job.ended_at >= since)
                            .order_by(Job.ended_at, Job.id)).all()
 
-
-def jobs_notified(session: Session, kind: str, job_ids: Sequence[str]) -> set[str]:
-    """Which of these jobs already have a message of this kind in the outbox."""
-    if not job_ids:
-        return set()
-    rows = session.scalars(select(Notification.job_id).where(
-        Notification.kind == kind, Notification.job_id.in_(list(job_ids))))
-    return {job_id for job_id in rows if job_id is not None}
 
 
 def existing_ids(session: Session, ids: Sequence[str]) -> set[str]:
