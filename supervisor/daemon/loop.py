@@ -31,7 +31,7 @@ from supervisor.runtime.launcher import (
 )
 from supervisor.spec import ExitReason, JobSpec, JobState, stored_spec
 from supervisor.storage import store
-from supervisor.storage.tables import Job, Sample
+from supervisor.storage.tables import Job, SampleRecord
 from supervisor.storage.transactions import TickSteps
 
 log = logging.getLogger(__name__)
@@ -56,6 +56,11 @@ COMPACT_EVERY_S = 300.0
 
 UNSAVED_SAMPLES_MAX = 200_000
 """Samples kept in memory while the database's disk is full (~2 days of 1 job at 2 s)."""
+
+PROGRESS_STORE_S = 30.0
+"""A running job's progress is written to its row this often (the live view is in
+memory; the row serves a daemon restart and the job after its end, when it is written
+at once, and again when its final output reading is in)."""
 
 LOG_TAIL_LINES = 20
 """Log lines searched for known crash causes."""
@@ -89,7 +94,10 @@ class Engine:
         """Per sample tier, the cutoff of the last downsampling pass (None: none yet in
         this daemon; the first pass starts from `store.compaction_resume_point`)."""
         self.steps = TickSteps()
-        self._unsaved_samples: list[Sample] = []
+        self._unsaved_samples: list[SampleRecord] = []
+        self._progress_stored: dict[str, tuple[float, str | None]] = {}
+        """When each running job's progress was last written to its row, and the
+        observation error it held."""
         destinations = [Destination(name, url) for name, url in (
             ("slack", settings.slack_webhook_url), ("webhook", settings.webhook_url)) if url]
         secret = settings.webhook_secret
@@ -249,20 +257,34 @@ class Engine:
             self.alerting.send_unrecorded(session, running, now)
 
     def _store_samples(self, session: Session, running: Sequence[Job],
-                       samples: Sequence[Sample]) -> None:
+                       samples: Sequence[SampleRecord]) -> None:
         """Store this tick's samples, after any that a full disk held back."""
         pending = [*self._unsaved_samples, *samples]
+        now = self.clock()
         with self.steps.writing(session, "samples") as written:
             store.add_samples(session, pending)
-            for job in running:
+            for job in running:  # a running job's every PROGRESS_STORE_S or when its
+                # observation error comes or goes; an ended one's at once
                 view = self.observer.views.get(job.id)
+                ended = JobState(job.state) is not JobState.RUNNING
                 if view is not None:
-                    job.progress_json = progress_json(view.progress)
+                    stored_at, stored_error = self._progress_stored.get(job.id, (0.0, None))
+                    error = view.progress.observation_error
+                    if ended or error != stored_error or now - stored_at >= PROGRESS_STORE_S:
+                        job.progress_json = progress_json(view.progress)
+                        self._progress_stored[job.id] = (now, error)
+                if ended:
+                    self._progress_stored.pop(job.id, None)
+            for job_id in self.observer.settled:  # ended jobs' final readings, now known
+                view = self.observer.views.get(job_id)
+                ended_job = session.get(Job, job_id)
+                if view is not None and ended_job is not None \
+                        and JobState(ended_job.state).ended:
+                    ended_job.progress_json = progress_json(view.progress)
         if written.ok:
             self._unsaved_samples = []
         else:
-            self._unsaved_samples = [store.detached_sample(s) for s in
-                                     pending[-UNSAVED_SAMPLES_MAX:]]
+            self._unsaved_samples = pending[-UNSAVED_SAMPLES_MAX:]
 
     def _observed(self, job: Job, attempt: Attempt) -> ObservedJob:
         """The sampler's view of a job: its tree is rooted at the shim (which is the

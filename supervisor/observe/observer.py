@@ -42,7 +42,7 @@ from supervisor.observe.view import (
 )
 from supervisor.runtime.launcher import log_path, progress_path
 from supervisor.spec import JobSpec
-from supervisor.storage.tables import Sample
+from supervisor.storage.tables import Sample, SampleRecord
 
 log = logging.getLogger(__name__)
 
@@ -271,8 +271,10 @@ class Observer:
         self._sampler_error: str | None = None
         self.views: dict[str, JobView] = {}
         """Latest view per job id; replaced whole each tick, so readers need no lock."""
+        self.settled: list[str] = []
+        """Ended jobs whose final reading the last `observe` put in their views."""
 
-    def observe(self, jobs: Sequence[ObservedJob], now: float) -> list[Sample]:
+    def observe(self, jobs: Sequence[ObservedJob], now: float) -> list[SampleRecord]:
         """Sample every running job once; returns the rows to store (none for a job
         whose reading is not fresh)."""
         self._tick += 1
@@ -420,7 +422,7 @@ class Observer:
         return readings, errors
 
     def _observe_one(self, job: ObservedJob, state: _JobState, tree: TreeReading,
-                     now: float) -> tuple[JobView, Sample | None, forecast.JobForecast]:
+                     now: float) -> tuple[JobView, SampleRecord | None, forecast.JobForecast]:
         spec = job.spec
         outcome, state.outcome = state.outcome, None
         previous = self.views.get(job.job_id)
@@ -462,7 +464,7 @@ class Observer:
                        gpu_memory_fraction=tree.gpu_memory_fraction)
         if progress.observation_error is not None:
             return view, None, job_forecast
-        sample = Sample(
+        sample = SampleRecord(
             job_id=job.job_id, t=now, items_done=progress.items_done,
             items_total=progress.items_total, files=progress.files,
             bytes_written=progress.bytes_written, cpu_percent=tree.cpu_percent,
@@ -518,6 +520,7 @@ class Observer:
     def _settle_endings(self, running: set[str]) -> None:
         """Put the figures of ended jobs' final readings, once done, in their views."""
         views = None
+        self.settled = []
         for job_id, ending in list(self._ending.items()):
             if job_id in running:  # running again: its new attempt's readings count
                 del self._ending[job_id]
@@ -539,6 +542,7 @@ class Observer:
                 progress = _final_progress(view.progress, ending.job, ending.future.result())
             views = views if views is not None else dict(self.views)
             views[job_id] = replace(view, progress=progress)
+            self.settled.append(job_id)
         if views is not None:
             self.views = views
 

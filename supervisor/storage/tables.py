@@ -6,6 +6,8 @@ them into ISO 8601 strings.
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 from sqlalchemy import BigInteger, Boolean, Float, ForeignKey, Index, Integer, String, Text
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 
@@ -81,6 +83,27 @@ class Sample(Base):
     num_threads: Mapped[int] = mapped_column(Integer, default=0)
     gpu_memory_bytes: Mapped[int | None] = mapped_column(BigInteger)
     disk_free_bytes: Mapped[int | None] = mapped_column(BigInteger)
+
+
+class SampleRecord(NamedTuple):
+    """One reading of one job at one tick, as stored (the columns of `samples`): a plain
+    tuple, inserted in one batch per tick (`store.add_samples`), never an ORM object."""
+
+    job_id: str
+    t: float
+    items_done: int | None
+    items_total: int | None
+    files: int
+    bytes_written: int
+    cpu_percent: float
+    cpu_time_s: float
+    rss_bytes: int
+    read_bytes: int
+    write_bytes: int
+    num_procs: int
+    num_threads: int
+    gpu_memory_bytes: int | None
+    disk_free_bytes: int | None
 
 
 class Alert(Base):
