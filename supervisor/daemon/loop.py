@@ -27,6 +27,7 @@ from supervisor.runtime.launcher import (
     ExitStatus,
     LaunchFate,
     LocalBackend,
+    ShimState,
     log_path,
 )
 from supervisor.spec import ExitReason, JobSpec, JobState, stored_spec
@@ -311,7 +312,10 @@ class Engine:
         if worker is not None:
             job.pid, job.pid_create_time = worker.pid, worker.create_time
 
-        status = self.backend.read_exit(attempt)
+        # a running shim has not recorded an exit yet (or has just done so: then the
+        # exit watcher wakes the next tick as it ends), so its status file is not read
+        shim = self.backend.shim_state(attempt)
+        status = None if shim is ShimState.RUNNING else self.backend.read_exit(attempt)
         if status is not None:
             self.backend.forget(attempt)
             self._finish(session, job, status, now)
@@ -322,8 +326,8 @@ class Engine:
         if job.stop_requested_at is not None:
             self._stop_running(job, attempt, now)
 
-        if self.backend.shim_alive(attempt):
-            if not self.backend.shim_suspended(attempt):
+        if shim is not ShimState.GONE:
+            if shim is ShimState.RUNNING:
                 self._shims_seen_alive[job.id] = attempt  # its reading needs no new look
                 return
             if pid_known:

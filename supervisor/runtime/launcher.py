@@ -30,9 +30,10 @@ from supervisor.runtime.procfs import (
     all_stats,
     create_time,
     is_same_process,
-    process_state,
+    read_stat,
     same_create_time,
     signal_group,
+    start_ticks_to_time,
 )
 from supervisor.spec import JobSpec
 
@@ -92,6 +93,17 @@ class LaunchFate(StrEnum):
     """A shim owned it and died before recording anything: the job is lost."""
 
 
+class ShimState(StrEnum):
+    """The attempt's shim, from one look at it."""
+
+    GONE = "gone"
+    """Not the live process it was (exited, a zombie, or its pid reused)."""
+    RUNNING = "running"
+    SUSPENDED = "suspended"
+    """Alive but stopped (SIGSTOP): it can neither reap the worker nor record its exit
+    until it is continued."""
+
+
 class Backend(ABC):
     """What the engine needs of a launcher. `LocalBackend` runs shims on this machine;
     a cluster backend (SLURM) implements the same calls with its scheduler's tools."""
@@ -120,13 +132,12 @@ class Backend(ABC):
         """What the shim recorded when the worker ended; None while it runs."""
 
     @abstractmethod
-    def shim_alive(self, attempt: Attempt) -> bool:
-        """The attempt's shim is the live process it was (pid and create time)."""
+    def shim_state(self, attempt: Attempt) -> ShimState:
+        """Whether the attempt's shim is the live process it was (pid and create time),
+        and whether it is stopped."""
 
-    @abstractmethod
-    def shim_suspended(self, attempt: Attempt) -> bool:
-        """The shim lives but is stopped (SIGSTOP): it can neither reap the worker nor
-        record its exit until it is continued."""
+    def shim_alive(self, attempt: Attempt) -> bool:
+        return self.shim_state(attempt) is not ShimState.GONE
 
     @abstractmethod
     def resume_shim(self, attempt: Attempt) -> None:
@@ -233,8 +244,13 @@ class LocalBackend(Backend):
     def read_exit(self, attempt: Attempt) -> ExitStatus | None:
         return files.read_exit(attempt.dir)
 
-    def shim_alive(self, attempt: Attempt) -> bool:
-        return is_same_process(attempt.shim_pid, attempt.shim_create_time)
+    def shim_state(self, attempt: Attempt) -> ShimState:
+        stat = read_stat(attempt.shim_pid) if attempt.shim_pid is not None else None
+        if (stat is None or stat.state in ("Z", "X") or attempt.shim_create_time is None
+                or not same_create_time(start_ticks_to_time(stat.start_ticks),
+                                        attempt.shim_create_time)):
+            return ShimState.GONE
+        return ShimState.SUSPENDED if stat.state in ("T", "t") else ShimState.RUNNING
 
     def request_stop(self, attempt: Attempt, worker: WorkerInfo | None) -> None:
         """Ask the shim to stop the job (it runs SIGTERM -> grace -> SIGKILL). Without a
@@ -256,11 +272,6 @@ class LocalBackend(Backend):
                     with contextlib.suppress(ProcessLookupError):
                         os.kill(stat.pid, signal.SIGKILL)
             self.resume_shim(attempt)
-
-    def shim_suspended(self, attempt: Attempt) -> bool:
-        if attempt.shim_pid is None or not self.shim_alive(attempt):
-            return False
-        return process_state(attempt.shim_pid) in ("T", "t")
 
     def resume_shim(self, attempt: Attempt) -> None:
         if attempt.shim_pid is not None and self.shim_alive(attempt):
