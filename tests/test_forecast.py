@@ -8,8 +8,10 @@ import random
 import pytest
 
 from supervisor.observe.forecast import (
+    RATE_REFRESH_S,
     DiskRunway,
     JobDiskDemand,
+    JobForecaster,
     Observation,
     disk_demand,
     disk_runway,
@@ -365,3 +367,31 @@ def test_long_trace_is_fast_enough_for_every_tick() -> None:
     assert time.perf_counter() - started < 2.0
     assert forecast.rate_items_per_s == pytest.approx(0.5, rel=0.01)
     assert math.isfinite(forecast.eta_s or math.nan)
+
+
+def test_the_per_tick_forecaster_matches_the_pure_forecast() -> None:
+    """`JobForecaster` (the observer's: one reading at a time, the rate re-read every
+    RATE_REFRESH_S or when the points double) gives what `forecast_job` over every
+    reading gives: the same counts and bytes every tick, a rate within 2 % once a few
+    hundred items are in, and it reads a restart at once."""
+    trace = steady_trace(rate=2.5, until_items=3000, bytes_per_item=83 * MB,
+                         time_jitter_s=0.3, seed=7)
+    forecaster = JobForecaster()
+    compared = 0
+    for i, obs in enumerate(trace):
+        forecaster.add(obs)
+        got = forecaster.forecast(items_total=5000, now=obs.t, disk_free_bytes=900 * GB)
+        want = forecast_job(trace[:i + 1], items_total=5000, now=obs.t,
+                            disk_free_bytes=900 * GB)
+        assert got.projected_total_bytes == want.projected_total_bytes  # the newest count
+        assert got.bytes_per_item == want.bytes_per_item
+        if (obs.items_done or 0) >= 300:
+            assert got.rate_items_per_s == pytest.approx(want.rate_items_per_s, rel=0.02)
+            assert got.eta_s == pytest.approx(want.eta_s, rel=0.02, abs=SAMPLE_S)
+            compared += 1
+    assert compared > 500
+    assert RATE_REFRESH_S > SAMPLE_S  # so most of those ticks used a held rate
+    restart = Observation(trace[-1].t + SAMPLE_S, 0, 0)
+    forecaster.add(restart)
+    again = forecaster.forecast(items_total=5000, now=restart.t, disk_free_bytes=900 * GB)
+    assert again.rate_items_per_s is None  # a new run: no rate read from the old one

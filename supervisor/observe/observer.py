@@ -52,7 +52,7 @@ HISTORY_KEEP_S = 60.0
 still marks time passing); readings with news are always kept."""
 
 HISTORY_MAX_POINTS = 20_000
-"""Above this many points the older half of a history is thinned by two."""
+"""Above this many progress points the older half of a job's history is thinned by two."""
 
 SCAN_BUDGET_S = 1.0
 """Default of the longest a tick waits for the jobs' file readings, in seconds: half the
@@ -155,7 +155,10 @@ class _Inflight:
 @dataclass
 class _JobState:
     files: _FileSide
-    history: list[forecast.Observation] = field(default_factory=list)
+    forecaster: forecast.JobForecaster = field(
+        default_factory=lambda: forecast.JobForecaster(HISTORY_MAX_POINTS))
+    last_kept: forecast.Observation | None = None
+    """The last reading given to the forecaster."""
     last_items: int | None = None
     last_progress_at: float | None = None
     baseline_items: int | None = None
@@ -449,9 +452,9 @@ class Observer:
                   else previous.disk_device if previous is not None else None)
 
         state.note_activity(tree, progress.bytes_written, now)
-        job_forecast = forecast.forecast_job(
-            state.history, items_total=progress.items_total, now=now,
-            disk_free_bytes=free_bytes, declared_bytes_per_item=spec.bytes_per_item)
+        job_forecast = state.forecaster.forecast(
+            items_total=progress.items_total, now=now, disk_free_bytes=free_bytes,
+            declared_bytes_per_item=spec.bytes_per_item)
         resources = ResourceRecord(
             status=tree.status, num_procs=tree.num_procs, num_threads=tree.num_threads,
             cpu_percent=round(tree.cpu_percent, 1), rss_bytes=tree.rss_bytes,
@@ -548,17 +551,14 @@ class Observer:
 
     @staticmethod
     def _remember(state: _JobState, observation: forecast.Observation) -> None:
-        history = state.history
-        if history:
-            last = history[-1]
+        last = state.last_kept
+        if last is not None:
             unchanged = (last.items_done == observation.items_done
                          and last.bytes_written == observation.bytes_written)
             if unchanged and observation.t - last.t < HISTORY_KEEP_S:
                 return
-        history.append(observation)
-        if len(history) > HISTORY_MAX_POINTS:
-            half = len(history) // 2
-            history[:half] = history[:half:2]
+        state.last_kept = observation
+        state.forecaster.add(observation)
 
     def load_history(self, job: ObservedJob, rows: Sequence[Sample]) -> None:
         """Continue a running job's forecast after a daemon restart from stored samples."""
