@@ -76,7 +76,7 @@ while :; do
       printf '{"done": %d, "total": %d, "unit": "items", "metrics": {"step": %d}}' \
         "$i" "$total" "$i" > "$JOBSUP_PROGRESS_FILE.tmp"
       mv "$JOBSUP_PROGRESS_FILE.tmp" "$JOBSUP_PROGRESS_FILE" ;;
-    log) echo "$i/$total" ;;
+    log) echo "step $i/$total" ;;
     *) echo "wrote item_$i.txt" ;;
   esac
   sleep 1
