@@ -8,10 +8,8 @@ import random
 import pytest
 
 from supervisor.observe.forecast import (
-    RATE_REFRESH_S,
     DiskRunway,
     JobDiskDemand,
-    JobForecaster,
     Observation,
     disk_demand,
     disk_runway,
@@ -22,6 +20,7 @@ from supervisor.observe.forecast import (
     progress_history,
     with_runway,
 )
+from supervisor.observe.forecaster import RATE_REFRESH_S, JobForecaster
 
 T0 = 1_700_000_000.0
 SAMPLE_S = 2.0

@@ -315,50 +315,6 @@ def forecast_from(history: ProgressHistory | None, estimate: RateEstimate | None
     )
 
 
-RATE_REFRESH_S = 10.0
-"""How long `JobForecaster` keeps a rate estimate: reading it from every point of a
-long job's history is the costly part of a forecast, and a rate read from hundreds of
-items barely moves in 10 s. A new run (a restart) or a history that doubled since is
-read at once."""
-
-
-class JobForecaster:
-    """`forecast_job` for one job as its readings come in, at a small cost per tick: the
-    history is built one reading at a time, and the rate (with the median gap between
-    readings) is re-estimated every `RATE_REFRESH_S`, not every tick. The ETA, bytes and
-    disk outlook are recomputed every call from the newest count and time."""
-
-    def __init__(self, max_points: int | None = None) -> None:
-        self.builder = HistoryBuilder(max_points)
-        self._estimate: RateEstimate | None = None
-        self._sample_interval_s: float | None = None
-        self._estimated_at: float | None = None
-        self._estimated_points = 0
-        self._estimated_run = 0
-
-    def add(self, obs: Observation) -> None:
-        self.builder.add(obs)
-
-    def forecast(self, *, items_total: int | None, now: float, disk_free_bytes: int | None,
-                 declared_bytes_per_item: float | None = None) -> JobForecast:
-        builder = self.builder
-        points = len(builder.points)
-        stale = (self._estimated_at is None or now - self._estimated_at >= RATE_REFRESH_S
-                 or now < self._estimated_at or builder.runs != self._estimated_run
-                 or points >= 2 * self._estimated_points)
-        if stale:
-            history = builder.history()
-            self._estimate = _rate(history) if history else None
-            self._sample_interval_s = history.sample_interval_s if history else None
-            self._estimated_at, self._estimated_points = now, points
-            self._estimated_run = builder.runs
-        else:
-            history = builder.history(self._sample_interval_s)
-        return forecast_from(history, self._estimate, items_total=items_total, now=now,
-                             disk_free_bytes=disk_free_bytes,
-                             declared_bytes_per_item=declared_bytes_per_item)
-
-
 def disk_demand(job_id: str, forecast: JobForecast, *, bytes_written: int) -> JobDiskDemand:
     """A job's forecast, as the demand `disk_runway` sums over its filesystem."""
     bytes_per_s = None

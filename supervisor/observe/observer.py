@@ -30,6 +30,7 @@ from pathlib import Path
 from typing import Protocol
 
 from supervisor.observe import forecast, progress_file
+from supervisor.observe.forecaster import JobForecaster
 from supervisor.observe.outputs import OutputScanner, ScanResult
 from supervisor.observe.sampler import Sampler, TreeGpuMemory, TreeReading, TreeTarget
 from supervisor.observe.threads import FilePool
@@ -155,8 +156,8 @@ class _Inflight:
 @dataclass
 class _JobState:
     files: _FileSide
-    forecaster: forecast.JobForecaster = field(
-        default_factory=lambda: forecast.JobForecaster(HISTORY_MAX_POINTS))
+    forecaster: JobForecaster = field(
+        default_factory=lambda: JobForecaster(HISTORY_MAX_POINTS))
     last_kept: forecast.Observation | None = None
     """The last reading given to the forecaster."""
     last_items: int | None = None
