@@ -72,26 +72,41 @@ class AlertRecorder:
 
     def record(self, session: Session, running: Sequence[Job], now: float,
                recorded: list[tuple[str, str]]) -> None:
-        """Evaluate the rules for the jobs that ran this tick and the jobs with firing
-        alerts; record what opened, resolved or changed, with its outbox messages.
-        `recorded` receives the alerts sent unrecorded earlier that this records."""
+        """Evaluate the rules for the jobs that ran this tick, ended lately or have firing
+        alerts; record what opened, resolved or changed, with its outbox messages, and
+        queue the messages of recent successes. `recorded` receives the alerts sent
+        unrecorded earlier that this records."""
         open_rows = store.alerts(session, state=AlertState.FIRING)
-        jobs = {job.id: job for job in running}
-        # and jobs that ended lately: if the daemon died between recording a job's end
-        # and this step, their `crashed`/`incomplete` alert is opened now (once: an
-        # open alert is never opened again)
-        for job in store.jobs_ended_since(session, now - RECENTLY_ENDED_S):
-            jobs.setdefault(job.id, job)
-        for row in open_rows:
-            if row.job_id not in jobs:
-                jobs[row.job_id] = store.get_job(session, row.job_id)
+        jobs = self._jobs_to_evaluate(session, running, open_rows, now)
         firing = [f for job in jobs.values()
                   for f in rules.evaluate(self.facts(job, now), now=now,
                                            settings=self.rules)]
         changes = rules.reconcile(
             firing, [rules.OpenAlert(a.id, a.job_id, a.rule) for a in open_rows],
             {a.id: a.message for a in open_rows}, settled_job_ids=jobs)
-        rows = {a.id: a for a in open_rows}
+        self._write(session, changes, {a.id: a for a in open_rows}, jobs, now, recorded)
+        self._record_sent_unrecorded(session, {(f.job_id, f.rule) for f in firing}, jobs,
+                                     now, recorded)
+        self._announce_successes(session, jobs.values(), now)
+
+    @staticmethod
+    def _jobs_to_evaluate(session: Session, running: Sequence[Job], open_rows: Sequence[Alert],
+                          now: float) -> dict[str, Job]:
+        """This tick's running jobs, the jobs that ended lately (if the daemon died
+        between recording a job's end and this step, their `crashed`/`incomplete` alert
+        is opened now; once: an open alert is never opened again) and the jobs of open
+        alerts."""
+        jobs = {job.id: job for job in running}
+        for job in store.jobs_ended_since(session, now - RECENTLY_ENDED_S):
+            jobs.setdefault(job.id, job)
+        for row in open_rows:
+            if row.job_id not in jobs:
+                jobs[row.job_id] = store.get_job(session, row.job_id)
+        return jobs
+
+    def _write(self, session: Session, changes: rules.Changes, rows: dict[int, Alert],
+               jobs: dict[str, Job], now: float, recorded: list[tuple[str, str]]) -> None:
+        """Opened, resolved and reworded alerts, with their messages."""
         for f in changes.opened:
             told_at = self._sent_unrecorded.get((f.job_id, f.rule))  # while the disk was full
             alert = store.open_alert(session, job_id=f.job_id, rule=f.rule, severity=f.severity,
@@ -109,26 +124,35 @@ class AlertRecorder:
                 self._enqueue(session, "resolved", jobs[alert.job_id], alert, now)
         for opened, message in changes.updated:
             store.reword_alert(rows[opened.id], message)
-        firing_keys = {(f.job_id, f.rule) for f in firing}
+
+    def _record_sent_unrecorded(self, session: Session, firing: set[tuple[str, str]],
+                                jobs: dict[str, Job], now: float,
+                                recorded: list[tuple[str, str]]) -> None:
+        """Alerts that fired and ended while nothing could be written: recorded as
+        resolved, with their resolved message."""
         for key, started_at in list(self._sent_unrecorded.items()):
-            if key in firing_keys or key[0] not in jobs:
-                continue  # still firing (recorded above) or its job not evaluated
-            recorded.append(key)  # fired and ended while nothing could be written
+            if key in firing or key[0] not in jobs:
+                continue  # still firing (recorded by `_write`) or its job not evaluated
+            recorded.append(key)
             rule = key[1]
             alert = store.open_alert(
                 session, job_id=key[0], rule=rule, severity=rules.SEVERITY[rule],
                 message="(sent while the database's disk was full)", started_at=started_at,
                 resolved_at=now)
             self._enqueue(session, "resolved", jobs[key[0]], alert, now)
-        if self.settings.notify_on_success and self.notifier.destinations:
-            # this tick's and recent successes not yet in the outbox: a daemon that died
-            # between recording the end and this step left theirs unsent
-            succeeded = [job for job in jobs.values() if job.state == JobState.SUCCEEDED.value
-                         and (job.ended_at or now) >= now - RECENTLY_ENDED_S]
-            told = outbox.jobs_notified(session, "succeeded", [job.id for job in succeeded])
-            for job in succeeded:
-                if job.id not in told:
-                    self._enqueue(session, "succeeded", job, None, now)
+
+    def _announce_successes(self, session: Session, jobs: Iterable[Job], now: float) -> None:
+        """A message per job that succeeded lately and has none in the outbox yet (this
+        tick's, and those of a daemon that died between recording the end and this
+        step). Not an alert: no alert row, a `succeeded` message only."""
+        if not (self.settings.notify_on_success and self.notifier.destinations):
+            return
+        succeeded = [job for job in jobs if job.state == JobState.SUCCEEDED.value
+                     and (job.ended_at or now) >= now - RECENTLY_ENDED_S]
+        told = outbox.jobs_notified(session, "succeeded", [job.id for job in succeeded])
+        for job in succeeded:
+            if job.id not in told:
+                self._enqueue(session, "succeeded", job, None, now)
 
     def facts(self, job: Job, now: float) -> rules.JobFacts:
         spec = stored_spec(job.spec_json)
