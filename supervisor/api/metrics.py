@@ -75,94 +75,13 @@ class JobsCollector(Collector):
             firing = session.scalars(
                 select(Alert).where(Alert.state == AlertState.FIRING.value)).all()
             first_started = _first_starts(session, [job.id for job in jobs])
-        views = self.views()
-        state = _gauge("jobsup_job_state", "1 for the job's current state", ["state"])
-        g = {name: _gauge(f"jobsup_job_{name}", doc) for name, doc in (
-            ("items_done", "Items done (progress)"),
-            ("items_expected", "Items expected in all (a gauge: not a counter's _total)"),
-            ("files", "Output files matching the job's pattern"),
-            ("bytes_written", "Bytes of the job's output files"),
-            ("rate_items_per_second", "Items per second, ignoring warm-up"),
-            ("eta_seconds", "Seconds until the job is projected to finish"),
-            ("last_progress_timestamp_seconds", "When the item count last changed"),
-            ("cpu_percent", "CPU % of the job's process tree (100 = one core)"),
-            ("rss_bytes", "Resident memory of the job's process tree"),
-            ("gpu_memory_bytes", "GPU memory of the job's process tree"),
-            ("disk_full_in_seconds", "Seconds until the output filesystem is full"),
-            ("projected_total_bytes", "Bytes the job's output will have in the end"),
-            ("will_fit", "1 if the job's remaining output fits on its filesystem"),
-            ("stalled", "1 while the job's stalled alert fires"),
-            ("exit_code", "Exit code of the job's last attempt"),
-            ("restarts", "Restarts so far"),
-        )}
-        metric = _gauge("jobsup_job_metric", "Worker-reported metric (loss, acc, ...)", ["name"])
-        gpu_device_memory = _gauge("jobsup_job_gpu_device_memory_bytes",
-                                   "GPU memory of the job's process tree on one device "
-                                   "(gpu: the NVML index)", ["gpu"])
-        stalled_jobs = {a.job_id for a in firing if a.rule == rules.STALLED}
         outputs: set[str] = set()
-        for job in jobs:
-            labels = [job.id, job.name]
-            for s in JobState:
-                state.add_metric([*labels, s.value], 1.0 if job.state == s.value else 0.0)
-            g["restarts"].add_metric(labels, job.restarts)
-            g["stalled"].add_metric(labels, 1.0 if job.id in stalled_jobs else 0.0)
-            if job.exit_code is not None:
-                g["exit_code"].add_metric(labels, job.exit_code)
-            spec = stored_spec(job.spec_json)
-            if job.state == JobState.RUNNING.value and spec.output_dir:
-                outputs.add(spec.output_dir)
-            view = views.get(job.id)
-            if view is None:
-                if spec.expected_items is not None:
-                    g["items_expected"].add_metric(labels, spec.expected_items)
-                continue
-            p, f, r = view.progress, view.forecast, view.resources
-            values = {
-                "items_done": p.items_done, "items_expected": p.items_total, "files": p.files,
-                "bytes_written": p.bytes_written, "rate_items_per_second": f.rate_items_per_s,
-                "eta_seconds": f.eta_s, "disk_full_in_seconds": f.disk_full_in_s,
-                "projected_total_bytes": f.projected_total_bytes,
-                "will_fit": None if f.will_fit is None else float(f.will_fit),
-                "gpu_memory_bytes": r.gpu_memory_bytes,
-                "last_progress_timestamp_seconds": p.last_progress_at,
-            }
-            if job.state == JobState.RUNNING.value:
-                values.update(cpu_percent=r.cpu_percent, rss_bytes=r.rss_bytes)
-            for name, value in values.items():
-                if value is not None:
-                    g[name].add_metric(labels, float(value))
-            for name, value in p.metrics.items():
-                metric.add_metric([*labels, name], value)
-            for device in r.gpu_devices or ():
-                gpu_device_memory.add_metric([*labels, str(device.index)], device.memory_bytes)
-        yield state
-        yield from g.values()
-        yield metric
-        yield gpu_device_memory
+        yield from _job_series(jobs, self.views(), firing, outputs)
         yield from _job_times(jobs, first_started)
         yield from _identity(self.hostname)
 
-        free = GaugeMetricFamily("jobsup_filesystem_free_bytes",
-                                 "Free bytes of a filesystem running jobs write to",
-                                 labels=["mountpoint"])
-        for mount in sorted({m for m in map(mountpoint, outputs) if m}):
-            try:
-                st = os.statvfs(mount)
-            except OSError:
-                continue
-            free.add_metric([mount], st.f_bavail * st.f_frsize)
-        yield free
-
-        counts = {rule: 0 for rule in rules.RULES}
-        for alert in firing:
-            counts[alert.rule] = counts.get(alert.rule, 0) + 1
-        alerts_firing = GaugeMetricFamily("jobsup_alerts_firing", "Firing alerts per rule",
-                                          labels=["rule"])
-        for rule, count in counts.items():
-            alerts_firing.add_metric([rule], count)
-        yield alerts_firing
-
+        yield _filesystems_free(outputs)
+        yield _alerts_firing(firing)
         gpu = GaugeMetricFamily("jobsup_gpu_available",
                                 "1 when NVML answers; 0 means GPU memory series are absent")
         gpu.add_metric([], 1.0 if self.gpu_available() else 0.0)
@@ -187,6 +106,99 @@ class JobsCollector(Collector):
                 for destination in self.notifier.destinations:
                     family.add_metric([destination], counter[destination])
                 yield family
+
+
+def _job_series(jobs: Sequence[Job], views: Mapping[str, JobView], firing: Sequence[Alert],
+                outputs: set[str]) -> Iterator[GaugeMetricFamily]:
+    """Each job's state, progress, forecast and resources; `outputs` receives the output
+    directories of running jobs (their filesystems' free bytes are a series too)."""
+    state = _gauge("jobsup_job_state", "1 for the job's current state", ["state"])
+    g = {name: _gauge(f"jobsup_job_{name}", doc) for name, doc in (
+        ("items_done", "Items done (progress)"),
+        ("items_expected", "Items expected in all (a gauge: not a counter's _total)"),
+        ("files", "Output files matching the job's pattern"),
+        ("bytes_written", "Bytes of the job's output files"),
+        ("rate_items_per_second", "Items per second, ignoring warm-up"),
+        ("eta_seconds", "Seconds until the job is projected to finish"),
+        ("last_progress_timestamp_seconds", "When the item count last changed"),
+        ("cpu_percent", "CPU % of the job's process tree (100 = one core)"),
+        ("rss_bytes", "Resident memory of the job's process tree"),
+        ("gpu_memory_bytes", "GPU memory of the job's process tree"),
+        ("disk_full_in_seconds", "Seconds until the output filesystem is full"),
+        ("projected_total_bytes", "Bytes the job's output will have in the end"),
+        ("will_fit", "1 if the job's remaining output fits on its filesystem"),
+        ("stalled", "1 while the job's stalled alert fires"),
+        ("exit_code", "Exit code of the job's last attempt"),
+        ("restarts", "Restarts so far"),
+    )}
+    metric = _gauge("jobsup_job_metric", "Worker-reported metric (loss, acc, ...)", ["name"])
+    gpu_device_memory = _gauge("jobsup_job_gpu_device_memory_bytes",
+                               "GPU memory of the job's process tree on one device "
+                               "(gpu: the NVML index)", ["gpu"])
+    stalled_jobs = {a.job_id for a in firing if a.rule == rules.STALLED}
+    for job in jobs:
+        labels = [job.id, job.name]
+        for s in JobState:
+            state.add_metric([*labels, s.value], 1.0 if job.state == s.value else 0.0)
+        g["restarts"].add_metric(labels, job.restarts)
+        g["stalled"].add_metric(labels, 1.0 if job.id in stalled_jobs else 0.0)
+        if job.exit_code is not None:
+            g["exit_code"].add_metric(labels, job.exit_code)
+        spec = stored_spec(job.spec_json)
+        if job.state == JobState.RUNNING.value and spec.output_dir:
+            outputs.add(spec.output_dir)
+        view = views.get(job.id)
+        if view is None:
+            if spec.expected_items is not None:
+                g["items_expected"].add_metric(labels, spec.expected_items)
+            continue
+        p, f, r = view.progress, view.forecast, view.resources
+        values = {
+            "items_done": p.items_done, "items_expected": p.items_total, "files": p.files,
+            "bytes_written": p.bytes_written, "rate_items_per_second": f.rate_items_per_s,
+            "eta_seconds": f.eta_s, "disk_full_in_seconds": f.disk_full_in_s,
+            "projected_total_bytes": f.projected_total_bytes,
+            "will_fit": None if f.will_fit is None else float(f.will_fit),
+            "gpu_memory_bytes": r.gpu_memory_bytes,
+            "last_progress_timestamp_seconds": p.last_progress_at,
+        }
+        if job.state == JobState.RUNNING.value:
+            values.update(cpu_percent=r.cpu_percent, rss_bytes=r.rss_bytes)
+        for name, value in values.items():
+            if value is not None:
+                g[name].add_metric(labels, float(value))
+        for name, value in p.metrics.items():
+            metric.add_metric([*labels, name], value)
+        for device in r.gpu_devices or ():
+            gpu_device_memory.add_metric([*labels, str(device.index)], device.memory_bytes)
+    yield state
+    yield from g.values()
+    yield metric
+    yield gpu_device_memory
+
+
+def _filesystems_free(outputs: set[str]) -> GaugeMetricFamily:
+    free = GaugeMetricFamily("jobsup_filesystem_free_bytes",
+                             "Free bytes of a filesystem running jobs write to",
+                             labels=["mountpoint"])
+    for mount in sorted({m for m in map(mountpoint, outputs) if m}):
+        try:
+            st = os.statvfs(mount)
+        except OSError:
+            continue
+        free.add_metric([mount], st.f_bavail * st.f_frsize)
+    return free
+
+
+def _alerts_firing(firing: Sequence[Alert]) -> GaugeMetricFamily:
+    counts = {rule: 0 for rule in rules.RULES}
+    for alert in firing:
+        counts[alert.rule] = counts.get(alert.rule, 0) + 1
+    alerts_firing = GaugeMetricFamily("jobsup_alerts_firing", "Firing alerts per rule",
+                                      labels=["rule"])
+    for rule, count in counts.items():
+        alerts_firing.add_metric([rule], count)
+    return alerts_firing
 
 
 def _first_starts(session: Session, job_ids: list[str]) -> dict[str, float]:
