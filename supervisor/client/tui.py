@@ -13,6 +13,7 @@ from rich.progress_bar import ProgressBar
 from rich.table import Table
 from rich.text import Text
 
+from supervisor.client.outcome import ended_well
 from supervisor.formatting import format_bytes, format_duration
 
 STATE_STYLE = {"pending": "yellow", "running": "cyan", "succeeded": "green",
@@ -148,8 +149,8 @@ def job_detail(job: dict[str, Any], samples: Sequence[dict[str, Any]]) -> Group:
 
 def follow_jobs(client: Any, ids: Sequence[str], console: Console,
                 interval_s: float = 1.0) -> bool:
-    """A live table of these jobs until all have ended. True when every job succeeded
-    (a server stopped because the jobs it served ended counts as done)."""
+    """A live table of these jobs until all have ended. True when every job ended well
+    (`outcome.ended_well`)."""
     def fetch() -> list[dict[str, Any]]:
         return [client.get(f"/api/v1/jobs/{job_id}") for job_id in ids]
 
@@ -159,6 +160,4 @@ def follow_jobs(client: Any, ids: Sequence[str], console: Console,
             time.sleep(interval_s)
             jobs = fetch()
             live.update(jobs_table(jobs, console.width), refresh=True)
-    return all(j["state"] == "succeeded"
-               or (j["state"] == "stopped" and j["spec"].get("stop_when_ended"))
-               for j in jobs)
+    return all(ended_well(j) for j in jobs)
