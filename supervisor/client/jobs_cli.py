@@ -277,7 +277,7 @@ def show(job_id: JobId, as_json: Json = False, url: Url = DEFAULT_URL) -> None:
                  ("rate", rate_text(f["rate_items_per_s"])), ("eta", format_duration(f["eta_s"]))]
     print_fields(rows)
     if is_terminal():
-        console.print(job_detail(job, samples))
+        console.print(job_detail(job, samples, console.width))
         console.print("[bold]events[/]")
         for event in events:
             console.print(f"  {short_time(event['t'])}  {event['from_state'] or '-':>9} -> "
@@ -306,8 +306,8 @@ def logs(
                     hint="--attempt: 1 for the first launch, 2 for the next, ...")
     try:
         c = client(url)
-        response = c.request("GET", f"/api/v1/jobs/{job_id}/logs",
-                             params={"tail": tail, "attempt": attempt})
+        params = {"tail": tail} if attempt is None else {"tail": tail, "attempt": attempt}
+        response = c.request("GET", f"/api/v1/jobs/{job_id}/logs", params=params)
         sys.stdout.write(response.text)
         sys.stdout.flush()
         if follow:

@@ -106,7 +106,8 @@ def follow_log(client: Client, job_id: str, offset: int, attempt: int,
     last_job: dict[str, Any] | None = None
     while True:
         response = client.request("GET", f"/api/v1/jobs/{job_id}/logs",
-                                  params={"offset": offset, "attempt": attempt or None})
+                                  params={"offset": offset, "attempt": attempt}
+                                  if attempt else {"offset": offset})
         chunk = response.text
         if chunk:
             sys.stdout.write(chunk)
