@@ -137,7 +137,7 @@ def test_watch_on_a_real_terminal(make_daemon, bin_dir: Path,
         subprocess.run([*server, "new-session", "-d", "-s", session, "-x", str(width), "-y", "30",
                         command], check=True, timeout=30, env=env)
 
-        def screen(session: str = session) -> list[str]:
+        def screen(session: str = session, server: list[str] = server) -> list[str]:
             shown = subprocess.run([*server, "capture-pane", "-p", "-t", session],
                                    text=True, capture_output=True, timeout=10).stdout
             return [line for line in shown.splitlines() if line.strip()]
