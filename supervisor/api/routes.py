@@ -302,9 +302,9 @@ def create_app(settings: Settings, sessions: sessionmaker[Session], *,
         its history kept. A pending or running job answers 409: stop it first."""
         job = store.requeue(session, job_id, now=clock())
         session.commit()
+        answer = job_out(job, None)  # as requeued: the tick woken next may start it at once
         wake()
-        session.refresh(job)
-        return job_out(job, None)
+        return answer
 
     @app.get(f"{API_PREFIX}/alerts")
     def list_alerts(session: DB, state: AlertState | None = None) -> list[AlertOut]:

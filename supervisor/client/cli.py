@@ -1,8 +1,9 @@
 """The `jobsup` command (also `python -m supervisor`). Every flag has a JOBSUP_ variable.
 
-The app and the daemon's commands live here; the job commands in `jobs_cli.py`, the
-pipeline's in `pipeline_cli.py`, how things are printed in `output.py`, outcomes and
-exit codes in `outcome.py`, shell completion in `completion.py`."""
+The app and the daemon's commands live here; the job commands in `jobs_cli.py` and
+`submit_cli.py`, the pipeline's in `pipeline_cli.py`, the arguments' checks in
+`options.py`, how things are printed in `output.py`, outcomes and exit codes in
+`outcome.py`, shell completion in `completion.py`."""
 
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ import typer
 from rich.table import Table
 
 from supervisor import __version__
-from supervisor.client import completion, jobs_cli, outcome
+from supervisor.client import completion, jobs_cli, outcome, submit_cli
 from supervisor.client.options import DEFAULT_URL, Url, check_choice, client
 from supervisor.client.output import console, fail
 from supervisor.client.pipeline_cli import demo, pipeline_app
@@ -72,7 +73,7 @@ def serve(
 
 
 wait_help = f"Wait until the jobs have ended; exit with their outcome. {outcome.EXIT_CODES_HELP}"
-app.command(context_settings={"allow_interspersed_args": False})(jobs_cli.submit)
+app.command(context_settings={"allow_interspersed_args": False})(submit_cli.submit)
 app.command("ls")(jobs_cli.list_jobs)
 app.command()(jobs_cli.show)
 app.command()(jobs_cli.logs)
