@@ -270,7 +270,7 @@ def restart(
 
 def wait(
     ids: Annotated[list[str], typer.Argument(
-        help="Job ids.", autocompletion=job_ids, show_default=False, metavar="ID...")],
+        help="Job ids.", autocompletion=job_ids, show_default=False, metavar="ID")],
     timeout: Timeout = None,
     as_json: Json = False,
     quiet: Annotated[bool, typer.Option("--quiet", "-q", help="Print nothing.")] = False,
