@@ -129,7 +129,7 @@ def list_jobs(
     print_rows(("ID", "NAME", "STATE", "PID", "EXIT", "RESTARTS", "STARTED", "REASON"),
                [(job["id"], job["name"], state_text(job["state"]), str(job["pid"] or "-"),
                  exit_text(job), str(job["restarts"]), short_time(job["started_at"]),
-                 job.get("reason") or "") for job in jobs])
+                 job.get("reason") or "") for job in jobs], folding=("NAME", "REASON"))
 
 
 def show(job_id: JobId, as_json: Json = False, url: Url = DEFAULT_URL) -> None:
@@ -308,4 +308,5 @@ def alerts(
         return
     print_rows(("JOB", "RULE", "SEVERITY", "STATE", "STARTED", "RESOLVED", "MESSAGE"),
                [(a["job_id"], a["rule"], a["severity"], a["state"], short_time(a["started_at"]),
-                 short_time(a["resolved_at"]), a["message"]) for a in found])
+                 short_time(a["resolved_at"]), a["message"]) for a in found],
+               folding=("MESSAGE",))

@@ -67,9 +67,11 @@ def plain_cell(value: Any) -> str:
     return text or "-"
 
 
-def print_rows(header: Sequence[str], rows: Sequence[Sequence[Any]]) -> None:
-    """A table: rich on a terminal; in a pipe, the header and one tab-separated line
-    per row, unwrapped."""
+def print_rows(header: Sequence[str], rows: Sequence[Sequence[Any]],
+               folding: Sequence[str] = ()) -> None:
+    """A table: rich on a terminal, where only the `folding` columns fold when it is too
+    narrow (the others keep their width); in a pipe, the header and one tab-separated
+    line per row, unwrapped."""
     if not is_terminal():
         for row in [list(header), *rows]:
             sys.stdout.write("\t".join(plain_cell(cell) for cell in row) + "\n")
@@ -77,7 +79,7 @@ def print_rows(header: Sequence[str], rows: Sequence[Sequence[Any]]) -> None:
         return
     table = Table(box=None, header_style="bold")
     for column in header:
-        table.add_column(column, overflow="fold")
+        table.add_column(column, overflow="fold", no_wrap=column not in folding)
     for row in rows:
         table.add_row(*row)
     console.print(table)
