@@ -219,3 +219,21 @@ def test_two_restarts_at_once_requeue_once(shared: Daemon) -> None:
     shared.wait_state(job["id"], "running")
     shared.http.post(f"/api/v1/jobs/{job['id']}/stop")
     shared.wait_state(job["id"], "stopped")
+
+
+@pytest.mark.parametrize(("fields", "code"), [
+    ({"state": "succeeded", "exit_code": 0}, 0),
+    ({"state": "failed", "exit_code": 3}, 3),
+    ({"state": "failed", "exit_code": 255}, 255),
+    ({"state": "failed", "exit_code": 300}, 1),  # not an exit status a shell can carry
+    ({"state": "failed", "signal": 9}, 137),
+    ({"state": "failed"}, 1),  # never started, or a dependency failed
+    ({"state": "stopped", "signal": 15}, 121),
+    ({"state": "stopped", "spec": {"stop_when_ended": ["abc"]}}, 0),  # a server, done
+    ({"state": "lost"}, 122),
+])
+def test_exit_code_of_each_outcome(fields: dict[str, object], code: int) -> None:
+    from supervisor.client.outcome import exit_code
+
+    job = {"exit_code": None, "signal": None, "spec": {"stop_when_ended": []}, **fields}
+    assert exit_code(job) == code
