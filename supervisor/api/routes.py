@@ -295,6 +295,17 @@ def create_app(settings: Settings, sessions: sessionmaker[Session], *,
         session.refresh(job)
         return job_out(job, views().get(job_id))
 
+    @app.post(f"{API_PREFIX}/jobs/{{job_id}}/restart", status_code=202,
+              responses={**NOT_FOUND, **_errors(**{"409": "the job has not ended"})})
+    def restart_job(job_id: str, session: DB) -> JobOut:
+        """A new attempt of an ended job: pending again (attempt + 1 once it starts),
+        its history kept. A pending or running job answers 409: stop it first."""
+        job = store.requeue(session, job_id, now=clock())
+        session.commit()
+        answer = job_out(job, None)  # as requeued: the tick woken next may start it at once
+        wake()
+        return answer
+
     @app.get(f"{API_PREFIX}/alerts")
     def list_alerts(session: DB, state: AlertState | None = None) -> list[AlertOut]:
         return [alert_out(a) for a in store.alerts(session, state=state)]

@@ -13,6 +13,7 @@ from rich.progress_bar import ProgressBar
 from rich.table import Table
 from rich.text import Text
 
+from supervisor.client.outcome import ended_well
 from supervisor.formatting import format_bytes, format_duration
 
 STATE_STYLE = {"pending": "yellow", "running": "cyan", "succeeded": "green",
@@ -52,15 +53,16 @@ def rate_text(rate: float | None) -> str:
     return f"{rate:.2f}/s" if rate >= 0.1 else f"{rate * 3600:.1f}/h"
 
 
-def progress_cell(job: dict[str, Any]) -> RenderableType:
+def progress_cell(job: dict[str, Any], narrow: bool = False) -> RenderableType:
+    """A bar and `done/total (pct%)`; on a narrow terminal a shorter bar and no pct."""
     p = job["progress"]
     done, total = p["items_done"], p["items_total"]
     if done is None:
         return Text("-")
     if not total:
         return Text(f"{done}")
-    bar = ProgressBar(total=total, completed=min(done, total), width=20)
-    label = Text(f" {done}/{total} ({100 * done / total:.0f}%)")
+    bar = ProgressBar(total=total, completed=min(done, total), width=10 if narrow else 20)
+    label = Text(f" {done}/{total}" if narrow else f" {done}/{total} ({100 * done / total:.0f}%)")
     grid = Table.grid()
     grid.add_row(bar, label)
     return grid
@@ -83,14 +85,21 @@ NARROW_COLUMNS = ("ID", "NAME", "STATE", "PROGRESS", "RATE", "ETA", "ALERTS")
 WIDE_COLUMNS_MIN = 150
 
 
+SHRINKING_COLUMNS = ("NAME", "ALERTS")
+"""The columns that give way when the table is wider than the terminal (NAME first, the
+widest): a long name ends in `…` on its one line; the other columns keep their width."""
+
+
 def jobs_table(jobs: Sequence[dict[str, Any]], width: int | None = None) -> Table:
     """One row per job; on a terminal narrower than WIDE_COLUMNS_MIN (`width`), only
     NARROW_COLUMNS, so the progress bars stay readable."""
     columns = ("ID", "NAME", "STATE", "PROGRESS", "RATE", "ETA", "WRITTEN", "DISK",
                "CPU", "RSS", "GPU", "ALERTS")
+    narrow = width is not None and width < WIDE_COLUMNS_MIN
     table = Table(box=None, header_style="bold", expand=False)
     for column in columns:
-        table.add_column(column, no_wrap=column != "ALERTS")
+        table.add_column(column, no_wrap=column not in SHRINKING_COLUMNS,
+                         min_width=8 if column == "NAME" else None)
     for job in jobs:
         f, p, r = job["forecast"], job["progress"], job["resources"]
         alerts = ", ".join(a["rule"] for a in job.get("alerts", []))
@@ -99,14 +108,15 @@ def jobs_table(jobs: Sequence[dict[str, Any]], width: int | None = None) -> Tabl
             written += f" / {format_bytes(f['projected_total_bytes'])}"
         running = job["state"] == "running"
         table.add_row(
-            job["id"], job["name"], state_text(job["state"]), progress_cell(job),
+            job["id"], Text(job["name"], no_wrap=True, overflow="ellipsis"),
+            state_text(job["state"]), progress_cell(job, narrow),
             rate_text(f["rate_items_per_s"]), format_duration(f["eta_s"]), written,
             runway_text(f), f"{r['cpu_percent']:.0f}%" if running else "-",
             format_bytes(r["rss_bytes"]) if running else "-",
             gpu_cell(r),
             Text(alerts, style="bold red") if alerts else "",
         )
-    if width is not None and width < WIDE_COLUMNS_MIN:
+    if narrow:
         keep = [columns.index(name) for name in NARROW_COLUMNS]
         table.columns = [table.columns[i] for i in keep]
     return table
@@ -136,20 +146,22 @@ def rates_from_samples(samples: Sequence[dict[str, Any]], buckets: int = 40) -> 
             - int(i * size)) for i in range(buckets)]
 
 
-def job_detail(job: dict[str, Any], samples: Sequence[dict[str, Any]]) -> Group:
-    """The watch row of one job plus a sparkline of its rate."""
+def job_detail(job: dict[str, Any], samples: Sequence[dict[str, Any]],
+               width: int | None = None) -> Group:
+    """The watch row of one job (for a terminal `width` wide) plus a sparkline of its
+    rate."""
     rates = rates_from_samples(samples)
     line = Text("rate ", style="bold")
     line.append(sparkline(rates) or "(no progress yet)")
     if rates:
         line.append(f"  max {rate_text(max(rates))}")
-    return Group(jobs_table([job]), line)
+    return Group(jobs_table([job], width), line)
 
 
 def follow_jobs(client: Any, ids: Sequence[str], console: Console,
                 interval_s: float = 1.0) -> bool:
-    """A live table of these jobs until all have ended. True when every job succeeded
-    (a server stopped because the jobs it served ended counts as done)."""
+    """A live table of these jobs until all have ended. True when every job ended well
+    (`outcome.ended_well`)."""
     def fetch() -> list[dict[str, Any]]:
         return [client.get(f"/api/v1/jobs/{job_id}") for job_id in ids]
 
@@ -159,6 +171,4 @@ def follow_jobs(client: Any, ids: Sequence[str], console: Console,
             time.sleep(interval_s)
             jobs = fetch()
             live.update(jobs_table(jobs, console.width), refresh=True)
-    return all(j["state"] == "succeeded"
-               or (j["state"] == "stopped" and j["spec"].get("stop_when_ended"))
-               for j in jobs)
+    return all(ended_well(j) for j in jobs)

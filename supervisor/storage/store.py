@@ -14,9 +14,9 @@ from pathlib import Path
 from sqlalchemy import Integer, cast, delete, func, insert, select, update
 from sqlalchemy.orm import Session
 
-from supervisor.errors import JobNotFound, JobRecordUnwritable
+from supervisor.errors import Conflict, JobNotFound, JobRecordUnwritable
 from supervisor.runtime.fileio import atomic_write_json
-from supervisor.spec import AlertState, ExitReason, JobSpec, JobState
+from supervisor.spec import ENDED_STATES, AlertState, ExitReason, JobSpec, JobState
 from supervisor.storage.database import UNCOMMITTED_JOB_RECORDS
 from supervisor.storage.tables import Alert, Job, JobEvent, Sample, SampleRecord
 
@@ -141,6 +141,29 @@ def request_stop(session: Session, job_id: str, *, now: float) -> None:
         update(Job).where(Job.id == job_id, Job.stop_requested_at.is_(None))
         .values(stop_requested_at=now)
     )
+
+
+def requeue(session: Session, job_id: str, *, now: float) -> Job:
+    """A new attempt of an ended job (`POST /jobs/{id}/restart`): pending again, as soon
+    as its dependencies allow, with its history kept (events, samples, alerts, the
+    earlier attempts' directories and logs); the launch numbers the new attempt. It
+    counts as one of the job's restarts (`attempt` stays `restarts` + 1). Conflict for a
+    job that has not ended. The state is claimed by a guarded UPDATE first, so two
+    requests at once requeue it once; the change itself goes through `transition`."""
+    job = get_job(session, job_id)
+    ended = [state.value for state in ENDED_STATES]
+    claimed = session.execute(
+        update(Job).where(Job.id == job_id, Job.state.in_(ended))
+        .values(state=JobState.PENDING.value)
+        .execution_options(synchronize_session=False))
+    if not getattr(claimed, "rowcount", 0) or not JobState(job.state).ended:
+        raise Conflict(f"job {job_id} has not ended ({job.state}): only an ended job can be "
+                       "restarted", hint=f"stop it first (POST /api/v1/jobs/{job_id}/stop), "
+                                          "then restart it")
+    job.stop_requested_at = job.next_start_at = None
+    job.restarts += 1
+    transition(session, job, JobState.PENDING, now=now, reason="restart requested")
+    return job
 
 
 def events(session: Session, job_id: str) -> Sequence[JobEvent]:

@@ -1,0 +1,312 @@
+"""The job commands of `jobsup` (registered on the app in cli.py): ls, show, logs, stop,
+restart, wait, alerts (submit: submit_cli.py). Read commands take `--json` (the API's
+JSON as it came); `ls` takes `-q` (ids only); in a pipe, tables are plain tab-separated
+lines."""
+
+from __future__ import annotations
+
+import math
+import sys
+import time
+from typing import Annotated, Any
+
+import typer
+from rich.text import Text
+
+from supervisor.client import outcome
+from supervisor.client.completion import choices, job_ids
+from supervisor.client.http import Client
+from supervisor.client.options import (
+    DEFAULT_URL,
+    Url,
+    check_choice,
+    client,
+    pairs,
+)
+from supervisor.client.output import (
+    console,
+    err_console,
+    fail,
+    is_terminal,
+    print_fields,
+    print_json,
+    print_rows,
+    short_time,
+    usage_error,
+)
+from supervisor.client.tui import gpu_memory_text, job_detail, rate_text, state_text
+from supervisor.errors import JobsupError
+from supervisor.formatting import format_duration
+from supervisor.spec import AlertState, JobState, RestartPolicy
+
+STATES = tuple(s.value for s in JobState)
+POLICIES = tuple(p.value for p in RestartPolicy)
+ALERT_STATES = tuple(s.value for s in AlertState)
+
+JobId = Annotated[str, typer.Argument(help="Job id.", autocompletion=job_ids,
+                                      show_default=False)]
+Json = Annotated[bool, typer.Option("--json", help="Print the API's JSON.")]
+Quiet = Annotated[bool, typer.Option("--quiet", "-q", help="Print job ids only.")]
+Timeout = Annotated[float | None, typer.Option(
+    help="Give up after this many seconds (exit 124).", show_default=False)]
+
+def check_timeout(timeout: float | None) -> None:
+    if timeout is not None and not (math.isfinite(timeout) and timeout >= 0):
+        usage_error(f"--timeout: {timeout} is not a number of seconds >= 0",
+                    hint="--timeout: seconds, e.g. 3600")
+
+
+def job_line(job: dict[str, Any]) -> Text:
+    return Text.assemble(f"{job['id']} ", state_text(job["state"]),
+                         f" {job.get('reason') or ''}".rstrip())
+
+
+def finish(c: Client, ids: list[str], *, timeout: float | None, as_json: bool, quiet: bool,
+           one: bool = False) -> None:
+    """Wait for the jobs and exit with their outcome (outcome.py). A line per job as it
+    ends (stdout, or stderr with `one`: submit's stdout is its id), or the JSON at the end."""
+    def ended(job: dict[str, Any]) -> None:
+        if not (quiet or as_json):
+            (err_console if one else console).print(job_line(job), highlight=False,
+                                                     soft_wrap=True)
+
+    try:
+        jobs, done = outcome.wait_for_jobs(c, ids, timeout_s=timeout, on_end=ended)
+    except KeyboardInterrupt:
+        raise typer.Exit(outcome.EXIT_INTERRUPTED) from None
+    if as_json:
+        print_json(jobs[0] if one else jobs)
+    if not done:
+        if not quiet:
+            left = ", ".join(f"{j['id']} ({j['state']})" for j in jobs if not outcome.ended(j))
+            err_console.print(f"timed out after {format_duration(timeout)}: {left}",
+                              highlight=False, soft_wrap=True)
+        raise typer.Exit(outcome.EXIT_TIMEOUT)
+    raise typer.Exit(outcome.combined_exit_code(jobs))
+
+
+def exit_text(job: dict[str, Any]) -> str:
+    return (f"sig {job['signal']}" if job["signal"] is not None
+            else "-" if job["exit_code"] is None else str(job["exit_code"]))
+
+
+def list_jobs(
+    state: Annotated[str | None, typer.Option(
+        help="Only jobs in this state: " + " | ".join(STATES) + ".",
+        autocompletion=choices(STATES))] = None,
+    label: Annotated[list[str] | None, typer.Option(
+        "--label", "-l", help="Only jobs with this label KEY=VALUE; repeatable.")] = None,
+    as_json: Json = False,
+    quiet: Quiet = False,
+    url: Url = DEFAULT_URL,
+) -> None:
+    """List jobs. On a terminal a table; in a pipe a header and one tab-separated line per
+    job, never folded."""
+    check_choice("--state", state, STATES)
+    labels = pairs(label or [], "--label")
+    params: dict[str, Any] = {"label": [f"{k}={v}" for k, v in labels.items()]}
+    if state:
+        params["state"] = state
+    try:
+        jobs = client(url).get("/api/v1/jobs", params=params)
+    except JobsupError as exc:
+        fail(exc)
+    if as_json:
+        print_json(jobs)
+        return
+    if quiet:
+        for job in jobs:
+            print(job["id"])
+        return
+    if not jobs:
+        what = " ".join(filter(None, (state, "jobs")))
+        if labels:
+            what += " with label " + ", ".join(f"{k}={v}" for k, v in labels.items())
+        message = (f"no {what}" if state or labels
+                   else "no jobs yet: `jobsup submit --name NAME -- CMD ...`")
+        (console if is_terminal() else err_console).print(message, highlight=False)
+        return
+    print_rows(("ID", "NAME", "STATE", "PID", "EXIT", "RESTARTS", "STARTED", "REASON"),
+               [(job["id"], job["name"], state_text(job["state"]), str(job["pid"] or "-"),
+                 exit_text(job), str(job["restarts"]), short_time(job["started_at"]),
+                 job.get("reason") or "") for job in jobs], folding=("NAME", "REASON"))
+
+
+def show(job_id: JobId, as_json: Json = False, url: Url = DEFAULT_URL) -> None:
+    """Show one job: state, exit, spec, progress and its state transitions (--json: the
+    job as GET /api/v1/jobs/ID answers)."""
+    try:
+        c = client(url)
+        job = c.get(f"/api/v1/jobs/{job_id}")
+        if as_json:
+            print_json(job)
+            return
+        events = c.get(f"/api/v1/jobs/{job_id}/events")
+        samples = c.get(f"/api/v1/jobs/{job_id}/samples", params={"limit": 2000})
+    except JobsupError as exc:
+        fail(exc)
+    spec, p, f = job["spec"], job["progress"], job["forecast"]
+    done, total = p["items_done"], p["items_total"]
+    rows = [
+        ("id", job["id"]), ("name", job["name"]), ("state", state_text(job["state"])),
+        ("reason", job.get("reason") or "-"), ("command", " ".join(spec["command"])),
+        ("cwd", spec.get("cwd") or "-"), ("pid", str(job["pid"] or "-")),
+        ("exit", f"code {job['exit_code']}" if job["exit_code"] is not None
+         else f"signal {job['signal']}" if job["signal"] is not None else "-"),
+        ("attempt", f"{job['attempt']} (restarts {job['restarts']}/{spec['max_restarts']}, "
+                    f"policy {spec['restart_policy']})"),
+        ("created", short_time(job["created_at"])), ("started", short_time(job["started_at"])),
+        ("ended", short_time(job["ended_at"])),
+        ("output", spec.get("output_dir") or "-"),
+        ("depends on", ", ".join(spec["depends_on"]) or "-"),
+        ("labels", ", ".join(f"{k}={v}" for k, v in spec.get("labels", {}).items()) or "-"),
+        ("GPU memory", gpu_memory_text(job["resources"])),
+    ]
+    if not is_terminal():  # the terminal shows these in the job's table row below
+        rows += [("progress", "-" if done is None else f"{done}/{total}" if total else str(done)),
+                 ("rate", rate_text(f["rate_items_per_s"])), ("eta", format_duration(f["eta_s"]))]
+    print_fields(rows)
+    if is_terminal():
+        console.print(job_detail(job, samples, console.width))
+        console.print("[bold]events[/]")
+        for event in events:
+            console.print(f"  {short_time(event['t'])}  {event['from_state'] or '-':>9} -> "
+                          f"{event['to_state']:<9} {event['reason'] or ''}", highlight=False)
+        return
+    for event in events:
+        sys.stdout.write(f"event\t{short_time(event['t'])}\t{event['from_state'] or '-'}\t"
+                         f"{event['to_state']}\t{event['reason'] or '-'}\n")
+
+
+def logs(
+    job_id: JobId,
+    tail: Annotated[int, typer.Option("--tail", "-n", help="Lines to show.")] = 100,
+    follow: Annotated[bool, typer.Option(
+        "--follow", "-f", help="Keep printing new output (and later attempts' output) until "
+                               "the job ends; exit with its outcome (see `jobsup wait`).")
+    ] = False,
+    attempt: Annotated[int | None, typer.Option(
+        help="This attempt's output (1 is the first launch; default: the latest).",
+        show_default=False)] = None,
+    url: Url = DEFAULT_URL,
+) -> None:
+    """Print a job's stdout+stderr (the latest attempt, or --attempt N)."""
+    if attempt is not None and attempt < 1:
+        usage_error(f"--attempt: {attempt} is not an attempt number",
+                    hint="--attempt: 1 for the first launch, 2 for the next, ...")
+    try:
+        c = client(url)
+        params = {"tail": tail} if attempt is None else {"tail": tail, "attempt": attempt}
+        response = c.request("GET", f"/api/v1/jobs/{job_id}/logs", params=params)
+        sys.stdout.write(response.text)
+        sys.stdout.flush()
+        if follow:
+            job = outcome.follow_log(c, job_id,
+                                     int(response.headers.get("x-jobsup-log-offset", "0")),
+                                     int(response.headers.get("x-jobsup-attempt", "0")))
+            raise typer.Exit(outcome.exit_code(job))
+    except JobsupError as exc:
+        fail(exc)
+    except KeyboardInterrupt:
+        raise typer.Exit(outcome.EXIT_INTERRUPTED) from None
+
+
+def stop(
+    job_id: JobId,
+    wait: Annotated[bool, typer.Option(help="Wait until the job has ended.")] = True,
+    url: Url = DEFAULT_URL,
+) -> None:
+    """Stop a job: SIGTERM to its whole process group, SIGKILL after the grace."""
+    try:
+        job = stop_job(client(url), job_id, wait=wait)
+    except JobsupError as exc:
+        fail(exc)
+    console.print(job_line(job), highlight=False, soft_wrap=True)
+
+
+def stop_job(c: Client, job_id: str, *, wait: bool) -> dict[str, Any]:
+    job: dict[str, Any] = c.post(f"/api/v1/jobs/{job_id}/stop")
+    while wait and not outcome.ended(job):
+        time.sleep(0.2)
+        job = c.get(f"/api/v1/jobs/{job_id}")
+    return job
+
+
+def restart(
+    job_id: JobId,
+    stop_first: Annotated[bool, typer.Option(
+        "--stop", help="A pending or running job: stop it first (and wait for its end).")
+    ] = False,
+    wait: Annotated[bool, typer.Option(
+        "--wait", help="Wait for the new attempt to end; exit with its outcome.")] = False,
+    timeout: Timeout = None,
+    as_json: Json = False,
+    quiet: Quiet = False,
+    url: Url = DEFAULT_URL,
+) -> None:
+    """A new attempt of an ended job: pending again, then started as soon as its
+    dependencies allow; its earlier attempts' logs and events are kept. A pending or
+    running job is refused unless --stop."""
+    check_timeout(timeout)
+    try:
+        c = client(url)
+        if stop_first and not outcome.ended(c.get(f"/api/v1/jobs/{job_id}")):
+            stop_job(c, job_id, wait=True)
+        job = c.post(f"/api/v1/jobs/{job_id}/restart")
+        if not (as_json and wait):
+            if as_json:
+                print_json(job)
+            elif quiet:
+                print(job["id"])
+            else:
+                console.print(job_line(job), highlight=False, soft_wrap=True)
+        if wait:
+            finish(c, [job_id], timeout=timeout, as_json=as_json, quiet=quiet, one=True)
+    except JobsupError as exc:
+        if exc.message.endswith("(HTTP 409)"):
+            exc.hint = f"stop it first: `jobsup restart --stop {job_id}`"
+        fail(exc)
+
+
+def wait(
+    ids: Annotated[list[str], typer.Argument(
+        help="Job ids.", autocompletion=job_ids, show_default=False, metavar="ID")],
+    timeout: Timeout = None,
+    as_json: Json = False,
+    quiet: Annotated[bool, typer.Option("--quiet", "-q", help="Print nothing.")] = False,
+    url: Url = DEFAULT_URL,
+) -> None:
+    """Wait until the jobs have ended; exit with their outcome. Prints a line per job as
+    it ends (--json: the jobs at the end)."""
+    check_timeout(timeout)
+    try:
+        finish(client(url), list(dict.fromkeys(ids)), timeout=timeout, as_json=as_json,
+               quiet=quiet)
+    except JobsupError as exc:
+        fail(exc)
+
+
+def alerts(
+    state: Annotated[str | None, typer.Option(
+        help="Only alerts in this state: " + " | ".join(ALERT_STATES) + ".",
+        autocompletion=choices(ALERT_STATES))] = None,
+    as_json: Json = False,
+    url: Url = DEFAULT_URL,
+) -> None:
+    """List alerts, firing and resolved (--state to choose)."""
+    check_choice("--state", state, ALERT_STATES)
+    try:
+        found = client(url).get("/api/v1/alerts", params={"state": state} if state else None)
+    except JobsupError as exc:
+        fail(exc)
+    if as_json:
+        print_json(found)
+        return
+    if not found:
+        (console if is_terminal() else err_console).print(
+            f"no {state + ' ' if state else ''}alerts", highlight=False)
+        return
+    print_rows(("JOB", "RULE", "SEVERITY", "STATE", "STARTED", "RESOLVED", "MESSAGE"),
+               [(a["job_id"], a["rule"], a["severity"], a["state"], short_time(a["started_at"]),
+                 short_time(a["resolved_at"]), a["message"]) for a in found],
+               folding=("MESSAGE",))

@@ -1,0 +1,111 @@
+"""`jobsup pipeline run` and `jobsup demo`: the EAGLE-3 pipeline from the command line."""
+
+from __future__ import annotations
+
+from enum import StrEnum
+from pathlib import Path
+from typing import Annotated, Any
+
+import typer
+
+from supervisor.client.options import DEFAULT_URL, Url, client
+from supervisor.client.output import console, fail, warn
+from supervisor.client.tui import follow_jobs
+from supervisor.errors import JobsupError
+from supervisor.pipeline import DEFAULT_MIN_ACCEPTANCE_LENGTH
+
+
+class DemoModel(StrEnum):
+    TINY = "tiny"
+    SMOLLM2 = "smollm2"
+
+
+pipeline_app = typer.Typer(no_args_is_help=True, help="Multi-step pipelines (EAGLE-3).")
+
+
+@pipeline_app.command("run")
+def pipeline_run(
+    kind: Annotated[str, typer.Argument(help="Pipeline kind: eagle3.")],
+    model: Annotated[Path, typer.Option(help="Target model directory (HF format).")],
+    prompts: Annotated[Path, typer.Option(help="Prompts JSONL.")],
+    out: Annotated[Path, typer.Option(help="Output directory of all steps.")],
+    name: Annotated[str, typer.Option(help="Prefix of the jobs' names.")] = "eagle3",
+    serve: Annotated[str | None, typer.Option(
+        help="Launch the target's server as a job: vllm | stub.")] = None,
+    endpoint: Annotated[str | None, typer.Option(
+        help="Use a running OpenAI-compatible server (…/v1).")] = None,
+    port: Annotated[int, typer.Option(help="Port of a served target.")] = 8000,
+    max_tokens: Annotated[int | None, typer.Option(help="Generation length cap.")] = None,
+    draft_vocab_size: Annotated[int, typer.Option(help="Draft vocabulary size.")] = 32000,
+    ttt_steps: Annotated[int, typer.Option(help="Training-time-test steps.")] = 7,
+    epochs: Annotated[int, typer.Option(help="Training epochs.")] = 1,
+    device: Annotated[str | None, typer.Option(help="cuda | cpu (default: cuda if any).")] = None,
+    extract_gpus: Annotated[str | None, typer.Option(
+        help="Extraction on several GPUs: N | all (one process per GPU).")] = None,
+    gpus_per_model: Annotated[int, typer.Option(
+        help="Split the target over K GPUs during extraction (larger than one GPU).")] = 1,
+    dtype: Annotated[str, typer.Option(
+        help="auto | bf16 | fp16 | fp32 (extraction, evaluation; auto: bf16 on a GPU, "
+             "fp32 on a CPU).")] = "auto",
+    init: Annotated[Path | None, typer.Option(help="Pre-trained draft to finetune.")] = None,
+    eval_prompts: Annotated[int, typer.Option(
+        help="Hold the last N prompts out of training to measure the draft on (0: no "
+             "evaluate step).")] = 16,
+    eval_max_new_tokens: Annotated[int, typer.Option(
+        help="Tokens generated per held-out prompt.")] = 256,
+    min_acceptance_length: Annotated[float, typer.Option(
+        help="low_acceptance alert below this many tokens per target pass (0: off).")
+    ] = DEFAULT_MIN_ACCEPTANCE_LENGTH,
+    follow: Annotated[bool, typer.Option(help="Watch until every step has ended.")] = False,
+    url: Url = DEFAULT_URL,
+) -> None:
+    """Submit a pipeline's steps as jobs chained with depends_on; prints their ids."""
+    if kind != "eagle3":
+        fail(JobsupError(f"unknown pipeline {kind!r}", hint="available: eagle3"))
+    body: dict[str, Any] = {
+        "model": str(model.resolve()), "prompts": str(prompts.resolve()),
+        "out": str(out.resolve()), "name": name, "serve": serve, "endpoint": endpoint,
+        "port": port, "max_tokens": max_tokens, "draft_vocab_size": draft_vocab_size,
+        "ttt_steps": ttt_steps, "epochs": epochs, "device": device, "dtype": dtype,
+        "extract_gpus": extract_gpus, "gpus_per_model": gpus_per_model,
+        "init": str(init.resolve()) if init else None, "eval_prompts": eval_prompts,
+        "eval_max_new_tokens": eval_max_new_tokens,
+        "min_acceptance_length": min_acceptance_length or None}
+    try:
+        c = client(url)
+        jobs = c.post("/api/v1/pipelines/eagle3", json=body)
+        for job in jobs:
+            console.print(f"{job['id']}  {job['name']}", highlight=False)
+            for warning in job.get("warnings", []):
+                warn(warning)
+        if follow:
+            ok = follow_jobs(c, [j["id"] for j in jobs], console)
+            raise typer.Exit(0 if ok else 1)
+    except JobsupError as exc:
+        fail(exc)
+
+
+def demo(
+    data_dir: Annotated[Path | None, typer.Option(envvar="JOBSUP_DATA_DIR")] = None,
+    model: Annotated[DemoModel, typer.Option(
+        help="tiny: a random Llama built locally (fast, its draft learns nothing); "
+             "smollm2: SmolLM2-135M-Instruct from the package registry (a real chat "
+             "model, whose draft's acceptance means something; ~7 min on 2 cores)")] = \
+        DemoModel.SMOLLM2,
+    max_tokens: Annotated[int | None, typer.Option(
+        help="Tokens generated per prompt (default: 48 tiny, 64 smollm2).")] = None,
+    epochs: Annotated[int | None, typer.Option(
+        help="Draft training epochs (default: 3 tiny, 8 smollm2).")] = None,
+    keep_daemon: Annotated[bool, typer.Option(help="Leave the daemon running at the end.")] = True,
+    url: Url = DEFAULT_URL,
+) -> None:
+    """The EAGLE-3 pipeline on a local model under the daemon (starts one if none
+    answers at --url)."""
+    from supervisor.client.demo import run_demo
+
+    try:
+        code = run_demo(url=url, data_dir=data_dir, keep_daemon=keep_daemon, console=console,
+                        max_tokens=max_tokens, epochs=epochs, model_kind=model.value)
+    except JobsupError as exc:
+        fail(exc)
+    raise typer.Exit(code)
