@@ -53,9 +53,9 @@ def is_page_path(path: str) -> bool:
     return path == "/" or path.startswith(("/jobs/", "/pipelines/"))
 
 
-def render(name: str, status_code: int = 200, headers: Mapping[str, str] = NO_STORE,
-           **context: Any) -> HTMLResponse:
-    return HTMLResponse(_templates.get_template(name).render(**context),
+def render(template: str, status_code: int = 200, headers: Mapping[str, str] = NO_STORE,
+           /, **context: Any) -> HTMLResponse:
+    return HTMLResponse(_templates.get_template(template).render(**context),
                         status_code=status_code, headers=dict(headers))
 
 

@@ -51,11 +51,11 @@
   function drawSamples() {
     const x = samples.map((s) => Date.parse(s.t) / 1000);
     // rate over the samples of the last RATE_WINDOW_S (one-tick differences are jagged)
-    let from = 0;
+    let start = 0;
     const rate = samples.map((s, i) => {
-      while (from < i && (x[i] - x[from] > RATE_WINDOW_S || samples[from].items_done == null)) from += 1;
-      if (from === i || s.items_done == null) return null;
-      return Math.max(0, (s.items_done - samples[from].items_done) / (x[i] - x[from]));
+      while (start < i && (x[i] - x[start] > RATE_WINDOW_S || samples[start].items_done == null)) start += 1;
+      if (start === i || s.items_done == null) return null;
+      return Math.max(0, (s.items_done - samples[start].items_done) / (x[i] - x[start]));
     });
     charts.items.setData([x, samples.map((s) => s.items_done), rate]);
     charts.bytes.setData([x, samples.map((s) => s.bytes_written), samples.map((s) => s.disk_free_bytes)]);
