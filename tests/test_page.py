@@ -128,7 +128,7 @@ def test_jobs_page_updates_live_and_shows_a_crash(daemon: Daemon, tab: Tab,
 
     # filters by state and by label, without a reload
     page.select_option("#filter-state", "failed")
-    page.wait_for_function("document.querySelectorAll('#jobs tbody tr').length === 1")
+    page.wait_for_function("() => document.querySelectorAll('#jobs tbody tr').length === 1")
     assert page.locator("#jobs tbody tr").get_attribute("id") == f"job-{crash}"
     assert page.url.endswith("/?state=failed")
     page.select_option("#filter-state", "")
@@ -146,15 +146,10 @@ def test_jobs_page_updates_live_and_shows_a_crash(daemon: Daemon, tab: Tab,
 # -- one job's page ------------------------------------------------------------------------
 
 class CrossSite:
-    """Another origin (a second loopback port) serving a page that tries to stop a job
-    on the daemon: an auto-submitted form POST and a no-cors fetch."""
+    """Another origin (a second loopback port) serving one hostile HTML page."""
 
-    def __init__(self, target: str) -> None:
-        body = f"""<!doctype html><html><body>
-<form id="f" method="post" action="{target}" enctype="text/plain">
-<input name="x" value="y"></form>
-<script>fetch("{target}", {{method: "POST", mode: "no-cors"}}).finally(
-  () => document.getElementById("f").submit());</script></body></html>""".encode()
+    def __init__(self, html: str) -> None:
+        body = html.encode()
 
         class Handler(BaseHTTPRequestHandler):
             def do_GET(self) -> None:  # noqa: N802 - http.server's naming
@@ -187,7 +182,7 @@ def test_job_page_charts_logs_and_stop(daemon: Daemon, tab: Tab, browser: Any,
 
     page = tab.page
     assert page.goto(f"{daemon.url}/jobs/{job_id}").status == 200
-    page.wait_for_function("window.jobsup.samples && window.jobsup.samples.length >= 4")
+    page.wait_for_function("() => window.jobsup.samples && window.jobsup.samples.length >= 4")
     # the chart holds exactly the stored samples: same times, same item counts
     stored = {s["t"]: s for s in daemon.http.get(samples_url, params={"limit": 5000}).json()}
     drawn = page.evaluate("""() => ({
@@ -214,13 +209,19 @@ def test_job_page_charts_logs_and_stop(daemon: Daemon, tab: Tab, browser: Any,
                            " && window.jobsup.charts.metrics.data[0].length >= 2", timeout=10000)
     names = page.evaluate("window.jobsup.charts.metrics.series.slice(1).map(s => s.label)")
     assert names == ["accuracy", "loss"]
-    page.wait_for_function("document.getElementById('log').textContent.includes('step 5/600')")
+    page.wait_for_function(
+        "() => document.getElementById('log').textContent.includes('step 5/600')")
     assert "loss" in page.inner_text("#job-summary")
     screenshot(page, "job")
 
     # a cross-origin POST, from a real page of another origin in the same browser, does
     # not stop it; nor does one from a script
-    other = CrossSite(f"{daemon.url}/api/v1/jobs/{job_id}/stop")
+    target = f"{daemon.url}/api/v1/jobs/{job_id}/stop"
+    other = CrossSite(f"""<!doctype html><html><body>
+<form id="f" method="post" action="{target}" enctype="text/plain">
+<input name="x" value="y"></form>
+<script>fetch("{target}", {{method: "POST", mode: "no-cors"}}).finally(
+  () => document.getElementById("f").submit());</script></body></html>""")
     try:
         hostile = browser.new_page()
         hostile.goto(other.url)
@@ -229,6 +230,21 @@ def test_job_page_charts_logs_and_stop(daemon: Daemon, tab: Tab, browser: Any,
         hostile.close()
     finally:
         other.close()
+    # nor can another site frame the page to trick a click on its Stop button
+    framing = CrossSite(f'<!doctype html><iframe id="f" src="{daemon.url}/jobs/{job_id}">'
+                        '</iframe>')
+    try:
+        hostile = browser.new_page()
+        hostile.goto(framing.url)
+        hostile.wait_for_timeout(1000)
+        framed = hostile.frames[1] if len(hostile.frames) > 1 else None
+        assert framed is None or framed.evaluate("document.getElementById('stop')") is None
+        hostile.close()
+    finally:
+        framing.close()
+    headers = daemon.http.get(f"/jobs/{job_id}").headers
+    assert "frame-ancestors 'none'" in headers["content-security-policy"]
+    assert headers["x-frame-options"] == "DENY"
     refused = daemon.http.post(f"/api/v1/jobs/{job_id}/stop",
                                headers={"Origin": "http://evil.example"})
     assert refused.status_code == 403
@@ -241,7 +257,7 @@ def test_job_page_charts_logs_and_stop(daemon: Daemon, tab: Tab, browser: Any,
     page.once("dialog", lambda dialog: dialog.accept())
     page.click("#stop")
     daemon.wait_state(job_id, "stopped", timeout=20)
-    page.wait_for_function("document.getElementById('job-state').textContent === 'stopped'",
+    page.wait_for_function("() => document.getElementById('job-state').textContent === 'stopped'",
                            timeout=8000)
     assert page.is_disabled("#stop")
     assert page.evaluate("window.__notReloaded === true")
@@ -286,8 +302,9 @@ def test_with_a_token_the_page_asks_for_it(make_daemon: Callable[..., Daemon],
     page.wait_for_selector("#job-summary")
     assert page.url == f"{daemon.url}/jobs/{job_id}"  # back where it was asked for
     tab.errors.clear()  # the 401s above were expected
-    page.wait_for_function("window.jobsup.refreshes >= 1 && window.jobsup.samples.length >= 1",
-                           timeout=10000)
+    page.wait_for_function(
+        "() => window.jobsup.refreshes >= 1 && window.jobsup.samples.length >= 1",
+        timeout=10000)
     (cookie,) = [c for c in tab.context.cookies() if c["name"] == SESSION_COOKIE]
     assert cookie["httpOnly"] and cookie["sameSite"] == "Strict" and cookie["path"] == "/"
     assert TOKEN not in cookie["value"]
@@ -402,7 +419,7 @@ def test_jobs_page_renders_100_jobs_in_under_a_second(daemon: Daemon, tab: Tab) 
     for _ in range(3):
         start = time.perf_counter()
         page.goto(daemon.url + "/")
-        page.wait_for_function("document.querySelectorAll('#jobs tbody tr').length === 100")
+        page.wait_for_function("() => document.querySelectorAll('#jobs tbody tr').length === 100")
         loads.append(time.perf_counter() - start)
     browser_load = statistics.median(loads)
     times = {"jobs": 100, "server_render_s": round(server, 4),

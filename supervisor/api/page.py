@@ -39,7 +39,16 @@ and Origin checks still apply)."""
 STATIC_DIR = Path(__file__).parent / "static"
 PIPELINE_STEPS = ("generate", "serve", "extract", "vocab", "train", "evaluate")
 """The EAGLE-3 steps in pipeline order (`supervisor/pipeline.py`'s `step` labels)."""
-NO_STORE = {"Cache-Control": "no-store"}
+NO_STORE = {
+    "Cache-Control": "no-store",
+    # only the daemon's own scripts, styles and connections; never inside another site's
+    # frame (a framed page's Stop button is a click away from a hostile page: clickjacking)
+    "Content-Security-Policy": "default-src 'self'; img-src 'self' data:; "
+                               "style-src 'self' 'unsafe-inline'; frame-ancestors 'none'; "
+                               "base-uri 'none'; form-action 'self'",
+    "X-Frame-Options": "DENY",
+    "Referrer-Policy": "same-origin",  # not no-referrer: its form POSTs say `Origin: null`
+}
 LOGIN_HEADERS = {**NO_STORE, "WWW-Authenticate": "Bearer"}
 
 _templates = Environment(loader=PackageLoader("supervisor.api", "templates"),
