@@ -23,6 +23,7 @@ import pytest
 from playwright.sync_api import sync_playwright
 
 from supervisor.api.guard import SESSION_COOKIE, session_valid, session_value
+from supervisor.api.metrics import mountpoint
 from supervisor.api.page import safe_next
 from tests.helpers import PY, REPO, Daemon, free_port, python_job, wait_for
 
@@ -123,7 +124,8 @@ def test_jobs_page_updates_live_and_shows_a_crash(daemon: Daemon, tab: Tab,
     running = page.locator(f"#job-{writer}")
     assert "/ 300" in running.locator(".count").inner_text()
     assert "free" in running.inner_text() and "/s" in running.inner_text()
-    assert page.locator("#filesystems").count() == 1  # the writer's filesystem's runway
+    # the writer's filesystem's runway
+    assert page.inner_text("#filesystems tbody td code") == mountpoint(str(out))
     screenshot(page, "jobs")
 
     # filters by state and by label, without a reload
@@ -141,6 +143,7 @@ def test_jobs_page_updates_live_and_shows_a_crash(daemon: Daemon, tab: Tab,
     page.goto(daemon.url + "/?state=failed")
     assert page.locator("#jobs tbody tr").count() == 1
     assert tab.errors == []
+    assert all(url.startswith(daemon.url + "/") for url in tab.urls), tab.urls  # offline
 
 
 # -- one job's page ------------------------------------------------------------------------
@@ -262,6 +265,7 @@ def test_job_page_charts_logs_and_stop(daemon: Daemon, tab: Tab, browser: Any,
     assert page.is_disabled("#stop")
     assert page.evaluate("window.__notReloaded === true")
     assert tab.errors == []
+    assert all(url.startswith(daemon.url + "/") for url in tab.urls), tab.urls  # offline
 
 
 def time_of(iso_text: str) -> float:

@@ -101,6 +101,8 @@ class Filesystem:
     full_in_s: float | None
     """The soonest any of them fills it."""
     jobs: int
+    fits: bool
+    """False when some job's remaining output does not fit (its `will_fit`)."""
 
 
 def filesystems(jobs: Iterable[JobOut]) -> list[Filesystem]:
@@ -119,7 +121,8 @@ def filesystems(jobs: Iterable[JobOut]) -> list[Filesystem]:
         remaining = sum(max(j.forecast.projected_total_bytes - j.progress.bytes_written, 0)
                         for j in members if j.forecast.projected_total_bytes is not None)
         out.append(Filesystem(mount, min(free) if free else None, remaining,
-                              min(full_in) if full_in else None, len(members)))
+                              min(full_in) if full_in else None, len(members),
+                              all(j.forecast.will_fit is not False for j in members)))
     return out
 
 
