@@ -314,6 +314,7 @@ def test_with_a_token_the_page_asks_for_it(make_daemon: Callable[..., Daemon],
     assert TOKEN not in cookie["value"]
     assert page.evaluate("document.cookie") == ""  # HttpOnly: scripts never see it
     assert page.evaluate("fetch('/api/v1/jobs').then(r => r.status)") == 200
+    assert page.evaluate("fetch('/openapi.json').then(r => r.status)") == 200  # for /docs
 
     # the cookie opens the API to other clients too, while it is valid and untampered
     def with_cookie(value: str) -> dict[str, str]:
