@@ -186,14 +186,15 @@ def test_job_page_charts_logs_and_stop(daemon: Daemon, tab: Tab, browser: Any,
     page = tab.page
     assert page.goto(f"{daemon.url}/jobs/{job_id}").status == 200
     page.wait_for_function("() => window.jobsup.samples && window.jobsup.samples.length >= 4")
-    # the chart holds exactly the stored samples: same times, same item counts
-    stored = {s["t"]: s for s in daemon.http.get(samples_url, params={"limit": 5000}).json()}
+    # the chart holds exactly the stored samples: same times, same item counts (read
+    # from the API after the chart, so that every sample drawn is there)
     drawn = page.evaluate("""() => ({
         t: window.jobsup.samples.map(s => s.t),
         x: Array.from(window.jobsup.charts.items.data[0]),
         items: Array.from(window.jobsup.charts.items.data[1]),
         bytes: Array.from(window.jobsup.charts.bytes.data[1]),
         rss: Array.from(window.jobsup.charts.cpu.data[2]) })""")
+    stored = {s["t"]: s for s in daemon.http.get(samples_url, params={"limit": 5000}).json()}
     assert len(drawn["x"]) == len(drawn["t"]) >= 4
     for t, x, items, written in zip(drawn["t"], drawn["x"], drawn["items"], drawn["bytes"],
                                     strict=True):
