@@ -38,15 +38,18 @@ setup_venv() {
 
 system_packages() {
     # promtool and amtool for the dashboard and alert-rule tests, libfaketime for the
-    # clock-step tests, tmux for the live-table test (Debian packages)
+    # clock-step tests, tmux for the live-table test, chromium for the status page's
+    # browser tests (Debian packages)
     command -v promtool >/dev/null 2>&1 && command -v amtool >/dev/null 2>&1 &&
-        dpkg -s libfaketime >/dev/null 2>&1 && command -v tmux >/dev/null 2>&1 && return
+        dpkg -s libfaketime >/dev/null 2>&1 && command -v tmux >/dev/null 2>&1 &&
+        command -v chromium >/dev/null 2>&1 && return
     local sudo=""
     [ "$(id -u)" -eq 0 ] || sudo="sudo"
-    echo "installing Debian packages prometheus, prometheus-alertmanager, libfaketime, tmux ..." >&2
+    echo "installing Debian packages prometheus, prometheus-alertmanager, libfaketime," \
+        "tmux, chromium ..." >&2
     $sudo apt-get update -qq
     DEBIAN_FRONTEND=noninteractive $sudo apt-get install -y -qq --no-install-recommends \
-        prometheus prometheus-alertmanager libfaketime tmux >/dev/null
+        prometheus prometheus-alertmanager libfaketime tmux chromium >/dev/null
 }
 
 cmd=${1:-}

@@ -1,5 +1,6 @@
 """The ASGI middleware in front of every route: allowed Host, same Origin, the bearer
-token, the body cap — what docs/security.md promises, in one place."""
+token (or the status page's session cookie), the body cap — what docs/security.md
+promises, in one place."""
 
 from __future__ import annotations
 
@@ -8,11 +9,13 @@ import hashlib
 import hmac
 import ipaddress
 import socket
-from collections.abc import Iterable, Mapping
+import time
+from collections.abc import Callable, Iterable, Mapping
 from urllib.parse import urlsplit
 
 from fastapi.responses import JSONResponse
 from starlette.datastructures import Headers
+from starlette.requests import cookie_parser
 from starlette.responses import Response
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
@@ -23,6 +26,32 @@ LOOPBACK_NAMES = frozenset({"localhost"})
 an attacker's DNS points at 127.0.0.1 is exactly what DNS rebinding looks like."""
 CROSS_SITE = frozenset({"cross-site", "same-site"})
 """`Sec-Fetch-Site` values of a request some other site's page made."""
+SESSION_COOKIE = "jobsup_session"
+"""The status page's login cookie (HttpOnly, SameSite=Strict, Path=/): see
+`session_value`."""
+SESSION_MAX_AGE_S = 12 * 3600
+"""How long a login lasts."""
+
+
+def session_value(token: str, expires_at: int) -> str:
+    """The session cookie's value: its expiry (Unix seconds) and an HMAC-SHA256 of it keyed
+    with the token. Never the token itself, so a leaked cookie expires; a changed token
+    ends every session."""
+    mac = hmac.new(token.encode(), f"jobsup-session-v1:{expires_at}".encode(),
+                   hashlib.sha256).hexdigest()
+    return f"{expires_at}.{mac}"
+
+
+def session_valid(token: str, value: str, now: float) -> bool:
+    """Whether a session cookie's value was made with `token` and has not expired."""
+    expires_text, _, _ = value.partition(".")
+    if not (expires_text.isascii() and expires_text.isdigit()) or len(expires_text) > 12:
+        return False
+    expires_at = int(expires_text)
+    if expires_at <= now:
+        return False
+    return hmac.compare_digest(session_value(token, expires_at).encode(),
+                               value.encode("utf-8", errors="replace"))
 
 
 def split_host(value: str) -> tuple[str, int | None] | None:
@@ -91,15 +120,22 @@ class Guard:
     1. `Host` must be a loopback name/address or an allowed host (DNS rebinding) -> 403;
     2. an `Origin` must be same-origin with that Host, and a request another site's page
        made (`Sec-Fetch-Site`) is refused unless it is a plain navigation -> 403;
-    3. with a token, every path but the public ones needs `Authorization: Bearer` -> 401;
+    3. with a token, every path but the public ones needs `Authorization: Bearer` or a
+       valid session cookie (`SESSION_COOKIE`, set by the status page's login) -> 401, or
+       the login form for a status page path (`login_page`);
     4. a body over `max_body_bytes` -> 413, read at most that plus one byte (chunked
        bodies too) and handed to the route from memory.
     No CORS headers are ever sent: no page of another origin may read an answer."""
 
-    def __init__(self, app: ASGIApp, *, settings: Settings, public_paths: frozenset[str]):
+    def __init__(self, app: ASGIApp, *, settings: Settings, public_paths: frozenset[str],
+                 login_page: Callable[[Scope], Response | None] | None = None):
         self.app = app
         self.token = hashlib.sha256(settings.token.encode()).digest() if settings.token \
             else None
+        self.secret = settings.token
+        self.login_page = login_page
+        """What an unauthenticated request gets instead of the 401 JSON (the status
+        page's login form for its pages), or None for the 401."""
         self.public_paths = public_paths
         self.hosts = allowed_hosts(settings.host, settings.allowed_hosts)
         self.max_body_bytes = settings.max_body_bytes
@@ -150,7 +186,10 @@ class Guard:
             # digests: equal lengths, so the comparison's time says nothing, not even
             # the token's length
             if not hmac.compare_digest(hashlib.sha256(given.encode()).digest(),
-                                       self.token):
+                                       self.token) and not self.has_session(headers):
+                page = self.login_page(scope) if self.login_page else None
+                if page is not None:
+                    return page
                 return _error(401, "missing or wrong bearer token",
                               "send `Authorization: Bearer $JOBSUP_TOKEN`",
                               {"WWW-Authenticate": "Bearer"})
@@ -161,6 +200,13 @@ class Guard:
             if int(length) > self.max_body_bytes:
                 return self.too_large()
         return None
+
+    def has_session(self, headers: Headers) -> bool:
+        """A valid status-page session cookie (with a token configured)."""
+        if not self.secret:
+            return False
+        value = cookie_parser(headers.get("cookie", "")).get(SESSION_COOKIE)
+        return value is not None and session_valid(self.secret, value, time.time())
 
     async def read_body(self, receive: Receive) -> bytes | Response | None:
         """The whole body, a 413 answer as soon as more than the limit arrived, or None

@@ -24,6 +24,7 @@ from starlette.routing import Match
 from starlette.types import Scope
 
 from supervisor import __version__
+from supervisor.api import page
 from supervisor.api.guard import Guard
 from supervisor.api.submission import submit_job
 from supervisor.api.views import alert_out, job_out, sample_out
@@ -138,7 +139,8 @@ def create_app(settings: Settings, sessions: sessionmaker[Session], *,
     `clock` is the engine's, so a stop's time and the engine's timeouts agree;
     `last_tick` says when the engine loop last finished a tick and how long it took
     (/healthz)."""
-    public_paths = PUBLIC_PATHS | ({"/metrics"} if settings.metrics_public else frozenset())
+    public_paths = PUBLIC_PATHS | page.PUBLIC_PATHS | (
+        {"/metrics"} if settings.metrics_public else frozenset())
     app = FastAPI(title="jobsup", version=__version__,
                   responses={**GUARD_RESPONSES, **(UNAUTHORIZED if settings.token else {})})
     default_cwd = os.getcwd()
@@ -151,7 +153,8 @@ def create_app(settings: Settings, sessions: sessionmaker[Session], *,
 
     DB = Annotated[Session, Depends(db)]
 
-    app.add_middleware(Guard, settings=settings, public_paths=public_paths)
+    app.add_middleware(Guard, settings=settings, public_paths=public_paths,
+                       login_page=page.login_page)
 
     @app.exception_handler(JobsupError)
     async def jobsup_error(_request: Request, exc: JobsupError) -> JSONResponse:
@@ -353,6 +356,7 @@ def create_app(settings: Settings, sessions: sessionmaker[Session], *,
         headers = {"X-Jobsup-Log-Offset": str(end), "X-Jobsup-Attempt": str(number)}
         return PlainTextResponse(text, headers=headers)
 
+    page.mount(app, settings, sessions, views=views)  # the status page: /, /jobs/{id}, ...
     return app
 
 

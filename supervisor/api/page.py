@@ -1,0 +1,292 @@
+"""The status page (issue #17): server-side HTML of the jobs, one job and a pipeline, for
+people without Grafana or on a laptop over an SSH tunnel.
+
+Pages and their live fragments are rendered here from the API's own response models
+(`api/views.py`), with `supervisor/formatting.py` for every byte count and duration; the
+page's JS (`static/page.js`) swaps the fragments in every 2 s, draws the charts from
+`GET /api/v1/jobs/{id}/samples` with the vendored uPlot, and tails the log. Nothing is
+fetched from outside the daemon. Auth is the Guard's: the bearer token, or the session
+cookie the login form here sets (docs/security.md)."""
+
+import hashlib
+import hmac
+import time
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Annotated, Any
+from urllib.parse import parse_qs, urlencode
+
+from fastapi import APIRouter, Depends, FastAPI, Query, Request
+from fastapi.responses import HTMLResponse, RedirectResponse, Response
+from fastapi.staticfiles import StaticFiles
+from jinja2 import Environment, PackageLoader, select_autoescape
+from sqlalchemy.orm import Session, sessionmaker
+from starlette.types import Scope
+
+from supervisor.api.guard import SESSION_COOKIE, SESSION_MAX_AGE_S, session_value
+from supervisor.api.metrics import mountpoint
+from supervisor.api.views import alert_out, job_out
+from supervisor.config import Settings
+from supervisor.formatting import MISSING, format_bytes, format_duration, iso
+from supervisor.observe.view import JobView
+from supervisor.spec import AlertOut, AlertState, JobOut, JobState
+from supervisor.storage import store
+
+PUBLIC_PATHS = frozenset({"/login"})
+"""The login form's POST: it carries the token, so it cannot need it (the Guard's Host
+and Origin checks still apply)."""
+STATIC_DIR = Path(__file__).parent / "static"
+PIPELINE_STEPS = ("generate", "serve", "extract", "vocab", "train", "evaluate")
+"""The EAGLE-3 steps in pipeline order (`supervisor/pipeline.py`'s `step` labels)."""
+NO_STORE = {
+    "Cache-Control": "no-store",
+    # only the daemon's own scripts, styles and connections; never inside another site's
+    # frame (a framed page's Stop button is a click away from a hostile page: clickjacking)
+    "Content-Security-Policy": "default-src 'self'; img-src 'self' data:; "
+                               "style-src 'self' 'unsafe-inline'; frame-ancestors 'none'; "
+                               "base-uri 'none'; form-action 'self'",
+    "X-Frame-Options": "DENY",
+    "Referrer-Policy": "same-origin",  # not no-referrer: its form POSTs say `Origin: null`
+}
+LOGIN_HEADERS = {**NO_STORE, "WWW-Authenticate": "Bearer"}
+
+_templates = Environment(loader=PackageLoader("supervisor.api", "templates"),
+                         autoescape=select_autoescape(["html"]), trim_blocks=True,
+                         lstrip_blocks=True)
+_templates.filters.update(bytes=format_bytes, duration=format_duration)
+
+
+def is_page_path(path: str) -> bool:
+    """A path of the status page (the login form answers these without auth)."""
+    return path == "/" or path.startswith(("/jobs/", "/pipelines/"))
+
+
+def render(template: str, status_code: int = 200, headers: Mapping[str, str] = NO_STORE,
+           /, **context: Any) -> HTMLResponse:
+    return HTMLResponse(_templates.get_template(template).render(**context),
+                        status_code=status_code, headers=dict(headers))
+
+
+def login_page(scope: Scope) -> Response | None:
+    """The Guard's answer to a page request without the token or a session: the login
+    form (401), which returns the user to the page asked for. None for anything else
+    (the API keeps its JSON 401)."""
+    if scope["method"] not in ("GET", "HEAD") or not is_page_path(scope["path"]):
+        return None
+    query = scope.get("query_string", b"").decode("latin-1")
+    return render("login.html", 401, LOGIN_HEADERS,
+                  next=scope["path"] + (f"?{query}" if query else ""), error=None)
+
+
+def safe_next(target: str) -> str:
+    """A same-origin path to return to after the login, never another site (`//host`,
+    `/\\host`, a scheme)."""
+    if not target.startswith("/") or target.startswith(("//", "/\\")) or any(
+            c in target for c in "\\\r\n\t"):
+        return "/"
+    return target
+
+
+# -- what the templates show -------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Filesystem:
+    """Disk runway of one filesystem that running jobs write to."""
+
+    mountpoint: str
+    free_bytes: int | None
+    remaining_bytes: int
+    """What its running jobs are still projected to write."""
+    full_in_s: float | None
+    """The soonest any of them fills it."""
+    jobs: int
+    fits: bool
+    """False when some job's remaining output does not fit (its `will_fit`)."""
+
+
+def filesystems(jobs: Iterable[JobOut]) -> list[Filesystem]:
+    grouped: dict[str, list[JobOut]] = {}
+    for job in jobs:
+        if job.state is JobState.RUNNING and job.spec.output_dir:
+            mount = mountpoint(job.spec.output_dir)
+            if mount:
+                grouped.setdefault(mount, []).append(job)
+    out = []
+    for mount, members in sorted(grouped.items()):
+        free = [j.forecast.disk_free_bytes for j in members
+                if j.forecast.disk_free_bytes is not None]
+        full_in = [j.forecast.disk_full_in_s for j in members
+                   if j.forecast.disk_full_in_s is not None]
+        remaining = sum(max(j.forecast.projected_total_bytes - j.progress.bytes_written, 0)
+                        for j in members if j.forecast.projected_total_bytes is not None)
+        out.append(Filesystem(mount, min(free) if free else None, remaining,
+                              min(full_in) if full_in else None, len(members),
+                              all(j.forecast.will_fit is not False for j in members)))
+    return out
+
+
+def percent(job: JobOut) -> float | None:
+    done, total = job.progress.items_done, job.progress.items_total
+    if done is None or not total:
+        return None
+    return max(0.0, min(100.0, 100.0 * done / total))
+
+
+def rate_text(rate: float | None) -> str:
+    """Items per second for people; a count, not a size or a span."""
+    if rate is None:
+        return MISSING
+    if rate >= 1 or rate == 0:
+        return f"{rate:.3g}/s"
+    return f"{rate * 60:.3g}/min" if rate * 60 >= 1 else f"{rate * 3600:.3g}/h"
+
+
+def labels_match(job: JobOut, wanted: Mapping[str, str]) -> bool:
+    return all(job.spec.labels.get(k) == v for k, v in wanted.items())
+
+
+@dataclass(frozen=True)
+class Pipeline:
+    name: str
+    steps: list[JobOut]
+    """The latest run's jobs in step order."""
+    current: JobOut | None
+    """The step it is at: the first that has not succeeded (None: all succeeded)."""
+    runs: int
+
+
+def pipelines(jobs: Sequence[JobOut]) -> dict[str, list[list[JobOut]]]:
+    """Pipeline name -> its runs (oldest first), each its jobs in submission order. A
+    run begins with a `generate` step (pipelines are submitted all at once)."""
+    runs: dict[str, list[list[JobOut]]] = {}
+    for job in jobs:
+        name = job.spec.labels.get("pipeline_name")
+        if not name or "pipeline" not in job.spec.labels:
+            continue
+        named = runs.setdefault(name, [])
+        if not named or job.spec.labels.get("step") == "generate":
+            named.append([])
+        named[-1].append(job)
+    return runs
+
+
+def pipeline_view(name: str, runs: list[list[JobOut]]) -> Pipeline:
+    order = {step: i for i, step in enumerate(PIPELINE_STEPS)}
+    steps = sorted(runs[-1], key=lambda j: order.get(j.spec.labels.get("step", ""),
+                                                        len(order)))
+    current = next((j for j in steps if j.state is not JobState.SUCCEEDED
+                    and j.spec.labels.get("step") != "serve"), None)
+    return Pipeline(name, steps, current, len(runs))
+
+
+# -- the routes --------------------------------------------------------------------------
+
+def mount(app: FastAPI, settings: Settings, sessions: sessionmaker[Session], *,
+          views: Callable[[], Mapping[str, JobView]]) -> None:
+    """Add the status page's routes and static files to the API's app."""
+    router = APIRouter(include_in_schema=False)
+    host = settings.resolved_hostname
+
+    def db() -> Iterator[Session]:
+        with sessions() as session:
+            yield session
+
+    DB = Annotated[Session, Depends(db)]
+
+    def all_jobs(session: Session) -> list[JobOut]:
+        current = views()
+        firing = store.firing_alerts_by_job(session)
+        return [job_out(j, current.get(j.id), alerts=firing.get(j.id, ()))
+                for j in store.list_jobs(session)]
+
+    def jobs_context(session: Session, state: str | None, label: str | None) -> dict[str, Any]:
+        jobs = all_jobs(session)
+        wanted = dict([label.partition("=")[::2]]) if label and "=" in label else {}
+        shown = [j for j in jobs if (not state or j.state.value == state)
+                 and labels_match(j, wanted)]
+        counts: dict[str, int] = {}
+        for job in jobs:
+            counts[job.state.value] = counts.get(job.state.value, 0) + 1
+        return {"jobs": shown, "total": len(jobs), "counts": counts, "host": host,
+                "filesystems": filesystems(jobs), "pipelines": sorted(pipelines(jobs)),
+                "state": state or "", "label": label or "", "states": list(JobState),
+                "percent": percent, "rate_text": rate_text,
+                "query": urlencode({k: v for k, v in (("state", state), ("label", label))
+                                    if v})}
+
+    @router.get("/", response_class=HTMLResponse)
+    def jobs_page(session: DB, state: str | None = None,
+                  label: Annotated[str | None, Query(max_length=1000)] = None) -> Response:
+        return render("jobs.html", **jobs_context(session, state, label),
+                      token=bool(settings.token))
+
+    @router.get("/fragments/jobs", response_class=HTMLResponse)
+    def jobs_fragment(session: DB, state: str | None = None,
+                      label: Annotated[str | None, Query(max_length=1000)] = None) -> Response:
+        return render("_jobs.html", **jobs_context(session, state, label))
+
+    def job_context(session: Session, job_id: str) -> dict[str, Any]:
+        row = store.get_job(session, job_id)
+        rows = [a for a in store.alerts(session) if a.job_id == job_id]
+        alerts: list[AlertOut] = [alert_out(a) for a in rows]
+        job = job_out(row, views().get(job_id),
+                      alerts=[a for a in rows if a.state == AlertState.FIRING.value])
+        events = [(iso(e.t), e.from_state, e.to_state, e.reason)
+                  for e in store.events(session, job_id)]
+        return {"job": job, "alerts": list(reversed(alerts)), "events": events,
+                "host": host, "percent": percent, "rate_text": rate_text,
+                "pipeline": job.spec.labels.get("pipeline_name")
+                if "pipeline" in job.spec.labels else None}
+
+    @router.get("/jobs/{job_id}", response_class=HTMLResponse)
+    def job_page(job_id: str, session: DB) -> Response:
+        return render("job.html", **job_context(session, job_id), token=bool(settings.token))
+
+    @router.get("/fragments/jobs/{job_id}", response_class=HTMLResponse)
+    def job_fragment(job_id: str, session: DB) -> Response:
+        return render("_job.html", **job_context(session, job_id))
+
+    def pipeline_context(session: Session, name: str) -> dict[str, Any]:
+        runs = pipelines(all_jobs(session)).get(name)
+        return {"pipeline": pipeline_view(name, runs) if runs else None, "name": name,
+                "host": host, "percent": percent, "rate_text": rate_text}
+
+    @router.get("/pipelines/{name}", response_class=HTMLResponse)
+    def pipeline_page(name: str, session: DB) -> Response:
+        context = pipeline_context(session, name)
+        return render("pipeline.html", 200 if context["pipeline"] else 404, **context,
+                      token=bool(settings.token))
+
+    @router.get("/fragments/pipelines/{name}", response_class=HTMLResponse)
+    def pipeline_fragment(name: str, session: DB) -> Response:
+        context = pipeline_context(session, name)
+        return render("_pipeline.html", 200 if context["pipeline"] else 404, **context)
+
+    @router.post("/login")
+    async def login(request: Request) -> Response:
+        """The login form's POST (urlencoded `token`, `next`): a session cookie and back
+        to the page, or the form again. The token travels in the body, never a URL."""
+        form = parse_qs((await request.body()).decode("utf-8", errors="replace"))
+        given = form.get("token", [""])[0]
+        target = safe_next(form.get("next", ["/"])[0])
+        if not settings.token:
+            return RedirectResponse(target, status_code=303)
+        if not hmac.compare_digest(hashlib.sha256(given.encode()).digest(),
+                                   hashlib.sha256(settings.token.encode()).digest()):
+            return render("login.html", 401, LOGIN_HEADERS, next=target, error="wrong token")
+        expires_at = int(time.time()) + SESSION_MAX_AGE_S
+        answer = RedirectResponse(target, status_code=303, headers=NO_STORE)
+        answer.set_cookie(SESSION_COOKIE, session_value(settings.token, expires_at),
+                          max_age=SESSION_MAX_AGE_S, path="/", httponly=True,
+                          samesite="strict", secure=request.url.scheme == "https")
+        return answer
+
+    @router.post("/logout")
+    def logout() -> Response:
+        answer = RedirectResponse("/", status_code=303, headers=NO_STORE)
+        answer.delete_cookie(SESSION_COOKIE, path="/", httponly=True, samesite="strict")
+        return answer
+
+    app.include_router(router)
+    app.mount("/static", StaticFiles(directory=STATIC_DIR), name="static")
