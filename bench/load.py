@@ -331,8 +331,13 @@ def histogram_quantile(q: float, before: Histogram, after: Histogram) -> float:
 
 
 def ticks_over(seconds: float, before: Histogram, after: Histogram) -> float:
-    """Ticks between the scrapes that took longer than `seconds` (a bucket bound)."""
-    within = dict(after.buckets).get(seconds, 0.0) - dict(before.buckets).get(seconds, 0.0)
+    """Ticks between the scrapes that took longer than the first bucket bound at or above
+    `seconds` (0 with no such bound: the histogram cannot tell). A bound that is not a
+    bucket (a 2 s interval) counted every tick as over it before."""
+    bounds = sorted(bound for bound, _ in after.buckets if bound >= seconds)
+    if not bounds:
+        return 0.0
+    within = dict(after.buckets)[bounds[0]] - dict(before.buckets).get(bounds[0], 0.0)
     return (after.count - before.count) - within
 
 
