@@ -9,6 +9,7 @@ import pytest
 from sqlalchemy.orm import Session, sessionmaker
 
 from supervisor.alerting.notify import Destination, Notifier
+from supervisor.storage.database import make_engine, make_sessionmaker, upgrade
 from tests.helpers import Clock, Daemon, Receiver, make_model
 
 
@@ -42,6 +43,15 @@ def receiver() -> Iterator[Receiver]:
 @pytest.fixture
 def clock() -> Clock:
     return Clock()
+
+
+@pytest.fixture
+def sessions(tmp_path: Path) -> Iterator[sessionmaker[Session]]:
+    """A migrated SQLite database of its own, as the daemon makes it."""
+    engine = make_engine(f"sqlite:///{tmp_path / 'db.sqlite'}")
+    upgrade(engine)
+    yield make_sessionmaker(engine)
+    engine.dispose()
 
 
 @pytest.fixture

@@ -4,9 +4,7 @@ a clock the test moves by hand, and `deliver_due()` called directly (no thread).
 from __future__ import annotations
 
 import copy
-from collections.abc import Iterator
 from email.utils import formatdate
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -16,7 +14,6 @@ from sqlalchemy.orm import Session, sessionmaker
 from supervisor.alerting import notify
 from supervisor.alerting.messages import SCHEMA, MessageContext, compose
 from supervisor.alerting.notify import Destination, Notifier, retry_after_s
-from supervisor.storage.database import make_engine, make_sessionmaker, upgrade
 from supervisor.storage.tables import Notification
 from tests.helpers import T0, Receiver, free_port
 
@@ -52,13 +49,6 @@ def message(n: int) -> dict[str, Any]:
     return compose("firing", job, alert={**ALERT, "message": f"message #{n}"},
                    log_tail=[f"line of {n}"])
 
-
-@pytest.fixture
-def sessions(tmp_path: Path) -> Iterator[sessionmaker[Session]]:
-    engine = make_engine(f"sqlite:///{tmp_path}/db.sqlite")
-    upgrade(engine)
-    yield make_sessionmaker(engine)
-    engine.dispose()
 
 
 def enqueue(notifier: Notifier, sessions: sessionmaker[Session], msg: dict[str, Any],

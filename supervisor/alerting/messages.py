@@ -223,7 +223,7 @@ def compose(kind: str, job: dict[str, Any], *, alert: dict[str, Any] | None,
         "max_attempts": max_attempts(job), "run_time_s": run_s,
         "stopped_by_user": stopped_by_user(job),
         "job": job, "alert": alert, "log_tail": log_tail, "links": links(job, context)})
-    pairs = facts(kind, job, run_s)
+    pairs = facts(kind, event["job"], run_s)  # from the redacted job, like the rest
     tail = event["log_tail"] if kind != "resolved" else []
     event["text"] = plain_text(kind, event, pairs, tail)
     event["slack"] = slack_message(kind, event, pairs, tail)

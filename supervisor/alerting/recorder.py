@@ -149,7 +149,8 @@ class AlertRecorder:
             return
         succeeded = [job for job in jobs if job.state == JobState.SUCCEEDED.value
                      and (job.ended_at or now) >= now - RECENTLY_ENDED_S]
-        told = outbox.jobs_notified(session, "succeeded", [job.id for job in succeeded])
+        told = outbox.jobs_notified(session, "succeeded",
+                                    {job.id: job.started_at or 0.0 for job in succeeded})
         for job in succeeded:
             if job.id not in told:
                 self._enqueue(session, "succeeded", job, None, now)

@@ -32,6 +32,11 @@ SESSION_COOKIE = "jobsup_session"
 SESSION_MAX_AGE_S = 12 * 3600
 """How long a login lasts."""
 
+BEARER_ONLY_PATHS = frozenset({"/docs", "/docs/oauth2-redirect", "/redoc"})
+"""Paths the session cookie does not open: FastAPI's interactive docs load their script
+from a CDN with no integrity hash; with the cookie, that script would act on the API with
+the user's rights (submit = run commands). They still open with the bearer token."""
+
 
 def session_value(token: str, expires_at: int) -> str:
     """The session cookie's value: its expiry (Unix seconds) and an HMAC-SHA256 of it keyed
@@ -186,7 +191,8 @@ class Guard:
             # digests: equal lengths, so the comparison's time says nothing, not even
             # the token's length
             if not hmac.compare_digest(hashlib.sha256(given.encode()).digest(),
-                                       self.token) and not self.has_session(headers):
+                                       self.token) and not (
+                    scope["path"] not in BEARER_ONLY_PATHS and self.has_session(headers)):
                 page = self.login_page(scope) if self.login_page else None
                 if page is not None:
                     return page

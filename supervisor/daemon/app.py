@@ -116,10 +116,12 @@ def build_app(settings: Settings) -> FastAPI:
         try:
             yield
         finally:
-            if settings.stop_jobs_on_exit:  # the HTTP server is closed by now
-                await asyncio.to_thread(engine.stop_jobs)
-            engine.stop()
-            db_engine.dispose()
+            try:
+                if settings.stop_jobs_on_exit:  # the HTTP server is closed by now
+                    await asyncio.to_thread(engine.stop_jobs)
+            finally:
+                engine.stop()
+                db_engine.dispose()
 
     collector = JobsCollector(sessions, lambda: engine.observer.views, engine.notifier,
                               settings.metrics_ended_retention_s,

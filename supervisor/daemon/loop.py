@@ -97,6 +97,8 @@ class Engine:
         self.steps = TickSteps()
         self._unsaved_samples: list[SampleRecord] = []
         self._progress_stored: dict[str, tuple[float, str | None]] = {}
+        self._finals_unsaved: set[str] = set()
+        """Ended jobs whose final progress a failed write held back."""
         """When each running job's progress was last written to its row, and the
         observation error it held."""
         destinations = [Destination(name, url) for name, url in (
@@ -135,35 +137,73 @@ class Engine:
         """Before the daemon exits (`serve --stop-jobs-on-exit`): stop every running job
         as `POST /jobs/{id}/stop` does (the shim's SIGTERM -> grace -> SIGKILL, the loop's
         backstop) and wait until each one's end is recorded, at most the longest grace +
-        `STOP_BACKSTOP_S` + `EXIT_STOP_MARGIN_S`. Pending jobs stay pending, unstarted.
-        The loop thread does the work; this only asks and waits."""
+        `STOP_BACKSTOP_S` + `EXIT_STOP_MARGIN_S` (counted from when a job is first seen:
+        one the loop launched meanwhile is stopped too). Pending jobs stay pending,
+        unstarted. The loop thread does the work; this asks and waits. Where the stop
+        cannot be recorded (the database locked or full), the shims get SIGTERM directly,
+        so the jobs still have their grace before the namespace goes."""
         self._exiting = True
-        with self.sessions() as session:
-            running = store.jobs_in_states(session, JobState.RUNNING)
-            now = self.clock()
-            for job in running:
-                if job.stop_requested_at is None:
-                    self._stopped_for_exit.add(job.id)
-                store.request_stop(session, job.id, now=now)
-            session.commit()
-            grace_s = max((self._grace(job) for job in running), default=0.0)
-        if not running:
-            return
-        log.info("stopping %d running job(s) before exit (--stop-jobs-on-exit; grace up to "
-                 "%.0f s)", len(running), grace_s)
-        self.wake()
-        deadline = time.monotonic() + grace_s + STOP_BACKSTOP_S + EXIT_STOP_MARGIN_S
+        deadline: float | None = None
+        told: set[str] = set()
         while True:
-            with self.sessions() as session:
-                left = [job.id for job in store.jobs_in_states(session, JobState.RUNNING)]
+            try:
+                left = self._request_exit_stops(told)
+            except Exception:  # noqa: BLE001 - whatever it is, the jobs must get SIGTERM
+                log.exception("cannot record the stops before exit; signalling the jobs")
+                left = self._signal_exit_stops(told)
             if not left:
-                log.info("every job stopped; exiting")
+                if told:
+                    log.info("every job stopped; exiting")
                 return
+            if deadline is None or left.keys() - told:
+                grace_s = max(self._grace(job) for job in left.values())
+                deadline = max(deadline or 0.0, time.monotonic() + grace_s + STOP_BACKSTOP_S
+                               + EXIT_STOP_MARGIN_S)
+                if not told:
+                    log.info("stopping %d running job(s) before exit (--stop-jobs-on-exit;"
+                             " grace up to %.0f s)", len(left), grace_s)
+                told.update(left)
+                self.wake()
             if time.monotonic() > deadline or self._thread is None \
                     or not self._thread.is_alive():
-                log.error("exiting with job(s) %s still running", ", ".join(left))
+                log.error("exiting with job(s) %s still running", ", ".join(sorted(left)))
                 return
             time.sleep(poll_s)
+
+    def _request_exit_stops(self, told: set[str]) -> dict[str, Job]:
+        """Record a stop for every running job not yet asked; the running jobs."""
+        with self.sessions() as session:
+            running = {job.id: job for job in store.jobs_in_states(session, JobState.RUNNING)}
+            now = self.clock()
+            for job in running.values():
+                if job.id not in told:
+                    if job.stop_requested_at is None:
+                        self._stopped_for_exit.add(job.id)
+                    store.request_stop(session, job.id, now=now)
+            session.commit()
+            for job in running.values():
+                session.expunge(job)  # read after the session closes (their grace)
+            return running
+
+    def _signal_exit_stops(self, told: set[str]) -> dict[str, Job]:
+        """The database cannot take the stops: SIGTERM each running attempt's shim (or
+        worker) directly, once; the running jobs as last read (none if unreadable)."""
+        try:
+            with self.sessions() as session:
+                running = {job.id: job
+                           for job in store.jobs_in_states(session, JobState.RUNNING)}
+                for job in running.values():
+                    session.expunge(job)
+        except Exception:  # noqa: BLE001
+            log.exception("cannot read the running jobs before exit")
+            return {}
+        for job in running.values():
+            if job.id in told:
+                continue
+            attempt = self._attempt(job)
+            self._stopped_for_exit.add(job.id)
+            self.backend.request_stop(attempt, self.backend.read_worker(attempt))
+        return running
 
     def wake(self) -> None:
         """Run a tick now (a process exited, a job was submitted or stopped)."""
@@ -259,24 +299,28 @@ class Engine:
 
     def _store_samples(self, session: Session, running: Sequence[Job],
                        samples: Sequence[SampleRecord]) -> None:
-        """Store this tick's samples, after any that a full disk held back."""
+        """Store this tick's samples, after any that a full disk held back, and the
+        progress of jobs on their rows: a running job's every PROGRESS_STORE_S or when its
+        observation error comes or goes; an ended job's at once, and again when its final
+        reading is in. What a failed write held back is written next time."""
         pending = [*self._unsaved_samples, *samples]
         now = self.clock()
+        stored: dict[str, tuple[float, str | None]] = {}
+        finals = self._finals_unsaved | set(self.observer.settled)
         with self.steps.writing(session, "samples") as written:
             store.add_samples(session, pending)
-            for job in running:  # a running job's every PROGRESS_STORE_S or when its
-                # observation error comes or goes; an ended one's at once
+            for job in running:
                 view = self.observer.views.get(job.id)
-                ended = JobState(job.state) is not JobState.RUNNING
+                if JobState(job.state) is not JobState.RUNNING:
+                    finals.add(job.id)
+                    continue
                 if view is not None:
                     stored_at, stored_error = self._progress_stored.get(job.id, (0.0, None))
                     error = view.progress.observation_error
-                    if ended or error != stored_error or now - stored_at >= PROGRESS_STORE_S:
+                    if error != stored_error or now - stored_at >= PROGRESS_STORE_S:
                         job.progress_json = progress_json(view.progress)
-                        self._progress_stored[job.id] = (now, error)
-                if ended:
-                    self._progress_stored.pop(job.id, None)
-            for job_id in self.observer.settled:  # ended jobs' final readings, now known
+                        stored[job.id] = (now, error)
+            for job_id in finals:
                 view = self.observer.views.get(job_id)
                 ended_job = session.get(Job, job_id)
                 if view is not None and ended_job is not None \
@@ -284,8 +328,13 @@ class Engine:
                     ended_job.progress_json = progress_json(view.progress)
         if written.ok:
             self._unsaved_samples = []
+            self._progress_stored.update(stored)
+            for job_id in finals:
+                self._progress_stored.pop(job_id, None)
+            self._finals_unsaved = set()
         else:
             self._unsaved_samples = pending[-UNSAVED_SAMPLES_MAX:]
+            self._finals_unsaved = finals
 
     def _observed(self, job: Job, attempt: Attempt) -> ObservedJob:
         """The sampler's view of a job: its tree is rooted at the shim (which is the
@@ -370,7 +419,7 @@ class Engine:
         waited_for = stored_spec(job.spec_json).stop_when_ended
         if not waited_for:
             return False
-        states = [session.get(Job, job_id) for job_id in waited_for]
+        states = [session.get(Job, job_id, populate_existing=True) for job_id in waited_for]
         return all(other is None or JobState(other.state).ended for other in states)
 
     def _stop_running(self, job: Job, attempt: Attempt, now: float) -> None:
@@ -450,7 +499,7 @@ class Engine:
         spec = stored_spec(job.spec_json)
         dependencies = []
         for dep_id in spec.depends_on:
-            dep = session.get(Job, dep_id)
+            dep = session.get(Job, dep_id, populate_existing=True)
             dependencies.append(lifecycle.Dependency(
                 dep_id, dep.name if dep is not None else "?",
                 JobState(dep.state) if dep is not None else JobState.LOST))

@@ -83,7 +83,7 @@ class ScanResult:
     dirs_listed: int  # directories re-listed (scandir) this scan
     files_statted: int  # files statted this scan
     newest_mtime: float | None = None  # newest mtime of a matching file, seconds since epoch
-    waiting: int = 0  # unsettled files whose next stat is not due yet (a `final` scan: 0)
+    waiting: int = 0  # unsettled files not statted this scan (a `final` scan stats all)
 
 
 _FileState = tuple[int, int, int]

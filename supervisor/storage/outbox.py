@@ -5,10 +5,10 @@ outcome after."""
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Mapping
 from typing import Any
 
-from sqlalchemy import select
+from sqlalchemy import func, select
 from sqlalchemy.orm import Session
 
 from supervisor.storage.tables import Notification
@@ -62,10 +62,15 @@ def record_outcome(session: Session, row_id: int, outcome: Mapping[str, Any]) ->
     return True
 
 
-def jobs_notified(session: Session, kind: str, job_ids: Sequence[str]) -> set[str]:
-    """Which of these jobs already have a message of this kind in the outbox."""
-    if not job_ids:
+def jobs_notified(session: Session, kind: str, since: Mapping[str, float]) -> set[str]:
+    """Which of these jobs already have a message of this kind in the outbox written at
+    or after their time in `since` (the attempt's start: a job restarted by hand that
+    succeeds again gets a message again)."""
+    if not since:
         return set()
-    rows = session.scalars(select(Notification.job_id).where(
-        Notification.kind == kind, Notification.job_id.in_(list(job_ids))))
-    return {job_id for job_id in rows if job_id is not None}
+    rows = session.execute(
+        select(Notification.job_id, func.max(Notification.created_at))
+        .where(Notification.kind == kind, Notification.job_id.in_(list(since)))
+        .group_by(Notification.job_id)).all()
+    return {job_id for job_id, created_at in rows
+            if job_id is not None and created_at >= since[job_id]}

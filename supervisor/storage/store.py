@@ -89,8 +89,13 @@ def list_jobs(session: Session, *, state: JobState | None = None) -> Sequence[Jo
 
 
 def jobs_in_states(session: Session, *states: JobState) -> Sequence[Job]:
+    """The jobs in these states now. Rows the session already holds are refreshed from
+    the database (`populate_existing`): a tick's session keeps the objects it loaded, and
+    the API may have changed a row since (a restart requeues a job the tick recorded as
+    ended moments before; its stale copy would undo it)."""
     query = select(Job).where(Job.state.in_([s.value for s in states]))
-    return session.scalars(query.order_by(Job.created_at, Job.id)).all()
+    return session.scalars(query.order_by(Job.created_at, Job.id)
+                           .execution_options(populate_existing=True)).all()
 
 
 def jobs_ended_since(session: Session, since: float) -> Sequence[Job]:
@@ -161,6 +166,7 @@ def requeue(session: Session, job_id: str, *, now: float) -> Job:
                        "restarted", hint=f"stop it first (POST /api/v1/jobs/{job_id}/stop), "
                                           "then restart it")
     job.stop_requested_at = job.next_start_at = None
+    job.ended_at = job.exit_code = job.signal = job.exit_reason = None  # the old attempt's
     job.restarts += 1
     transition(session, job, JobState.PENDING, now=now, reason="restart requested")
     return job
