@@ -341,3 +341,22 @@ def test_readings_stuck_on_a_dead_server_do_not_starve_the_others() -> None:
     finally:
         hung.set()
         workers.close()
+
+
+def test_a_restarted_job_counting_from_zero_gets_its_first_item(tmp_path: Path) -> None:
+    """The progress file is per job: a new attempt first shows the last one's count
+    (1000), then its own from 0. The count going down resets the baseline, so its first
+    new item is seen (else `first_item_at` stays unset and a startup timeout would fire
+    on a job that is working)."""
+    jobs_dir = tmp_path / "jobs"
+    observer = Observer(jobs_dir)
+    job = observed("j", JobSpec(name="x", command=["true"]))
+    now = time.time()
+    for step, done in enumerate((1000, 0, 5)):
+        write_progress(jobs_dir, "j", done)
+        observer.observe([job], now + step)
+        if done < 5:
+            assert observer.views["j"].first_item_at is None
+    assert observer.views["j"].first_item_at == now + 2
+    observer.close()
+

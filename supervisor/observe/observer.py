@@ -183,8 +183,11 @@ class _JobState:
     def note_items(self, items_done: int | None, now: float) -> None:
         if items_done is None:
             return
-        if self.baseline_items is None:
-            self.baseline_items = items_done  # what a resumed job starts from
+        if self.baseline_items is None or (
+                self.first_item_at is None and items_done < self.baseline_items):
+            # what a resumed job starts from; a count going down before the first new
+            # item was a stale reading (the last attempt's progress file): start over
+            self.baseline_items = items_done
         elif self.first_item_at is None and items_done > self.baseline_items:
             self.first_item_at = now
         if items_done != self.last_items:
