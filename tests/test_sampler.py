@@ -228,8 +228,10 @@ def test_tree_reading_matches_psutil(make_tree: Callable[..., JobTree]) -> None:
     assert abs(second.rss_bytes - rss) <= 0.10 * rss
     # threads: root 1 + alloc 1+3 + burn 1 + write 1 + sh 1 + 2 sleeps = 10
     assert second.num_threads == psutil_threads(procs) == 10
-    # one child busy-looped through the whole interval (on a machine with a core to spare)
-    assert second.cpu_percent > 50
+    # one child busy-looped through the whole interval: it shows, though on a loaded
+    # 2-core machine (3 test workers) it got as little as half a core (49.6 % seen); the
+    # exact figure is held to psutil's below
+    assert second.cpu_percent > 20
     assert second.cpu_time_s >= first.cpu_time_s
     # the same clock ticks as psutil's cpu_times, read a moment later: the one busy
     # thread can add at most the time between the two reads (long on a loaded machine)
