@@ -3,7 +3,7 @@ figures (and says so), a slow output scan holds neither the tick nor the other j
 ended job's last scan still lands, and no stuck scan keeps the daemon from exiting.
 
 Engine-level tests: an in-process engine over a real SQLite database with real job
-processes, the scanner of one job replaced (through `supervisor.observe.observer.OutputScanner`)
+processes, the scanner of one job replaced (through `supervisor.observe.readings.OutputScanner`)
 by one that raises or blocks. Observer-level tests: real files and a real process tree
 (the test's own), the progress file written by the test."""
 
@@ -26,6 +26,7 @@ from sqlalchemy.orm import Session, sessionmaker
 from supervisor.api.submission import submit_job
 from supervisor.daemon.loop import Engine
 from supervisor.observe import observer as observer_module
+from supervisor.observe import readings as readings_module
 from supervisor.observe.observer import ObservedJob, Observer
 from supervisor.observe.outputs import OutputScanner, ScanResult
 from supervisor.observe.threads import FilePool
@@ -122,7 +123,7 @@ def test_a_failing_reading_costs_only_its_job(
         monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
     eng, sessions = engine
     broken_dir = str(tmp_path / "broken")
-    monkeypatch.setattr(observer_module, "OutputScanner", scanners({broken_dir: FailingScanner}))
+    monkeypatch.setattr(readings_module, "OutputScanner", scanners({broken_dir: FailingScanner}))
     broken = submit(sessions, "broken", python_job("import time; time.sleep(60)"),
                     output_dir=broken_dir)
     honest = submit(sessions, "honest", job_module("empty_items", tmp_path / "out"),
@@ -164,7 +165,7 @@ def test_a_slow_scan_holds_neither_the_tick_nor_the_other_jobs(
     (huge / "rows_0").mkdir(parents=True)
     for i in range(5):
         (huge / "rows_0" / f"item{i}.bin").write_bytes(b"x" * 10)
-    monkeypatch.setattr(observer_module, "OutputScanner", scanners({str(huge): BlockingScanner}))
+    monkeypatch.setattr(readings_module, "OutputScanner", scanners({str(huge): BlockingScanner}))
     slow = submit(sessions, "slow", python_job("import time; time.sleep(60)"),
                   output_dir=str(huge), pattern="**/*.bin")
     honest = submit(sessions, "honest", job_module("empty_items", tmp_path / "out"),
@@ -219,7 +220,7 @@ def test_an_ended_job_gets_its_final_scan_and_close_waits_for_nothing(
     jobs_dir = tmp_path / "jobs"
     out = tmp_path / "out"
     out.mkdir()
-    monkeypatch.setattr(observer_module, "OutputScanner", scanners({str(out): BlockingScanner}))
+    monkeypatch.setattr(readings_module, "OutputScanner", scanners({str(out): BlockingScanner}))
     observer = Observer(jobs_dir)
     job = observed("ending", JobSpec(name="x", command=["true"], output_dir=str(out),
                                      pattern="*.bin"))
@@ -258,7 +259,8 @@ from supervisor.spec import JobSpec
 class Stuck:
     def __init__(self, root, pattern): pass
     def scan(self, now, *, final=False): threading.Event().wait()
-observer_module.OutputScanner = Stuck
+from supervisor.observe import readings
+readings.OutputScanner = Stuck
 observer = observer_module.Observer(Path({str(tmp_path)!r}))
 job = observer_module.ObservedJob("j", JobSpec(name="j", command=["true"], output_dir="/x"), 1,
                           os.getpid(), None, os.getpid())

@@ -27,11 +27,17 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Protocol
 
-from supervisor.observe import forecast, progress_file
+from supervisor.observe import forecast
 from supervisor.observe.forecaster import JobForecaster
-from supervisor.observe.outputs import OutputScanner, ScanResult
+from supervisor.observe.readings import (
+    FileReading,
+    FileSide,
+    ObservedJob,
+    ScannerFactory,
+    items_from,
+    output_scanner,
+)
 from supervisor.observe.sampler import Sampler, TreeGpuMemory, TreeReading, TreeTarget
 from supervisor.observe.threads import FilePool
 from supervisor.observe.view import (
@@ -39,10 +45,7 @@ from supervisor.observe.view import (
     JobView,
     ProgressRecord,
     ResourceRecord,
-    disk_free,
 )
-from supervisor.runtime.launcher import log_path, progress_path
-from supervisor.spec import JobSpec
 from supervisor.storage.tables import Sample, SampleRecord
 
 log = logging.getLogger(__name__)
@@ -66,82 +69,9 @@ reading stuck on a dead file server holds one thread and the other jobs get new 
 (I/O bound: a handful serve hundreds of healthy jobs)."""
 
 
-@dataclass(frozen=True)
-class ObservedJob:
-    """What the observer needs of a running job."""
-
-    job_id: str
-    spec: JobSpec
-    attempt: int
-    root_pid: int
-    root_create_time: float | None
-    worker_pid: int | None
-    started_at: float | None = None
-
-
-
 ACTIVITY_CPU_S = 0.05
 """CPU seconds a tree must use between two readings to count as active (a sleeping
 Python process still wakes up now and then)."""
-
-
-class Scanner(Protocol):
-    """What the observer needs of an output scanner (`OutputScanner`)."""
-
-    def scan(self, now: float, *, final: bool = False) -> ScanResult: ...
-
-
-ScannerFactory = Callable[[str, str], Scanner]
-"""(output_dir, pattern) -> the job's scanner."""
-
-
-@dataclass(frozen=True)
-class FileReading:
-    """The file side of one reading of a job, taken in a worker thread."""
-
-    t: float
-    """The tick time it was taken for (what the scan was given as `now`)."""
-    files: int
-    bytes_written: int
-    scanned: bool  # the job has an output directory
-    reported: progress_file.Reported | None  # from the progress file, else the log
-    source: str | None  # "progress_file", "log", or None when neither reports
-    free_bytes: int | None
-    device: int | None
-    waiting: bool = False
-    """Output files whose size may still change were not statted this time (the
-    scanner's `waiting`): a final reading after the job's end is worth taking."""
-
-
-class _FileSide:
-    """A job's output scanner and where it reports progress. Used by one worker thread
-    at a time (see `_JobState.inflight`): the scanner is not thread-safe."""
-
-    def __init__(self, jobs_dir: Path, make_scanner: ScannerFactory) -> None:
-        self.jobs_dir = jobs_dir
-        self.make_scanner = make_scanner
-        self.scanner: Scanner | None = None
-
-    def read(self, job: ObservedJob, now: float, *, final: bool = False) -> FileReading:
-        """`final`: the job has ended; every output file still settling is statted."""
-        spec = job.spec
-        files = bytes_written = 0
-        waiting = False
-        if spec.output_dir:
-            if self.scanner is None:  # here, not in the tick: an invalid pattern raises
-                self.scanner = self.make_scanner(spec.output_dir, spec.pattern)
-            # file mtimes are system-clock times: the scanner compares them with that
-            # clock, not with the daemon's steady one (clock.py)
-            scan = self.scanner.scan(time.time(), final=final)
-            files, bytes_written, waiting = scan.files, scan.bytes, scan.waiting > 0
-        free_bytes, device = disk_free(spec.output_dir or spec.cwd)
-        reported = progress_file.from_progress_file(progress_path(self.jobs_dir, job.job_id))
-        source: str | None = "progress_file"
-        if reported is None:
-            reported = progress_file.from_log(log_path(self.jobs_dir, job.job_id, job.attempt))
-            source = "log" if reported is not None else None
-        return FileReading(now, files, bytes_written, bool(spec.output_dir), reported,
-                           source, free_bytes, device, waiting)
 
 
 @dataclass(frozen=True)
@@ -155,7 +85,7 @@ class _Inflight:
 
 @dataclass
 class _JobState:
-    files: _FileSide
+    files: FileSide
     forecaster: JobForecaster = field(
         default_factory=lambda: JobForecaster(HISTORY_MAX_POINTS))
     last_kept: forecast.Observation | None = None
@@ -180,7 +110,7 @@ class _JobState:
     tick_at: tuple[float, float] = (0.0, 0.0)
     """(now, time.monotonic()) of the last tick that observed the job."""
 
-    def note_items(self, items_done: int | None, now: float) -> None:
+    def noteitems_from(self, items_done: int | None, now: float) -> None:
         if items_done is None:
             return
         if self.baseline_items is None or (
@@ -228,10 +158,6 @@ class _Ending:
 
 
 
-def _output_scanner(root: str, pattern: str) -> Scanner:
-    return OutputScanner(root, pattern)
-
-
 def _describe(error: BaseException) -> str:
     text = str(error)
     return f"{type(error).__name__}: {text}" if text else type(error).__name__
@@ -240,25 +166,13 @@ def _describe(error: BaseException) -> str:
 def _final_progress(shown: ProgressRecord, job: ObservedJob,
                     reading: FileReading) -> ProgressRecord:
     """An ended job's progress from its final reading (`shown`: what the view had)."""
-    items_done, items_total, metrics, source = _items(job.spec, reading)
+    items_done, items_total, metrics, source = items_from(job.spec, reading)
     moved = items_done is not None and items_done != shown.items_done
     return ProgressRecord(
         items_done=items_done, items_total=items_total, files=reading.files,
         bytes_written=reading.bytes_written, source=source,
         last_progress_at=reading.t if moved else shown.last_progress_at,
         metrics=metrics, observed_at=reading.t)
-
-
-def _items(spec: JobSpec, reading: FileReading
-           ) -> tuple[int | None, int | None, dict[str, float], str | None]:
-    """(items_done, items_total, metrics, source) from the best source of a reading."""
-    reported = reading.reported
-    if reported is not None:
-        return (reported.items_done, reported.items_total or spec.expected_items,
-                reported.metrics, reading.source)
-    if reading.scanned:
-        return reading.files, spec.expected_items, {}, "files"
-    return None, spec.expected_items, {}, None
 
 
 class Observer:
@@ -270,7 +184,7 @@ class Observer:
         self.jobs_dir = jobs_dir
         self.sampler = sampler or Sampler()
         self.scan_budget_s = scan_budget_s
-        self.make_scanner: ScannerFactory = make_scanner or _output_scanner
+        self.make_scanner: ScannerFactory = make_scanner or output_scanner
         self._workers = FilePool(workers)
         self._state: dict[str, _JobState] = {}
         self._ending: dict[str, _Ending] = {}
@@ -390,7 +304,7 @@ class Observer:
         state = self._state.get(job.job_id)
         if state is None:
             state = self._state[job.job_id] = _JobState(
-                _FileSide(self.jobs_dir, self.make_scanner), activity_at=job.started_at)
+                FileSide(self.jobs_dir, self.make_scanner), activity_at=job.started_at)
         state.job = job
         state.tick_at = (now, started)
         state.pick_up()
@@ -435,8 +349,8 @@ class Observer:
         previous = self.views.get(job.job_id)
         if isinstance(outcome, FileReading):
             state.reading = fresh = outcome
-            items_done, items_total, metrics, source = _items(spec, fresh)
-            state.note_items(items_done, fresh.t)
+            items_done, items_total, metrics, source = items_from(spec, fresh)
+            state.noteitems_from(items_done, fresh.t)
             self._remember(state, forecast.Observation(fresh.t, items_done, fresh.bytes_written))
             progress = ProgressRecord(
                 items_done=items_done, items_total=items_total, files=fresh.files,
@@ -567,10 +481,10 @@ class Observer:
     def load_history(self, job: ObservedJob, rows: Sequence[Sample]) -> None:
         """Continue a running job's forecast after a daemon restart from stored samples."""
         state = self._state.setdefault(job.job_id, _JobState(
-            _FileSide(self.jobs_dir, self.make_scanner), activity_at=job.started_at))
+            FileSide(self.jobs_dir, self.make_scanner), activity_at=job.started_at))
         for row in rows:
             self._remember(state, forecast.Observation(row.t, row.items_done, row.bytes_written))
-            state.note_items(row.items_done, row.t)
+            state.noteitems_from(row.items_done, row.t)
         if rows:  # the daemon was down: count its restart as activity, not as a stall
             state.activity_at = max(state.activity_at or 0.0, rows[-1].t)
 

@@ -1,0 +1,106 @@
+"""The file side of reading a job, run in the observer's threads: its output scan, its
+progress (the progress file, else the log) and the free space of its filesystem, as one
+`FileReading`. A job's `FileSide` is used by one thread at a time (its scanner is not
+thread-safe)."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Protocol
+
+from supervisor.observe import progress_file
+from supervisor.observe.outputs import OutputScanner, ScanResult
+from supervisor.observe.view import disk_free
+from supervisor.runtime.launcher import log_path, progress_path
+from supervisor.spec import JobSpec
+
+
+@dataclass(frozen=True)
+class ObservedJob:
+    """What the observer needs of a running job."""
+
+    job_id: str
+    spec: JobSpec
+    attempt: int
+    root_pid: int
+    root_create_time: float | None
+    worker_pid: int | None
+    started_at: float | None = None
+
+
+class Scanner(Protocol):
+    """What the observer needs of an output scanner (`OutputScanner`)."""
+
+    def scan(self, now: float, *, final: bool = False) -> ScanResult: ...
+
+
+ScannerFactory = Callable[[str, str], Scanner]
+"""(output_dir, pattern) -> the job's scanner."""
+
+
+@dataclass(frozen=True)
+class FileReading:
+    """The file side of one reading of a job, taken in a worker thread."""
+
+    t: float
+    """The tick time it was taken for (what the scan was given as `now`)."""
+    files: int
+    bytes_written: int
+    scanned: bool  # the job has an output directory
+    reported: progress_file.Reported | None  # from the progress file, else the log
+    source: str | None  # "progress_file", "log", or None when neither reports
+    free_bytes: int | None
+    device: int | None
+    waiting: bool = False
+    """Output files whose size may still change were not statted this time (the
+    scanner's `waiting`): a final reading after the job's end is worth taking."""
+
+
+class FileSide:
+    """A job's output scanner and where it reports progress. Used by one worker thread
+    at a time (see `observer._JobState.inflight`): the scanner is not thread-safe."""
+
+    def __init__(self, jobs_dir: Path, make_scanner: ScannerFactory) -> None:
+        self.jobs_dir = jobs_dir
+        self.make_scanner = make_scanner
+        self.scanner: Scanner | None = None
+
+    def read(self, job: ObservedJob, now: float, *, final: bool = False) -> FileReading:
+        """`final`: the job has ended; every output file still settling is statted."""
+        spec = job.spec
+        files = bytes_written = 0
+        waiting = False
+        if spec.output_dir:
+            if self.scanner is None:  # here, not in the tick: an invalid pattern raises
+                self.scanner = self.make_scanner(spec.output_dir, spec.pattern)
+            # file mtimes are system-clock times: the scanner compares them with that
+            # clock, not with the daemon's steady one (clock.py)
+            scan = self.scanner.scan(time.time(), final=final)
+            files, bytes_written, waiting = scan.files, scan.bytes, scan.waiting > 0
+        free_bytes, device = disk_free(spec.output_dir or spec.cwd)
+        reported = progress_file.from_progress_file(progress_path(self.jobs_dir, job.job_id))
+        source: str | None = "progress_file"
+        if reported is None:
+            reported = progress_file.from_log(log_path(self.jobs_dir, job.job_id, job.attempt))
+            source = "log" if reported is not None else None
+        return FileReading(now, files, bytes_written, bool(spec.output_dir), reported,
+                           source, free_bytes, device, waiting)
+
+
+def output_scanner(root: str, pattern: str) -> Scanner:
+    return OutputScanner(root, pattern)
+
+
+def items_from(spec: JobSpec, reading: FileReading
+           ) -> tuple[int | None, int | None, dict[str, float], str | None]:
+    """(items_done, items_total, metrics, source) from the best source of a reading."""
+    reported = reading.reported
+    if reported is not None:
+        return (reported.items_done, reported.items_total or spec.expected_items,
+                reported.metrics, reading.source)
+    if reading.scanned:
+        return reading.files, spec.expected_items, {}, "files"
+    return None, spec.expected_items, {}, None
