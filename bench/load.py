@@ -35,7 +35,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import json
 import os
 import random
 import re
@@ -61,7 +60,7 @@ sys.path.insert(0, str(REPO / "bench"))
 
 from machine import describe  # noqa: E402
 
-from supervisor.runtime.procfs import is_same_process  # noqa: E402
+from supervisor.runtime import files  # noqa: E402
 
 EXPECTED_ITEMS = 3600
 """Items each job announces: an hour at one a second, so none ends during the run."""
@@ -213,16 +212,9 @@ def run_processes(data_dir: Path, exclude: set[int]) -> list[psutil.Process]:
     """Live processes of the run: those whose pid file under `data_dir` still names them,
     and any whose command line or environment mentions `data_dir` (a job's children)."""
     found: dict[int, psutil.Process] = {}
-    for pid_file in data_dir.glob("jobs/*/attempt-*/*.json"):
-        if pid_file.name not in ("shim.json", "worker.json"):
-            continue
-        try:
-            info = json.loads(pid_file.read_text())
-        except (OSError, ValueError):
-            continue
-        if is_same_process(info.get("pid"), info.get("create_time")):
-            with contextlib.suppress(psutil.NoSuchProcess):
-                found[info["pid"]] = psutil.Process(info["pid"])
+    for _, pid in files.live_processes(data_dir / "jobs"):
+        with contextlib.suppress(psutil.NoSuchProcess):
+            found[pid] = psutil.Process(pid)
     marker = str(data_dir)
     for proc in psutil.process_iter():
         if proc.pid in exclude or proc.pid in found:

@@ -19,8 +19,8 @@ from typing import Any
 import httpx
 import pytest
 
+from supervisor.runtime import files
 from supervisor.runtime.fileio import read_json
-from supervisor.runtime.procfs import is_same_process
 
 REPO = Path(__file__).resolve().parent.parent
 PY = sys.executable
@@ -141,20 +141,12 @@ class Daemon:
 
 
 def kill_jobs_of(data_dir: Path) -> None:
-    for pid_file in data_dir.glob("jobs/*/attempt-*/*.json"):
-        if pid_file.name not in ("shim.json", "worker.json"):
-            continue
+    for kind, pid in files.live_processes(data_dir / "jobs"):
         try:
-            info = json.loads(pid_file.read_text())
-        except (OSError, ValueError):
-            continue
-        if not is_same_process(info.get("pid"), info.get("create_time")):
-            continue
-        try:
-            if pid_file.name == "worker.json":
-                os.killpg(info["pid"], signal.SIGKILL)
+            if kind == files.WORKER:
+                os.killpg(pid, signal.SIGKILL)
             else:
-                os.kill(info["pid"], signal.SIGKILL)
+                os.kill(pid, signal.SIGKILL)
         except OSError:
             pass
 

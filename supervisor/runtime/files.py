@@ -24,11 +24,13 @@ None for a missing, unreadable or malformed file.
 from __future__ import annotations
 
 import os
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal, NotRequired, TypedDict
 
 from supervisor.runtime.fileio import read_json
+from supervisor.runtime.procfs import is_same_process
 
 LAUNCH = "launch.json"
 CLAIM = "claim.json"
@@ -190,6 +192,18 @@ def read_worker(adir: str | os.PathLike[str]) -> WorkerInfo | None:
         return None
     return WorkerInfo(data["pid"], _number(data.get("create_time")),
                       _number(data.get("started_at")) or 0.0)
+
+
+def live_processes(jobs_dir: str | os.PathLike[str]) -> Iterator[tuple[str, int]]:
+    """(SHIM or WORKER, pid) of every attempt's shim and worker under `jobs_dir` that
+    is still the process its file recorded (pid and create time): what a test or a
+    benchmark must kill when it tears a data dir down."""
+    for adir in sorted(Path(jobs_dir).glob("*/attempt-*")):
+        shim, worker = read_shim(adir), read_worker(adir)
+        if shim is not None and is_same_process(shim["pid"], shim["create_time"]):
+            yield SHIM, shim["pid"]
+        if worker is not None and is_same_process(worker.pid, worker.create_time):
+            yield WORKER, worker.pid
 
 
 def read_exit(adir: str | os.PathLike[str]) -> ExitStatus | None:
