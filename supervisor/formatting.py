@@ -6,6 +6,7 @@ One place, so that a job's ETA or output size reads the same in a terminal and i
 from __future__ import annotations
 
 from datetime import UTC, datetime
+from typing import overload
 
 MISSING = "-"
 """What a value not known yet reads as."""
@@ -20,6 +21,10 @@ def iso(t: float | None) -> str | None:
     return datetime.fromtimestamp(t, UTC).isoformat().replace("+00:00", "Z")
 
 
+@overload
+def from_iso(text: str) -> float: ...
+@overload
+def from_iso(text: None) -> None: ...
 def from_iso(text: str | None) -> float | None:
     """ISO 8601 (as `iso` writes it, or with an offset) -> seconds since the epoch."""
     if text is None:

@@ -15,12 +15,11 @@ from __future__ import annotations
 import re
 import socket
 from dataclasses import dataclass, field
-from datetime import datetime
 from typing import Any
 from urllib.parse import quote
 
 from supervisor.alerting.notify import redact
-from supervisor.formatting import format_bytes, format_duration
+from supervisor.formatting import format_bytes, format_duration, from_iso
 
 SCHEMA = "jobsup.event/v1"
 """The generic webhook's body format; a breaking change gets a new version."""
@@ -117,7 +116,7 @@ def _seconds(value: Any) -> float | None:
     if not isinstance(value, str) or not value:
         return None
     try:
-        return datetime.fromisoformat(value).timestamp()
+        return from_iso(value)
     except ValueError:
         return None
 

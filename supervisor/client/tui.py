@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import time
 from collections.abc import Sequence
-from datetime import datetime
 from typing import Any
 
 from rich.console import Console, Group, RenderableType
@@ -14,7 +13,7 @@ from rich.table import Table
 from rich.text import Text
 
 from supervisor.client.outcome import ended_well
-from supervisor.formatting import format_bytes, format_duration
+from supervisor.formatting import format_bytes, format_duration, from_iso
 
 STATE_STYLE = {"pending": "yellow", "running": "cyan", "succeeded": "green",
                "failed": "bold red", "stopped": "magenta", "lost": "red"}
@@ -133,7 +132,7 @@ def sparkline(values: Sequence[float]) -> str:
 
 def rates_from_samples(samples: Sequence[dict[str, Any]], buckets: int = 40) -> list[float]:
     """Items per second between consecutive samples, averaged into `buckets` bins."""
-    points = [(datetime.fromisoformat(s["t"].replace("Z", "+00:00")).timestamp(),
+    points = [(from_iso(s["t"]),
                s["items_done"]) for s in samples if s["items_done"] is not None]
     rates = []
     for (t0, n0), (t1, n1) in zip(points, points[1:], strict=False):
