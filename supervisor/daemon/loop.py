@@ -173,7 +173,7 @@ class Engine:
     def _request_exit_stops(self, told: set[str]) -> dict[str, Job]:
         """Record a stop for every running job not yet asked; the running jobs."""
         with self.sessions() as session:
-            running = {job.id: job for job in store.jobs_in_states(session, JobState.RUNNING)}
+            running = _running_detached(session)
             now = self.clock()
             for job in running.values():
                 if job.id not in told:
@@ -181,8 +181,6 @@ class Engine:
                         self._stopped_for_exit.add(job.id)
                     store.request_stop(session, job.id, now=now)
             session.commit()
-            for job in running.values():
-                session.expunge(job)  # read after the session closes (their grace)
             return running
 
     def _signal_exit_stops(self, told: set[str]) -> dict[str, Job]:
@@ -190,10 +188,7 @@ class Engine:
         worker) directly, once; the running jobs as last read (none if unreadable)."""
         try:
             with self.sessions() as session:
-                running = {job.id: job
-                           for job in store.jobs_in_states(session, JobState.RUNNING)}
-                for job in running.values():
-                    session.expunge(job)
+                running = _running_detached(session)
         except Exception:  # noqa: BLE001
             log.exception("cannot read the running jobs before exit")
             return {}
@@ -536,3 +531,11 @@ class Engine:
                              exit_reason=ExitReason.EXIT)
             return
         job.shim_pid, job.shim_create_time = attempt.shim_pid, attempt.shim_create_time
+
+
+def _running_detached(session: Session) -> dict[str, Job]:
+    """The running jobs by id, detached: read after their session closes (their grace)."""
+    running = {job.id: job for job in store.jobs_in_states(session, JobState.RUNNING)}
+    for job in running.values():
+        session.expunge(job)
+    return running
