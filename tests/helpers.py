@@ -14,7 +14,7 @@ import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import httpx
 import pytest
@@ -302,11 +302,23 @@ def job_module(name: str, *args: object) -> list[str]:
     return [PY, str(REPO / "tests" / "jobs" / f"{name}.py"), *map(str, args)]
 
 
-def identity(data_dir: Path, job_id: str, name: str) -> tuple[int, float]:
-    """(pid, create_time) the shim recorded in `shim.json` / `worker.json` of attempt 1."""
+class Recorded(NamedTuple):
+    """A process as the shim recorded it: `is_same_process(*recorded)` checks it."""
+
+    pid: int
+    create_time: float
+    start_ticks: int
+
+
+def identity(data_dir: Path, job_id: str, name: str) -> Recorded:
+    """The process the shim recorded in `shim.json` / `worker.json` of attempt 1.
+
+    Compare it with a live process by (pid, start ticks): a create time computed in this
+    process may differ from the shim's by however much the boot time moved between the
+    two reads (a clock step; see `procfs`)."""
     info = read_json(data_dir / "jobs" / job_id / "attempt-1" / name)
     assert isinstance(info, dict), f"no {name} for job {job_id}"
-    return int(info["pid"]), float(info["create_time"])
+    return Recorded(int(info["pid"]), float(info["create_time"]), int(info["start_ticks"]))
 
 
 # -- worker tests: a tiny random Llama and a conversations file --------------------------

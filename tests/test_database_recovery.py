@@ -23,7 +23,7 @@ from supervisor.api.submission import submit_job
 from supervisor.daemon import recovery
 from supervisor.errors import DatabaseDamaged, JobRecordUnwritable
 from supervisor.runtime.fileio import atomic_write_json
-from supervisor.runtime.procfs import create_time, is_same_process
+from supervisor.runtime.procfs import create_time, is_same_process, start_ticks_of
 from supervisor.spec import JobSpec, RestartPolicy
 from supervisor.storage.database import make_engine, make_sessionmaker, upgrade
 from supervisor.storage.tables import Job, JobEvent
@@ -209,6 +209,12 @@ def test_rebuild_classifies_each_job_from_its_newest_attempt(tmp_path: Path,
         "a0000007": {1: {"shim": me, "worker": {**dead, "started_at": 1500.0}}},
         "a0000008": {1: {"status": status(exit_code=127,
                                           spawn_error="jobsup: cannot start 'x'")}},
+        # the boot time moved 3 s since the shim computed its create time (a clock step):
+        # the start ticks still name this process
+        "a0000009": {1: {"shim": {**me, "create_time": me["create_time"] - 3,
+                                  "start_ticks": start_ticks_of(os.getpid())}}},
+        # and a recorded start that is not this process's: gone, whatever the create time
+        "a0000010": {1: {"shim": {**me, "start_ticks": start_ticks_of(os.getpid()) + 1}}},
     }
     for i, (job_id, attempts) in enumerate(cases.items()):
         deps = ["a0000001"] if job_id == "a0000002" else []
@@ -223,7 +229,7 @@ def test_rebuild_classifies_each_job_from_its_newest_attempt(tmp_path: Path,
     with sessions() as session:
         summary = recovery.rebuild(session, jobs_dir, now=3000.0)
         session.commit()
-    assert summary.rebuilt == 9 and summary.running == 2 and summary.skipped == ["b0000002"]
+    assert summary.rebuilt == 11 and summary.running == 3 and summary.skipped == ["b0000002"]
 
     with sessions() as session:
         got = {job.id: job for job in session.query(Job)}
@@ -238,6 +244,8 @@ def test_rebuild_classifies_each_job_from_its_newest_attempt(tmp_path: Path,
             "a0000006": ("running", None, None, 1),
             "a0000007": ("running", None, None, 1),
             "a0000008": ("failed", 127, None, 1),
+            "a0000009": ("running", None, None, 1),
+            "a0000010": ("lost", None, None, 1),
             "b0000001": ("succeeded", 0, None, 1),
         }
         assert got["a0000003"].reason.startswith("killed by signal 9 (SIGKILL)")

@@ -21,7 +21,14 @@ import httpx
 import pytest
 
 from supervisor.formatting import iso
-from supervisor.runtime.procfs import create_time, is_same_process, parse_stat
+from supervisor.runtime.procfs import (
+    create_time,
+    is_same_process,
+    is_started_at,
+    parse_stat,
+    read_stat,
+    start_ticks_of,
+)
 from tests.helpers import PY, Daemon, exit_recorded, identity, job_module, python_job, wait_for
 
 pytestmark = pytest.mark.slow
@@ -37,10 +44,10 @@ NS_LAST_PID = Path("/proc/sys/kernel/ns_last_pid")
 
 # -- /proc helpers ----------------------------------------------------------------------
 
-def exists(pid: int, expected_create_time: float) -> bool:
+def exists(pid: int, expected_create_time: float, start_ticks: int | None = None) -> bool:
     """This very process still has a /proc entry, zombie included (pid reuse excluded)."""
-    found = create_time(pid)
-    return found is not None and abs(found - expected_create_time) < 0.015
+    stat = read_stat(pid)
+    return stat is not None and is_started_at(stat, start_ticks, expected_create_time)
 
 
 def proc_table() -> dict[int, tuple[str, int]]:
@@ -207,7 +214,7 @@ class Submitter:
             self.errors.append(exc)
 
 
-def assert_readopted(daemon: Daemon, long_jobs: dict[str, tuple[int, float]],
+def assert_readopted(daemon: Daemon, long_jobs: dict[str, tuple[int, int]],
                      seen_running: dict[str, tuple[int, float]], restarted_at: float) -> None:
     """Within READOPT_S: every long job `running` with its pid, the same process (create
     time), and sampled by this daemon (a sample since the restart, tree of shim + worker);
@@ -217,11 +224,11 @@ def assert_readopted(daemon: Daemon, long_jobs: dict[str, tuple[int, float]],
 
     def check() -> bool:
         jobs = {j["id"]: j for j in daemon.http.get("/api/v1/jobs").json()}
-        for job_id, (pid, ct) in long_jobs.items():
+        for job_id, (pid, ticks) in long_jobs.items():
             job = jobs[job_id]
             assert job["state"] == "running", (job_id, job["state"], job["reason"])
             assert job["pid"] == pid and job["attempt"] == 1
-            assert create_time(pid) == ct, f"job {job_id}: pid {pid} is another process now"
+            assert start_ticks_of(pid) == ticks, f"job {job_id}: pid {pid} is another process now"
             samples = daemon.http.get(f"/api/v1/jobs/{job_id}/samples",
                                       params={"since": since}).json()
             if not any(s["num_procs"] >= 2 for s in samples):
@@ -278,9 +285,9 @@ def test_daemon_sigkilled_20_times_loses_nothing(make_daemon, tmp_path: Path) ->
     wait_for(lambda: all(daemon.job(i)["pid"] for i in long_ids), 20, what="5 long jobs")
     long_jobs = {}
     for job_id in long_ids:
-        pid, ct = identity(daemon.data_dir, job_id, "worker.json")
-        assert daemon.job(job_id)["pid"] == pid and create_time(pid) == ct
-        long_jobs[job_id] = (pid, ct)
+        pid, _, ticks = identity(daemon.data_dir, job_id, "worker.json")
+        assert daemon.job(job_id)["pid"] == pid and start_ticks_of(pid) == ticks
+        long_jobs[job_id] = (pid, ticks)
 
     submitter = Submitter(daemon.url, pids_dir, random.Random(SEED + 1))
     submitter.thread.start()
@@ -609,7 +616,8 @@ def test_job_whose_shim_was_sigkilled_runs_on_and_stops(make_daemon, tmp_path: P
     worker = (worker_pid, create_time(worker_pid))
     child = (child_pid, create_time(child_pid))
     shim = identity(daemon.data_dir, job["id"], "shim.json")
-    assert identity(daemon.data_dir, job["id"], "worker.json") == worker
+    recorded = identity(daemon.data_dir, job["id"], "worker.json")
+    assert (recorded.pid, recorded.start_ticks) == (worker_pid, start_ticks_of(worker_pid))
 
     os.kill(shim[0], signal.SIGKILL)
     wait_for(lambda: not is_same_process(*shim), 5, what="shim gone")

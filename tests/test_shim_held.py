@@ -13,12 +13,12 @@ from pathlib import Path
 import pytest
 
 from supervisor.runtime.procfs import is_same_process, process_state
-from tests.helpers import PY, Daemon, exit_recorded, identity, job_module, wait_for
+from tests.helpers import PY, Daemon, Recorded, exit_recorded, identity, job_module, wait_for
 
 pytestmark = pytest.mark.slow
 
 
-def running_worker(daemon: Daemon, job_id: str) -> tuple[int, float]:
+def running_worker(daemon: Daemon, job_id: str) -> Recorded:
     wait_for(lambda: daemon.job(job_id)["pid"], 15, what="the worker started")
     return identity(daemon.data_dir, job_id, "worker.json")
 

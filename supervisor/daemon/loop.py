@@ -336,25 +336,27 @@ class Engine:
         subreaper of everything the job spawns), or at the worker if the shim is gone."""
         if attempt.shim_pid is not None and (self._shims_seen_alive.get(job.id) is attempt
                                              or self.backend.shim_alive(attempt)):
-            root, root_time = attempt.shim_pid, attempt.shim_create_time
+            root, root_time, root_ticks = (attempt.shim_pid, attempt.shim_create_time,
+                                           attempt.shim_start_ticks)
         else:
-            root, root_time = job.pid or -1, job.pid_create_time
+            root, root_time, root_ticks = job.pid or -1, job.pid_create_time, job.pid_start_ticks
         return ObservedJob(job.id, stored_spec(job.spec_json), job.attempt,
-                           root, root_time, job.pid, job.started_at)
+                           root, root_time, job.pid, job.started_at, root_ticks)
 
     def _attempt(self, job: Job) -> Attempt:
-        return self.backend.attempt(job.id, job.attempt, job.shim_pid, job.shim_create_time)
+        return self.backend.attempt(job.id, job.attempt, job.shim_pid, job.shim_create_time,
+                                    job.shim_start_ticks)
 
     def _check_running(self, session: Session, job: Job, now: float) -> None:
         attempt = self._attempt(job)
         if job.shim_pid is None and attempt.shim_pid is not None:
-            job.shim_pid, job.shim_create_time = attempt.shim_pid, attempt.shim_create_time
+            store.record_shim(job, attempt)
         # the worker's file is read while its pid is unknown, else only where it is used
         # (a running job's shim alive and not stopped: most jobs, most ticks; #15)
         pid_known = job.pid is not None
         worker = None if pid_known else self.backend.read_worker(attempt)
         if worker is not None:
-            job.pid, job.pid_create_time = worker.pid, worker.create_time
+            store.record_worker(job, worker)
 
         # a running shim has not recorded an exit yet (or has just done so: then the
         # exit watcher wakes the next tick as it ends), so its status file is not read
@@ -530,7 +532,7 @@ class Engine:
                              reason=f"could not start the job's shim: {exc}",
                              exit_reason=ExitReason.EXIT)
             return
-        job.shim_pid, job.shim_create_time = attempt.shim_pid, attempt.shim_create_time
+        store.record_shim(job, attempt)
 
 
 def _running_detached(session: Session) -> dict[str, Job]:

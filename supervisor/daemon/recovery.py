@@ -210,17 +210,18 @@ def _from_attempt(jobs_dir: Path, job: Job, spec: JobSpec, number: int,
                     if spec.restart_policy is RestartPolicy.ON_FAILURE else 0)
     shim, worker = files.read_shim(adir), files.read_worker(adir)
     if worker is not None:
-        job.pid, job.pid_create_time = worker.pid, worker.create_time
+        store.record_worker(job, worker)
     job.started_at = (worker.started_at if worker is not None and worker.started_at
                       else _mtime(adir / files.LAUNCH, _mtime(adir, now)))
     if shim is not None:
         job.shim_pid, job.shim_create_time = shim["pid"], shim["create_time"]
+        job.shim_start_ticks = shim.get("start_ticks")
 
     status = files.read_exit(adir)
     if status is not None:
         return _ended(jobs_dir, job, spec, status, now)
     started = f"started (attempt {number})"
-    if is_same_process(job.shim_pid, job.shim_create_time):
+    if is_same_process(job.shim_pid, job.shim_create_time, job.shim_start_ticks):
         return JobState.RUNNING, f"{started}; re-adopted after the database was rebuilt"
     if worker is not None and worker_group_alive(worker):
         return JobState.RUNNING, (f"{started}; its shim is gone, its worker re-adopted after "

@@ -29,6 +29,7 @@ class ObservedJob:
     root_create_time: float | None
     worker_pid: int | None
     started_at: float | None = None
+    root_start_ticks: int | None = None
 
 
 class Scanner(Protocol):

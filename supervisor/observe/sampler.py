@@ -17,8 +17,7 @@ from supervisor.runtime.procfs import (
     PAGE_SIZE,
     ProcStat,
     all_stats,
-    same_create_time,
-    start_ticks_to_time,
+    is_started_at,
 )
 
 STATUS_NAMES = {"R": "running", "S": "sleeping", "D": "disk-sleep", "Z": "zombie",
@@ -80,7 +79,9 @@ class TreeTarget:
     job_id: str
     root_pid: int
     root_create_time: float | None
+    """With `root_start_ticks`, the root's identity; both None: whatever holds the pid."""
     worker_pid: int | None
+    root_start_ticks: int | None = None
 
 
 @dataclass(frozen=True)
@@ -146,9 +147,8 @@ class Sampler:
                  gpu_by_pid: dict[int, int] | None, now: float) -> TreeReading:
         root = table.procs.get(target.root_pid)
         same_root = root is not None and (
-            target.root_create_time is None
-            or same_create_time(start_ticks_to_time(root.start_ticks),
-                                target.root_create_time))
+            (target.root_start_ticks is None and target.root_create_time is None)
+            or is_started_at(root, target.root_start_ticks, target.root_create_time))
         procs = table.tree(target.root_pid) if same_root else []
         live = [p for p in procs if p.state not in ("Z", "X")]
         cpu_time_s = sum(p.cpu_ticks for p in procs) / CLOCK_TICKS

@@ -66,6 +66,8 @@ class Claim(TypedDict):
     pid: int | None
     create_time: NotRequired[float | None]
     """The shim's; a daemon's claim has none (the daemon's liveness does not matter)."""
+    start_ticks: NotRequired[int | None]
+    """The shim's start ticks (`procfs.start_ticks_of`), its identity with `pid`."""
 
 
 class Identity(TypedDict):
@@ -73,7 +75,11 @@ class Identity(TypedDict):
 
     pid: int
     create_time: float | None
-    """Seconds since the epoch, as `procfs.create_time` computes it."""
+    """Seconds since the epoch, as `procfs.create_time` computes it (for people: the
+    identity is `start_ticks`)."""
+    start_ticks: NotRequired[int | None]
+    """Start time after boot in clock ticks (`procfs.start_ticks_of`); absent in files
+    of an older shim, which `procfs.is_same_process` then matches by create time."""
 
 
 class WorkerRecord(Identity):
@@ -118,6 +124,7 @@ class WorkerInfo:
     pid: int
     create_time: float | None
     started_at: float
+    start_ticks: int | None = None
 
 
 @dataclass(frozen=True)
@@ -174,7 +181,8 @@ def read_claim(adir: str | os.PathLike[str]) -> Claim | None:
     if not isinstance(data, dict) or data.get("by") not in ("shim", "daemon"):
         return None
     return Claim(by=data["by"], pid=_whole(data.get("pid")),
-                 create_time=_number(data.get("create_time")))
+                 create_time=_number(data.get("create_time")),
+                 start_ticks=_whole(data.get("start_ticks")))
 
 
 def read_shim(adir: str | os.PathLike[str]) -> Identity | None:
@@ -182,7 +190,8 @@ def read_shim(adir: str | os.PathLike[str]) -> Identity | None:
     data = read_json(Path(adir) / SHIM)
     if not isinstance(data, dict) or _whole(data.get("pid")) is None:
         return None
-    return Identity(pid=data["pid"], create_time=_number(data.get("create_time")))
+    return Identity(pid=data["pid"], create_time=_number(data.get("create_time")),
+                    start_ticks=_whole(data.get("start_ticks")))
 
 
 def read_worker(adir: str | os.PathLike[str]) -> WorkerInfo | None:
@@ -191,18 +200,20 @@ def read_worker(adir: str | os.PathLike[str]) -> WorkerInfo | None:
     if not isinstance(data, dict) or _whole(data.get("pid")) is None:
         return None
     return WorkerInfo(data["pid"], _number(data.get("create_time")),
-                      _number(data.get("started_at")) or 0.0)
+                      _number(data.get("started_at")) or 0.0, _whole(data.get("start_ticks")))
 
 
 def live_processes(jobs_dir: str | os.PathLike[str]) -> Iterator[tuple[str, int]]:
     """(SHIM or WORKER, pid) of every attempt's shim and worker under `jobs_dir` that
-    is still the process its file recorded (pid and create time): what a test or a
+    is still the process its file recorded (pid and start ticks): what a test or a
     benchmark must kill when it tears a data dir down."""
     for adir in sorted(Path(jobs_dir).glob("*/attempt-*")):
         shim, worker = read_shim(adir), read_worker(adir)
-        if shim is not None and is_same_process(shim["pid"], shim["create_time"]):
+        if shim is not None and is_same_process(shim["pid"], shim["create_time"],
+                                                shim.get("start_ticks")):
             yield SHIM, shim["pid"]
-        if worker is not None and is_same_process(worker.pid, worker.create_time):
+        if worker is not None and is_same_process(worker.pid, worker.create_time,
+                                                  worker.start_ticks):
             yield WORKER, worker.pid
 
 

@@ -28,10 +28,9 @@ from supervisor.runtime.fileio import atomic_write_json, create_json_exclusive
 from supervisor.runtime.files import ExitStatus, WorkerInfo
 from supervisor.runtime.procfs import (
     all_stats,
-    create_time,
     is_same_process,
+    is_started_at,
     read_stat,
-    same_create_time,
     signal_group,
     start_ticks_to_time,
 )
@@ -53,6 +52,8 @@ class Attempt:
     dir: Path
     shim_pid: int | None = None
     shim_create_time: float | None = None
+    shim_start_ticks: int | None = None
+    """The shim's identity with its pid (`procfs.is_same_process`)."""
 
 
 def attempt_dir(jobs_dir: Path, job_id: str, number: int) -> Path:
@@ -115,7 +116,7 @@ class Backend(ABC):
 
     @abstractmethod
     def attempt(self, job_id: str, number: int, shim_pid: int | None,
-                shim_create_time: float | None) -> Attempt:
+                shim_create_time: float | None, shim_start_ticks: int | None) -> Attempt:
         """The attempt of a stored job (the shim's identity from the attempt's files
         when the database does not have it)."""
 
@@ -200,12 +201,15 @@ class LocalBackend(Backend):
                      "PYTHONPATH": _package_root_on_path()},
             )
         self._children[proc.pid] = proc
-        attempt = Attempt(job_id, number, adir, proc.pid, create_time(proc.pid))
+        stat = read_stat(proc.pid)
+        attempt = Attempt(job_id, number, adir, proc.pid,
+                          start_ticks_to_time(stat.start_ticks) if stat else None,
+                          stat.start_ticks if stat else None)
         self._watcher.add(proc.pid)
         return attempt
 
     def attempt(self, job_id: str, number: int, shim_pid: int | None,
-                shim_create_time: float | None) -> Attempt:
+                shim_create_time: float | None, shim_start_ticks: int | None) -> Attempt:
         """The attempt of a stored job; the shim's identity from its own `shim.json` when
         the daemon died before recording it."""
         adir = attempt_dir(self.jobs_dir, job_id, number)
@@ -213,7 +217,8 @@ class LocalBackend(Backend):
             shim = files.read_shim(adir)
             if shim is not None:
                 shim_pid, shim_create_time = shim["pid"], shim["create_time"]
-        return Attempt(job_id, number, adir, shim_pid, shim_create_time)
+                shim_start_ticks = shim.get("start_ticks")
+        return Attempt(job_id, number, adir, shim_pid, shim_create_time, shim_start_ticks)
 
     def settle_launch(self, attempt: Attempt) -> LaunchFate:
         """Claim an attempt whose shim left no trace (see `LaunchFate`)."""
@@ -230,7 +235,8 @@ class LocalBackend(Backend):
         claim = files.read_claim(attempt.dir)
         if claim is not None and claim["by"] == "daemon":
             return LaunchFate.ABANDONED  # by an earlier daemon that died before relaunching
-        if claim is not None and is_same_process(claim["pid"], claim.get("create_time")):
+        if claim is not None and is_same_process(claim["pid"], claim.get("create_time"),
+                                                 claim.get("start_ticks")):
             return LaunchFate.WAIT
         return LaunchFate.DEAD
 
@@ -246,9 +252,8 @@ class LocalBackend(Backend):
 
     def shim_state(self, attempt: Attempt) -> ShimState:
         stat = read_stat(attempt.shim_pid) if attempt.shim_pid is not None else None
-        if (stat is None or stat.state in ("Z", "X") or attempt.shim_create_time is None
-                or not same_create_time(start_ticks_to_time(stat.start_ticks),
-                                        attempt.shim_create_time)):
+        if (stat is None or stat.state in ("Z", "X")
+                or not is_started_at(stat, attempt.shim_start_ticks, attempt.shim_create_time)):
             return ShimState.GONE
         return ShimState.SUSPENDED if stat.state in ("T", "t") else ShimState.RUNNING
 
@@ -282,7 +287,8 @@ class LocalBackend(Backend):
         """Wake the engine as soon as this attempt's shim (or shim-less worker) exits."""
         if self.shim_alive(attempt) and attempt.shim_pid is not None:
             self._watcher.add(attempt.shim_pid)
-        elif worker is not None and is_same_process(worker.pid, worker.create_time):
+        elif worker is not None and is_same_process(worker.pid, worker.create_time,
+                                                    worker.start_ticks):
             self._watcher.add(worker.pid)
 
     def forget(self, attempt: Attempt) -> None:
@@ -306,11 +312,10 @@ def worker_group_alive(worker: WorkerInfo) -> bool:
     The group's id is the worker's pid, and the kernel keeps a pid number reserved while
     any process still has it as its group id. So the group is still the worker's unless
     another process now holds that pid (then the group, if any, is that stranger's)."""
-    if is_same_process(worker.pid, worker.create_time):
+    if is_same_process(worker.pid, worker.create_time, worker.start_ticks):
         return True
-    holder = create_time(worker.pid)  # our worker as a zombie, or a stranger
-    if holder is not None and (worker.create_time is None
-                               or not same_create_time(holder, worker.create_time)):
+    holder = read_stat(worker.pid)  # our worker as a zombie, or a stranger
+    if holder is not None and not is_started_at(holder, worker.start_ticks, worker.create_time):
         return False
     return any(stat.pgid == worker.pid and stat.state not in ("Z", "X")
                for stat in all_stats())

@@ -2,8 +2,13 @@
 `/proc/<pid>/stat` (stdlib only: the shim imports it).
 
 A pid alone names a process only until it is reused; jobsup identifies a process by
-(pid, create_time), the create time computed exactly as psutil does (boot time plus
-the start time in clock ticks), so both agree to the tick.
+(pid, start_ticks): its start time after boot in clock ticks, which the kernel fixes at
+fork and no clock adjustment moves. The create time (boot time plus start ticks, computed
+exactly as psutil does) is kept beside it for people and for files written before
+start ticks were recorded; it is not an identity across processes: /proc/stat's boot
+time is the wall clock minus the time since boot, so it moves whenever the wall clock
+is stepped or slewed (NTP), and two processes that read it at different times compute
+create times seconds apart for one process.
 """
 
 from __future__ import annotations
@@ -92,6 +97,21 @@ def start_ticks_to_time(start_ticks: int) -> float:
     return round(_boot_time() + start_ticks / CLOCK_TICKS, 2)
 
 
+def start_ticks_of(pid: int) -> int | None:
+    """The process's start time after boot in clock ticks, None if it is gone."""
+    stat = read_stat(pid)
+    return stat.start_ticks if stat else None
+
+
+def is_started_at(stat: ProcStat, start_ticks: int | None, create_time: float | None) -> bool:
+    """`stat` is of the process recorded with these start ticks (exact), or, for a
+    record without them (written by an older shim), with this create time."""
+    if start_ticks is not None:
+        return stat.start_ticks == start_ticks
+    return create_time is not None and same_create_time(
+        start_ticks_to_time(stat.start_ticks), create_time)
+
+
 def same_create_time(a: float, b: float) -> bool:
     """Two create times name the same process (`CREATE_TIME_TOLERANCE_S`)."""
     return abs(a - b) < CREATE_TIME_TOLERANCE_S
@@ -128,14 +148,16 @@ def process_state(pid: int) -> str | None:
     return stat.state if stat else None
 
 
-def is_same_process(pid: int | None, expected_create_time: float | None) -> bool:
-    """True when `pid` is alive, not a zombie, and is the process created at that time."""
-    if pid is None or expected_create_time is None:
+def is_same_process(pid: int | None, expected_create_time: float | None,
+                    expected_start_ticks: int | None = None) -> bool:
+    """True when `pid` is alive, not a zombie, and is the process recorded with these
+    start ticks (or, without them, this create time: `is_started_at`)."""
+    if pid is None:
         return False
     stat = read_stat(pid)
     if stat is None or stat.state in ("Z", "X"):
         return False
-    return same_create_time(start_ticks_to_time(stat.start_ticks), expected_create_time)
+    return is_started_at(stat, expected_start_ticks, expected_create_time)
 
 
 def signal_group(pgid: int, sig: signal.Signals) -> bool:

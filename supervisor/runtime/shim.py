@@ -37,7 +37,13 @@ from typing import Any
 
 from supervisor.runtime import files
 from supervisor.runtime.fileio import atomic_write_json, create_json_exclusive
-from supervisor.runtime.procfs import all_stats, create_time, group_alive, signal_group
+from supervisor.runtime.procfs import (
+    all_stats,
+    create_time,
+    group_alive,
+    signal_group,
+    start_ticks_of,
+)
 
 PR_SET_CHILD_SUBREAPER = 36
 CLAIM_FILE = files.CLAIM
@@ -143,7 +149,8 @@ class Shim:
         signal.signal(signal.SIGALRM, self._on_grace_over)
         _become_subreaper()
         me = os.getpid()
-        identity = files.Identity(pid=me, create_time=create_time(me))
+        identity = files.Identity(pid=me, create_time=create_time(me),
+                                  start_ticks=start_ticks_of(me))
         try:
             reserve_status(self.attempt_dir / STATUS_FILE)
         except OSError as exc:  # a full disk: the daemon claims and relaunches later
@@ -152,7 +159,8 @@ class Shim:
             return 1
         try:
             claimed = create_json_exclusive(self.attempt_dir / CLAIM_FILE, files.Claim(
-                by="shim", pid=identity["pid"], create_time=identity["create_time"]))
+                by="shim", pid=identity["pid"], create_time=identity["create_time"],
+                start_ticks=identity.get("start_ticks")))
         except OSError as exc:  # a full disk: the daemon settles the launch later
             print(f"jobsup shim: cannot claim the launch ({exc}); not starting the job",
                   file=sys.stderr)
@@ -186,7 +194,8 @@ class Shim:
 
         worker_pid = self.worker.pid
         _write_or_warn(self.attempt_dir / files.WORKER, files.WorkerRecord(
-            pid=worker_pid, create_time=create_time(worker_pid), started_at=time.time()))
+            pid=worker_pid, create_time=create_time(worker_pid),
+            start_ticks=start_ticks_of(worker_pid), started_at=time.time()))
         if self.stop_requested:  # a stop that arrived while the worker was starting
             signal_group(worker_pid, signal.SIGTERM)
 

@@ -16,6 +16,8 @@ from sqlalchemy.orm import Session
 
 from supervisor.errors import Conflict, JobNotFound, JobRecordUnwritable
 from supervisor.runtime.fileio import atomic_write_json
+from supervisor.runtime.files import WorkerInfo
+from supervisor.runtime.launcher import Attempt
 from supervisor.spec import ENDED_STATES, AlertState, ExitReason, JobSpec, JobState
 from supervisor.storage.database import UNCOMMITTED_JOB_RECORDS
 from supervisor.storage.tables import Alert, Job, JobEvent, Sample, SampleRecord
@@ -114,9 +116,22 @@ def start_attempt(session: Session, job: Job, *, now: float) -> None:
     """A new attempt of a pending job: its number, no process or exit yet, running."""
     job.attempt += 1
     job.started_at, job.ended_at, job.next_start_at = now, None, None
-    job.pid = job.pid_create_time = job.shim_pid = job.shim_create_time = None
+    job.pid = job.pid_create_time = job.pid_start_ticks = None
+    job.shim_pid = job.shim_create_time = job.shim_start_ticks = None
     job.exit_code = job.signal = job.exit_reason = None
     transition(session, job, JobState.RUNNING, now=now, reason=f"started (attempt {job.attempt})")
+
+
+def record_shim(job: Job, attempt: Attempt) -> None:
+    """The identity of the attempt's shim (pid, start ticks, create time)."""
+    job.shim_pid, job.shim_create_time = attempt.shim_pid, attempt.shim_create_time
+    job.shim_start_ticks = attempt.shim_start_ticks
+
+
+def record_worker(job: Job, worker: WorkerInfo) -> None:
+    """The identity of the worker the attempt's shim started."""
+    job.pid, job.pid_create_time, job.pid_start_ticks = (worker.pid, worker.create_time,
+                                                         worker.start_ticks)
 
 
 def record_exit(job: Job, *, exit_code: int | None, signal: int | None) -> None:

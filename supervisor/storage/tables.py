@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
-from sqlalchemy import BigInteger, Boolean, Float, ForeignKey, Index, Integer, String, Text
+from sqlalchemy import BigInteger, Boolean, Float, ForeignKey, Index, Integer, String, Text, text
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 
 
@@ -28,9 +28,13 @@ class Job(Base):
     # the worker (the job's own process; its pid is also its process group id)
     pid: Mapped[int | None] = mapped_column(Integer)
     pid_create_time: Mapped[float | None] = mapped_column(Float)
+    pid_start_ticks: Mapped[int | None] = mapped_column(Integer)
+    """With `pid`, the worker's identity (`procfs.is_same_process`); the create time is
+    for people and for rows written before migration 0006."""
     # the shim that started the worker and records its exit
     shim_pid: Mapped[int | None] = mapped_column(Integer)
     shim_create_time: Mapped[float | None] = mapped_column(Float)
+    shim_start_ticks: Mapped[int | None] = mapped_column(Integer)
 
     attempt: Mapped[int] = mapped_column(Integer, default=0)
     restarts: Mapped[int] = mapped_column(Integer, default=0)
@@ -111,6 +115,9 @@ class Alert(Base):
     unique index enforces it (migration 0003)."""
 
     __tablename__ = "alerts"
+    __table_args__ = (Index("ux_alerts_firing", "job_id", "rule", unique=True,
+                            sqlite_where=text("state = 'firing'"),
+                            postgresql_where=text("state = 'firing'")),)
 
     id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
     job_id: Mapped[str] = mapped_column(ForeignKey("jobs.id", ondelete="CASCADE"), index=True)
