@@ -26,6 +26,7 @@ import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field, replace
+from functools import partial
 from pathlib import Path
 
 from supervisor.observe import forecast
@@ -66,7 +67,12 @@ FILE_WORKERS = 64
 """Most threads reading the jobs' output trees and progress files. A thread is started
 only when every thread is busy, and each job has at most one reading in flight, so a
 reading stuck on a dead file server holds one thread and the other jobs get new ones
-(I/O bound: a handful serve hundreds of healthy jobs)."""
+(I/O bound: a handful serve hundreds of healthy jobs; see `READINGS_PER_BATCH`)."""
+
+
+READINGS_PER_BATCH = 16
+"""Most jobs whose file readings one worker thread takes one after the other per tick
+(`FilePool.submit_all`): more jobs on one filesystem spread over more threads."""
 
 
 ACTIVITY_CPU_S = 0.05
@@ -202,6 +208,7 @@ class Observer:
         started = time.monotonic()
         self._settle_endings({job.job_id for job in jobs})
         states = [self._state_for(job, now, started) for job in jobs]
+        self._start_readings(states, now, started)
         readings, tree_errors = self._sample_trees(jobs, now)
         waiting = [state.inflight.future for state in states  # those started this tick;
                    if state.inflight is not None and state.inflight.tick == self._tick]
@@ -299,8 +306,8 @@ class Observer:
         self.views.setdefault(job_id, JobView(progress=progress))
 
     def _state_for(self, job: ObservedJob, now: float, started: float) -> _JobState:
-        """The job's state, its file reading picked up if done, a new one started if
-        none runs."""
+        """The job's state, its file reading picked up if done (`_start_readings`
+        starts the next)."""
         state = self._state.get(job.job_id)
         if state is None:
             state = self._state[job.job_id] = _JobState(
@@ -308,16 +315,33 @@ class Observer:
         state.job = job
         state.tick_at = (now, started)
         state.pick_up()
-        if state.inflight is None:
-            files = state.files
-            try:
-                future = self._workers.submit(lambda: files.read(job, now))
-            except RuntimeError as error:
-                state.start_error = str(error)
-            else:
-                state.start_error = None
-                state.inflight = _Inflight(future, started, self._tick)
         return state
+
+    def _start_readings(self, states: Sequence[_JobState], now: float, started: float) -> None:
+        """A new file reading for every job with none in flight, in batches of at most
+        READINGS_PER_BATCH jobs whose last reading was on the same filesystem (a dead
+        file server holds only readings that would hang on it anyway); a job not read
+        yet is a batch of its own."""
+        batches: dict[object, list[tuple[_JobState, ObservedJob]]] = {}
+        for state in states:
+            if state.inflight is not None or state.job is None:
+                continue
+            device = state.reading.device if state.reading is not None else None
+            key = device if device is not None else ("job", state.job.job_id)
+            batches.setdefault(key, []).append((state, state.job))
+        for members in batches.values():
+            for first in range(0, len(members), READINGS_PER_BATCH):
+                batch = members[first:first + READINGS_PER_BATCH]
+                try:
+                    futures = self._workers.submit_all(
+                        [partial(state.files.read, job, now) for state, job in batch])
+                except RuntimeError as error:
+                    for state, _ in batch:
+                        state.start_error = str(error)
+                    continue
+                for (state, _), future in zip(batch, futures, strict=True):
+                    state.start_error = None
+                    state.inflight = _Inflight(future, started, self._tick)
 
     def _sample_trees(self, jobs: Sequence[ObservedJob], now: float
                       ) -> tuple[dict[str, TreeReading], dict[str, str]]:
