@@ -122,12 +122,19 @@ class Publisher:
         tree = self._tree(errors)
         scan = self._scan(final, errors)
         free_bytes = total_bytes = device = None
-        try:
-            stat = os.statvfs(self.disk_path)
-            free_bytes, total_bytes = stat.f_bavail * stat.f_frsize, stat.f_blocks * stat.f_frsize
-            device = os.stat(self.disk_path).st_dev
-        except OSError as exc:  # not created yet, or gone: no figures, not zero
-            errors.append(f"disk: {exc.strerror or exc}")
+        path = Path(self.disk_path)  # or its nearest existing parent (not created yet)
+        while True:
+            try:
+                stat = os.statvfs(path)
+                free_bytes, total_bytes = (stat.f_bavail * stat.f_frsize,
+                                           stat.f_blocks * stat.f_frsize)
+                device = os.stat(path).st_dev
+                break
+            except OSError as exc:
+                if path.parent == path:
+                    errors.append(f"disk: {exc.strerror or exc}")
+                    break
+                path = path.parent
         reading: dict[str, Any] = dict(
             seq=self.seq, t=time.time(), node=self.node, interval_s=self.observe["interval_s"],
             **tree, **scan, disk_free_bytes=free_bytes, disk_total_bytes=total_bytes,
