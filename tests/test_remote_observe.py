@@ -211,6 +211,9 @@ def test_progress_eta_and_resources_come_from_the_shim(make_daemon, tmp_path: Pa
     samples = samples_of(daemon, job["id"])
     assert len(samples) >= 5 and all(s["cpu_time_s"] in published for s in samples)
     assert samples[-1]["num_procs"] == 2 and samples[-1]["files"] == 30
+    shown = subprocess.run([PY, "-m", "supervisor", "show", job["id"], "--url", daemon.url],
+                           capture_output=True, text=True, timeout=60, cwd=REPO)
+    assert f"node\t{socket.gethostname()}\n" in shown.stdout, shown.stderr
     daemon.http.post(f"/api/v1/jobs/{job['id']}/stop")
     daemon.wait_state(job["id"], "stopped")
 
