@@ -38,7 +38,7 @@ from supervisor.observe.readings import (
     items_from,
     output_scanner,
 )
-from supervisor.observe.remote import NO_TREE, ShimFileSide, ShimReading
+from supervisor.observe.remote import NO_TREE, ShimFileSide, ShimReading, backlog_samples
 from supervisor.observe.sampler import Sampler, TreeGpuMemory, TreeReading, TreeTarget
 from supervisor.observe.threads import FilePool
 from supervisor.observe.view import (
@@ -440,25 +440,15 @@ class Observer:
         time, newer than its last sample; they count for its activity and, where the job's
         items are its files (`counted`), for its progress and forecast. Its progress file
         or log was not read then: their `items_done` is None otherwise."""
-        samples = []
-        for r in readings:
-            if state.last_sample_t is not None and r.t <= state.last_sample_t:
-                continue
-            bytes_written = r.bytes_written or 0
-            items_done = r.files if counted else None
-            if items_done is not None:
-                state.noteitems_from(items_done, r.t)
-                self._remember(state, forecast.Observation(r.t, items_done, bytes_written))
-            state.note_activity(r.tree, bytes_written, r.t)
-            tree = r.tree
-            samples.append(SampleRecord(
-                job_id=job.job_id, t=r.t, items_done=items_done, items_total=items_total,
-                files=r.files or 0, bytes_written=bytes_written,
-                cpu_percent=tree.cpu_percent, cpu_time_s=tree.cpu_time_s,
-                rss_bytes=tree.rss_bytes, read_bytes=tree.read_bytes,
-                write_bytes=tree.write_bytes, num_procs=tree.num_procs,
-                num_threads=tree.num_threads, gpu_memory_bytes=tree.gpu_memory_bytes,
-                disk_free_bytes=r.free_bytes))
+        after = state.last_sample_t
+        newer = [r for r in readings if after is None or r.t > after]
+        samples = backlog_samples(job.job_id, newer, items_total=items_total, counted=counted)
+        for sample, r in zip(samples, newer, strict=True):
+            if sample.items_done is not None:
+                state.noteitems_from(sample.items_done, r.t)
+                self._remember(state, forecast.Observation(r.t, sample.items_done,
+                                                           sample.bytes_written))
+            state.note_activity(r.tree, sample.bytes_written, r.t)
             state.last_sample_t = r.t
         return samples
 

@@ -26,6 +26,7 @@ import os
 import socket
 import time
 import zlib
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -35,6 +36,7 @@ from supervisor.observe.readings import FileReading, FileSide, ObservedJob, Scan
 from supervisor.observe.sampler import TreeGpuMemory, TreeReading
 from supervisor.runtime import files
 from supervisor.runtime.fileio import open_regular, read_at
+from supervisor.storage.tables import SampleRecord
 
 log = logging.getLogger(__name__)
 
@@ -188,6 +190,21 @@ class ShimFeed:
             self._inode = current
             lines += more
         return lines
+
+
+def backlog_samples(job_id: str, readings: Sequence[ShimReading], *,
+                    items_total: int | None, counted: bool) -> list[SampleRecord]:
+    """A sample of each of a job's readings (those older than its newest), at its own
+    time. `counted`: the job's items are its files; else their `items_done` is None (its
+    progress file or log was not read then)."""
+    return [SampleRecord(
+        job_id=job_id, t=r.t, items_done=r.files if counted else None,
+        items_total=items_total, files=r.files or 0, bytes_written=r.bytes_written or 0,
+        cpu_percent=r.tree.cpu_percent, cpu_time_s=r.tree.cpu_time_s,
+        rss_bytes=r.tree.rss_bytes, read_bytes=r.tree.read_bytes,
+        write_bytes=r.tree.write_bytes, num_procs=r.tree.num_procs,
+        num_threads=r.tree.num_threads, gpu_memory_bytes=r.tree.gpu_memory_bytes,
+        disk_free_bytes=r.free_bytes) for r in readings]
 
 
 class ShimFileSide(FileSide):
