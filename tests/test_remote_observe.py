@@ -280,3 +280,25 @@ def test_a_silent_shim_goes_stale_and_the_job_stalls(make_daemon, tmp_path: Path
     assert len(samples_of(daemon, job["id"])) > stored
     daemon.http.post(f"/api/v1/jobs/{job['id']}/stop")
     daemon.wait_state(job["id"], "stopped")
+
+
+@pytest.mark.slow
+def test_a_crash_is_told_with_the_shims_final_figures(make_daemon, tmp_path: Path) -> None:
+    daemon: Daemon = make_daemon(env=SHIM_ENV)
+    out = tmp_path / "out"
+    code = (f"import os, time; os.makedirs({str(out)!r})\n"
+            f"for i in range(4):\n"
+            f"    open(os.path.join({str(out)!r}, f'{{i}}.bin'), 'wb').write(b'x' * 10)\n"
+            f"    time.sleep(0.05)\n"
+            f"raise SystemExit(3)")
+    job = daemon.submit([PY, "-c", code], output_dir=str(out), pattern="*.bin",
+                        expected_items=10)
+    failed = daemon.wait_state(job["id"], "failed")
+    assert failed["exit_code"] == 3
+    ended = wait_for(lambda: (j := daemon.job(job["id"]))["progress"]["files"] == 4 and j, 10,
+                     what="the final reading's figures")
+    assert ended["progress"]["bytes_written"] == 40
+    alerts = daemon.http.get("/api/v1/alerts", params={"state": "firing"}).json()
+    assert [a["rule"] for a in alerts if a["job_id"] == job["id"]] == ["crashed"]
+    lines = lines_of(daemon.data_dir / "jobs" / job["id"] / "attempt-1")
+    assert lines[-1]["final"] and lines[-1]["files"] == 4
