@@ -392,8 +392,9 @@ class Observer:
                 last_progress_at=state.last_progress_at, metrics=metrics,
                 observed_at=fresh.t, observation_error=fresh.stale)
             if fresh.stale != state.logged_error:
-                if fresh.stale is not None:
-                    log.warning("job %s: %s", job.job_id, fresh.stale)
+                if fresh.stale is not None:  # (a shim that has not published yet: debug)
+                    log.log(logging.WARNING if state.node else logging.DEBUG, "job %s: %s",
+                            job.job_id, fresh.stale)
                 elif state.logged_error is not None and job.remote:
                     log.info("job %s: its shim's readings are fresh again", job.job_id)
             state.logged_error = fresh.stale
