@@ -73,7 +73,9 @@ def test_the_publisher_thread_reads_the_tree_and_the_outputs(tmp_path: Path) -> 
         for i in range(3, 5):
             (out / f"item{i}.bin").write_bytes(b"x" * 100)
         wait_for(lambda: lines_of(tmp_path)[-1]["files"] == 5, 10, what="the new items")
-        time.sleep(0.5)  # the spinner's CPU time shows in a few more readings
+        first = next(line for line in lines_of(tmp_path) if line["num_procs"] == 2)
+        wait_for(lambda: lines_of(tmp_path)[-1]["cpu_time_s"] > first["cpu_time_s"] + 0.05,
+                 20, what="the spinner's CPU time in the readings")
     finally:
         stop_group(worker)
     assert publisher.stop()
