@@ -81,15 +81,21 @@ class Publisher:
         interval = self.observe["interval_s"]
         next_at = time.monotonic()
         while not self._stop.is_set():
-            self.publish(final=False)
+            self._publish_or_warn(final=False)
             next_at += interval
             now = time.monotonic()
             if next_at <= now:  # a slow reading: the next one an interval from now
                 next_at = now + interval
             self._stop.wait(next_at - now)
-        self.publish(final=True)
+        self._publish_or_warn(final=True)
         if self._gpu is not None:
             self._gpu.close()
+
+    def _publish_or_warn(self, *, final: bool) -> None:
+        try:
+            self.publish(final=final)
+        except Exception as exc:  # noqa: BLE001 - a bug here must not end the readings
+            self._warn(f"reading {self.seq} failed: {exc!r}")
 
     def publish(self, *, final: bool) -> files.Observed:
         """Take one reading and append it; returns it."""
