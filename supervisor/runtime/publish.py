@@ -95,7 +95,7 @@ class Publisher:
         try:
             self.publish(final=final)
         except Exception as exc:  # noqa: BLE001 - a bug here must not end the readings
-            self._warn(f"reading {self.seq} failed: {exc!r}")
+            self._warn(f"a reading failed: {exc!r}")  # once while it repeats
 
     def publish(self, *, final: bool) -> files.Observed:
         """Take one reading and append it; returns it."""
