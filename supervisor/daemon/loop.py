@@ -20,6 +20,7 @@ from supervisor.config import Settings
 from supervisor.daemon import lifecycle
 from supervisor.observe.observer import SCAN_BUDGET_S, ObservedJob, Observer
 from supervisor.observe.view import progress_json, stored_progress
+from supervisor.runtime import files
 from supervisor.runtime.fileio import tail_lines
 from supervisor.runtime.launcher import (
     Attempt,
@@ -28,6 +29,7 @@ from supervisor.runtime.launcher import (
     LaunchFate,
     LocalBackend,
     ShimState,
+    attempt_dir,
     log_path,
 )
 from supervisor.spec import ExitReason, JobSpec, JobState, stored_spec
@@ -74,7 +76,11 @@ class Engine:
         self.sessions = sessions
         self.clock: Callable[[], float] = clock or SteadyClock()
         """Every timeout and backoff is measured on this clock (see `clock.py`)."""
-        self.backend: Backend = backend or LocalBackend(settings.jobs_dir, on_exit=self.wake)
+        self.backend: Backend = backend or LocalBackend(
+            settings.jobs_dir, on_exit=self.wake,
+            publish_interval_s=settings.sample_interval if settings.observe == "shim" else None)
+        self._shim_observes: dict[tuple[str, int], bool] = {}
+        """Per (job, attempt): observed through its shim's readings (`observed.jsonl`)."""
         self._wake = threading.Event()
         self._should_exit = threading.Event()
         self._thread: threading.Thread | None = None
@@ -341,7 +347,22 @@ class Engine:
         else:
             root, root_time, root_ticks = job.pid or -1, job.pid_create_time, job.pid_start_ticks
         return ObservedJob(job.id, stored_spec(job.spec_json), job.attempt,
-                           root, root_time, job.pid, job.started_at, root_ticks)
+                           root, root_time, job.pid, job.started_at, root_ticks,
+                           remote=self._observed_by_shim(job))
+
+    def _observed_by_shim(self, job: Job) -> bool:
+        """The job's shim publishes its readings: always on a backend whose jobs run
+        elsewhere; under JOBSUP_OBSERVE=shim, if its launch asked for them (a job launched
+        by a daemon without the setting is read here)."""
+        if not self.backend.observes_locally:
+            return True
+        if self.settings.observe != "shim":
+            return False
+        key = (job.id, job.attempt)
+        if key not in self._shim_observes:
+            launch = files.read_launch(attempt_dir(self.settings.jobs_dir, job.id, job.attempt))
+            self._shim_observes[key] = launch is not None and "observe" in launch
+        return self._shim_observes[key]
 
     def _attempt(self, job: Job) -> Attempt:
         return self.backend.attempt(job.id, job.attempt, job.shim_pid, job.shim_create_time,

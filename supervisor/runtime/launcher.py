@@ -81,6 +81,12 @@ def job_environment(base: Mapping[str, str], spec: JobSpec, job_id: str, number:
     return env
 
 
+def observe_request(spec: JobSpec, interval_s: float) -> files.Observe:
+    """`launch.json`'s `observe` for a job whose shim publishes its readings."""
+    return files.Observe(interval_s=interval_s, output_dir=spec.output_dir,
+                         pattern=spec.pattern, gpu=True)
+
+
 class LaunchFate(StrEnum):
     """What became of a launch whose shim left no trace in time."""
 
@@ -108,6 +114,11 @@ class ShimState(StrEnum):
 class Backend(ABC):
     """What the engine needs of a launcher. `LocalBackend` runs shims on this machine;
     a cluster backend (SLURM) implements the same calls with its scheduler's tools."""
+
+    observes_locally: bool = True
+    """The daemon can read its jobs' /proc, NVML and output files (they run here). A
+    backend whose shims run on other nodes sets it False, asks them to publish their
+    readings (`observe_request` in `launch.json`) and the engine reads those instead."""
 
     @abstractmethod
     def start(self, job_id: str, number: int, spec: JobSpec, *, cwd: str,
@@ -177,8 +188,12 @@ class Backend(ABC):
 class LocalBackend(Backend):
     """Shims as children of the daemon on this machine."""
 
-    def __init__(self, jobs_dir: Path, on_exit: Callable[[], None]):
+    def __init__(self, jobs_dir: Path, on_exit: Callable[[], None], *,
+                 publish_interval_s: float | None = None):
+        """`publish_interval_s`: the shims publish their readings this often
+        (`JOBSUP_OBSERVE=shim`); None: the daemon reads the jobs itself."""
         self.jobs_dir = jobs_dir
+        self.publish_interval_s = publish_interval_s
         self._children: dict[int, subprocess.Popen[bytes]] = {}
         self._watcher = ExitWatcher(on_exit)
 
@@ -188,10 +203,13 @@ class LocalBackend(Backend):
         adir.mkdir(parents=True, exist_ok=True)
         env = job_environment(os.environ, spec, job_id, number,
                               progress_path(self.jobs_dir, job_id))
-        atomic_write_json(adir / files.LAUNCH, files.Launch(
+        launch = files.Launch(
             job_id=job_id, attempt=number, argv=spec.command, cwd=cwd, env=env,
             log_path=str(adir / files.OUTPUT_LOG), stop_grace_s=stop_grace_s,
-        ))
+        )
+        if self.publish_interval_s is not None:
+            launch["observe"] = observe_request(spec, self.publish_interval_s)
+        atomic_write_json(adir / files.LAUNCH, launch)
         with open(adir / files.SHIM_LOG, "ab") as shim_log:
             proc = subprocess.Popen(
                 [sys.executable, "-m", "supervisor.runtime.shim", str(adir)],
