@@ -398,3 +398,39 @@ def test_glob_matcher_agrees_with_the_regex_it_replaced() -> None:
             assert matcher.may_descend("/".join(directory)) is descend, (pattern, directory)
             compared += 1
     assert compared > 15_000
+
+
+def test_incremental_totals_equal_a_fresh_scan_after_random_changes(tmp_path: Path) -> None:
+    """Re-listings keep the totals by difference (files added, removed, replaced by a
+    rename with another size, the newest one deleted): after each round of changes they
+    equal what a new scanner finds by walking everything."""
+    rng = random.Random(15)
+    names = [f"item{i:04d}.bin" for i in range(300)]
+    for name in names[:200]:
+        write(tmp_path / name, rng.randint(1, 50))
+    scanner = OutputScanner(str(tmp_path), "*.bin")
+    scanner.scan(LATER)
+    for _ in range(6):
+        wait_for_new_timestamp()
+        for name in rng.sample(names, 40):
+            path = tmp_path / name
+            action = rng.choice(["add", "delete", "replace"])
+            if action == "delete":
+                path.unlink(missing_ok=True)
+            elif action == "replace" or path.exists():  # (an in-place rewrite of a
+                write(tmp_path / f".{name}.tmp", rng.randint(1, 50))  # settled file is
+                os.replace(tmp_path / f".{name}.tmp", path)  # a documented blind spot)
+            else:
+                write(path, rng.randint(51, 90))
+        # about the names that changed are statted (40 of them), never all 200+
+        assert scanner.scan(LATER, final=True).files_statted <= 60
+        wait_for_new_timestamp()
+        newest = tmp_path / "newest.bin"
+        write(newest, 7)
+        assert scanner.scan(LATER, final=True).newest_mtime == newest.stat().st_mtime_ns / 1e9
+        newest.unlink()  # the newest file goes: the newest mtime must be found again
+        got = scanner.scan(LATER, final=True)
+        fresh = OutputScanner(str(tmp_path), "*.bin").scan(LATER, final=True)
+        assert (got.files, got.bytes, got.newest_mtime) == (
+            fresh.files, fresh.bytes, fresh.newest_mtime)
+        assert got.files_statted == 0  # a name that went needs no stat; the others none
