@@ -4,10 +4,13 @@ told once per attempt."""
 
 from __future__ import annotations
 
+import pytest
 from sqlalchemy.orm import Session, sessionmaker
 
 from supervisor.spec import JobSpec, JobState
 from supervisor.storage import outbox, store
+
+pytestmark = pytest.mark.both_databases
 
 T0 = 1_700_000_000.0
 

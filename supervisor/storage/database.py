@@ -1,4 +1,5 @@
-"""Database engine (SQLite pragmas), sessions, and schema upgrade through Alembic."""
+"""Database engine (SQLite with its pragmas, or PostgreSQL through psycopg 3), sessions,
+and schema upgrade through Alembic."""
 
 from __future__ import annotations
 
@@ -10,8 +11,11 @@ from typing import Any
 
 from alembic import command
 from alembic.config import Config
-from sqlalchemy import Engine, create_engine, event, make_url
+from sqlalchemy import URL, Engine, create_engine, event, make_url
+from sqlalchemy.exc import ArgumentError, NoSuchModuleError
 from sqlalchemy.orm import Session, SessionTransaction, sessionmaker
+
+from supervisor.errors import DatabaseUnavailable
 
 log = logging.getLogger(__name__)
 
@@ -19,16 +23,54 @@ SQLITE_BUSY_TIMEOUT_MS = 10_000
 """How long a writer waits for the lock before SQLITE_BUSY, in milliseconds."""
 
 
+POSTGRESQL_DRIVER = "postgresql+psycopg"
+"""The PostgreSQL driver jobsup installs (psycopg 3, the `postgresql` extra)."""
+
+POSTGRESQL_POOL_SIZE = 5
+"""Connections kept open to PostgreSQL: the tick, the notifier and a few API requests
+at once (each holds one only for its transaction)."""
+
+
+def database_url(url: str) -> URL:
+    """The URL as SQLAlchemy gets it: a plain `postgresql://` (or `postgres://`) URL
+    means psycopg 3, whatever SQLAlchemy's default driver for it (psycopg2 before 2.1)."""
+    parsed = make_url(url)
+    if parsed.drivername in ("postgresql", "postgres"):
+        parsed = parsed.set(drivername=POSTGRESQL_DRIVER)
+    return parsed
+
+
+def shown_url(url: str | URL) -> str:
+    """The URL for logs and error messages: its password replaced by `***`."""
+    try:
+        return make_url(url).render_as_string(hide_password=True)
+    except ArgumentError:  # not a URL at all: show no part of it
+        return "(an unparsable database URL)"
+
+
 def make_engine(url: str) -> Engine:
-    """An engine; for SQLite: WAL, busy_timeout, foreign keys, synchronous=NORMAL."""
-    is_sqlite = url.startswith("sqlite")
+    """An engine. SQLite: WAL, busy_timeout, foreign keys, synchronous=NORMAL.
+    PostgreSQL: connections checked before use (a restarted server or a dropped idle
+    connection costs a reconnect, not a failed tick) and recycled hourly."""
+    parsed = database_url(url)
+    is_sqlite = parsed.get_backend_name() == "sqlite"
     kwargs: dict[str, Any] = {}
     if is_sqlite:
         kwargs["connect_args"] = {"check_same_thread": False, "timeout": 10}
-        path = url.split("///", 1)[-1]
-        if path and path != ":memory:":
-            Path(path).parent.mkdir(parents=True, exist_ok=True)
-    engine = create_engine(url, **kwargs)
+        path = sqlite_path(url)
+        if path is not None:
+            path.parent.mkdir(parents=True, exist_ok=True)
+    elif parsed.get_backend_name() == "postgresql":
+        kwargs.update(pool_pre_ping=True, pool_recycle=3600, pool_size=POSTGRESQL_POOL_SIZE,
+                      max_overflow=10)
+    try:
+        engine = create_engine(parsed, **kwargs)
+    except (ImportError, NoSuchModuleError) as exc:
+        raise DatabaseUnavailable(
+            f"no driver for the database {shown_url(parsed)}: {exc}",
+            hint="install the PostgreSQL driver: pip install 'jobsup[postgresql]'"
+            if parsed.get_backend_name() == "postgresql" else
+            "use a sqlite:// or postgresql:// URL in JOBSUP_DATABASE_URL") from None
     if is_sqlite:
 
         @event.listens_for(engine, "connect")
@@ -41,6 +83,10 @@ def make_engine(url: str) -> Engine:
             cur.close()
 
     return engine
+
+
+def is_sqlite(engine: Engine) -> bool:
+    return engine.dialect.name == "sqlite"
 
 
 UNCOMMITTED_JOB_RECORDS = "jobsup.uncommitted_job_records"
@@ -98,4 +144,4 @@ def upgrade(engine: Engine) -> None:
     with engine.begin() as conn:
         cfg.attributes["connection"] = conn
         command.upgrade(cfg, "head")
-    log.info("database schema at head (%s)", engine.url.render_as_string(hide_password=True))
+    log.info("database schema at head (%s)", shown_url(engine.url))
