@@ -9,6 +9,7 @@ from sqlalchemy.orm import Session, sessionmaker
 
 from supervisor.spec import JobSpec, JobState
 from supervisor.storage import outbox, store
+from supervisor.storage.tables import SampleRecord
 
 pytestmark = pytest.mark.both_databases
 
@@ -50,3 +51,26 @@ def test_a_success_is_told_once_per_attempt(sessions: sessionmaker[Session]) -> 
         # attempt 2 (a restart by hand) started at T0 + 60: not told yet
         assert outbox.jobs_notified(session, "succeeded", {"j1": T0 + 60}) == set()
         assert outbox.jobs_notified(session, "succeeded", {}) == set()
+
+
+def test_counts_beyond_32_bits_are_kept(sessions: sessionmaker[Session]) -> None:
+    """Start ticks pass 2**31 after 248 days of uptime, and a progress count of tokens
+    passes it in a day of training: PostgreSQL's `integer` is 32 bits, SQLite's is not."""
+    ticks, tokens = 2**31 + 12_345, 5_000_000_000
+    with sessions() as session:
+        job = store.create_job(session, spec=JobSpec(name="j", command=["true"]), now=T0)
+        job.pid, job.pid_start_ticks, job.shim_start_ticks = 4242, ticks, ticks + 1
+        session.flush()
+        store.add_samples(session, [SampleRecord(
+            job_id=job.id, t=T0 + 1, items_done=tokens, items_total=2 * tokens, files=1,
+            bytes_written=1 << 40, cpu_percent=1.0, cpu_time_s=1.0, rss_bytes=1, read_bytes=1,
+            write_bytes=1, num_procs=1, num_threads=1, gpu_memory_bytes=None,
+            disk_free_bytes=None)])
+        session.commit()
+        job_id = job.id
+    with sessions() as session:
+        row = store.get_job(session, job_id)
+        assert (row.pid_start_ticks, row.shim_start_ticks) == (ticks, ticks + 1)
+        sample = store.latest_sample(session, job_id)
+        assert sample is not None and (sample.items_done, sample.items_total) == (tokens,
+                                                                                  2 * tokens)
