@@ -74,3 +74,24 @@ def test_counts_beyond_32_bits_are_kept(sessions: sessionmaker[Session]) -> None
         sample = store.latest_sample(session, job_id)
         assert sample is not None and (sample.items_done, sample.items_total) == (tokens,
                                                                                   2 * tokens)
+
+
+def test_downsampling_buckets_are_whole_minutes(sessions: sessionmaker[Session]) -> None:
+    """A minute's bucket keeps its newest sample, on both databases: the bucket is
+    floor(t / 60), where PostgreSQL's CAST to integer would round (x:50 joining the next
+    minute's x:10)."""
+    start = 1_800_000_000.0 // 900 * 900  # a whole quarter hour
+    times = [start + minute * 60 + second for minute in range(10) for second in (10, 50)]
+    with sessions() as session:
+        job = store.create_job(session, spec=JobSpec(name="j", command=["true"]), now=start)
+        session.flush()
+        store.add_samples(session, [SampleRecord(
+            job_id=job.id, t=t, items_done=i, items_total=None, files=0, bytes_written=0,
+            cpu_percent=0.0, cpu_time_s=0.0, rss_bytes=0, read_bytes=0, write_bytes=0,
+            num_procs=1, num_threads=1, gpu_memory_bytes=None, disk_free_bytes=None)
+            for i, t in enumerate(times)])
+        session.commit()
+        assert store.compact_samples(session, now=start + 7 * 3600) == 10
+        session.commit()
+        kept = [sample.t for sample in store.samples(session, job.id, since=0)]
+    assert kept == [start + minute * 60 + 50 for minute in range(10)]
