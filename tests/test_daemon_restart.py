@@ -12,7 +12,7 @@ import pytest
 
 from tests.helpers import Daemon, exit_recorded, job_module, python_job, wait_for
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.both_databases]
 
 
 def test_daemon_sigkill_while_two_jobs_run(make_daemon, tmp_path: Path) -> None:

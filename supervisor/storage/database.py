@@ -26,6 +26,11 @@ SQLITE_BUSY_TIMEOUT_MS = 10_000
 POSTGRESQL_DRIVER = "postgresql+psycopg"
 """The PostgreSQL driver jobsup installs (psycopg 3, the `postgresql` extra)."""
 
+POSTGRESQL_LOCK_TIMEOUT_MS = SQLITE_BUSY_TIMEOUT_MS
+"""How long a PostgreSQL statement waits for a lock (a row another transaction is
+writing) before it fails, as SQLite's busy timeout: a write that cannot be made is
+rolled back and retried (`transactions.py`, the notifier), never waited on forever."""
+
 POSTGRESQL_POOL_SIZE = 5
 """Connections kept open to PostgreSQL: the tick, the notifier and a few API requests
 at once (each holds one only for its transaction)."""
@@ -82,7 +87,23 @@ def make_engine(url: str) -> Engine:
             cur.execute("PRAGMA synchronous=NORMAL")
             cur.close()
 
+    elif engine.dialect.name == "postgresql":
+
+        @event.listens_for(engine, "connect")
+        def _lock_timeout(dbapi_conn: Any, _record: Any) -> None:
+            set_session(dbapi_conn, f"SET lock_timeout = {POSTGRESQL_LOCK_TIMEOUT_MS}")
+
     return engine
+
+
+def set_session(dbapi_conn: Any, statement: str) -> None:
+    """Run a `SET` on a new PostgreSQL connection outside a transaction: in one, the
+    pool's rollback at check-in would undo it."""
+    dbapi_conn.autocommit = True
+    try:
+        dbapi_conn.execute(statement)
+    finally:
+        dbapi_conn.autocommit = False
 
 
 def is_sqlite(engine: Engine) -> bool:
