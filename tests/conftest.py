@@ -24,7 +24,11 @@ DATABASES = ("sqlite", "postgresql")
 
 
 def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
-    if ("database_kind" in metafunc.fixturenames
+    """`both_databases`: `database_kind` for each database, unless the test names its own
+    (`@pytest.mark.parametrize("database_kind", ["postgresql"], indirect=True)`)."""
+    chosen = any("database_kind" in str(marker.args[0])
+                 for marker in metafunc.definition.iter_markers("parametrize"))
+    if ("database_kind" in metafunc.fixturenames and not chosen
             and metafunc.definition.get_closest_marker("both_databases")):
         metafunc.parametrize("database_kind", DATABASES, indirect=True)
 

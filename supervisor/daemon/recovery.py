@@ -48,7 +48,7 @@ from supervisor.alerting import rules
 from supervisor.config import Settings
 from supervisor.daemon.lifecycle import signal_name
 from supervisor.daemon.loop import LOG_TAIL_LINES
-from supervisor.errors import DatabaseDamaged, DatabaseUnavailable
+from supervisor.errors import DatabaseDamaged
 from supervisor.observe.progress_file import from_progress_file
 from supervisor.observe.view import ProgressRecord, progress_json
 from supervisor.runtime import files
@@ -73,6 +73,7 @@ from supervisor.storage.database import (
     make_sessionmaker,
     shown_url,
     sqlite_path,
+    unavailable,
     upgrade,
 )
 from supervisor.storage.store import JOB_RECORD
@@ -464,11 +465,7 @@ def open_server_database(settings: Settings, url: str, now: float) -> Engine:
             pass
     except OperationalError as exc:
         engine.dispose()
-        reason = str(exc.orig).strip().splitlines()[0] if exc.orig else str(exc)
-        raise DatabaseUnavailable(
-            f"cannot connect to the database {shown}: {reason}",
-            hint="start the database server, or fix JOBSUP_DATABASE_URL (the database and "
-                 "its role must exist; jobsup creates the tables)") from None
+        raise unavailable(url, exc) from None
     known = has_jobs(engine)
     upgrade(engine)
     if not known:

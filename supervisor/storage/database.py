@@ -5,17 +5,18 @@ from __future__ import annotations
 
 import contextlib
 import logging
+from collections.abc import Iterator
 from importlib import resources
 from pathlib import Path
 from typing import Any
 
 from alembic import command
 from alembic.config import Config
-from sqlalchemy import URL, Engine, create_engine, event, make_url
-from sqlalchemy.exc import ArgumentError, NoSuchModuleError
+from sqlalchemy import URL, Engine, create_engine, event, make_url, text
+from sqlalchemy.exc import ArgumentError, NoSuchModuleError, OperationalError
 from sqlalchemy.orm import Session, SessionTransaction, sessionmaker
 
-from supervisor.errors import DatabaseUnavailable
+from supervisor.errors import DaemonAlreadyRunning, DatabaseUnavailable
 
 log = logging.getLogger(__name__)
 
@@ -106,8 +107,48 @@ def set_session(dbapi_conn: Any, statement: str) -> None:
         dbapi_conn.autocommit = False
 
 
-def is_sqlite(engine: Engine) -> bool:
-    return engine.dialect.name == "sqlite"
+def unavailable(url: str | URL, exc: OperationalError) -> DatabaseUnavailable:
+    """A connection that could not be made (refused, no such database or role, a wrong
+    password), for the user: the URL without its password, the driver's first line."""
+    reason = str(exc.orig).strip().splitlines()[0] if exc.orig else str(exc)
+    return DatabaseUnavailable(
+        f"cannot connect to the database {shown_url(url)}: {reason}",
+        hint="start the database server, or fix JOBSUP_DATABASE_URL (the database and its "
+             "role must exist; jobsup creates the tables)")
+
+
+DAEMON_LOCK_KEY = 0x6A6F62737570
+"""The PostgreSQL advisory lock a daemon holds on its database ("jobsup" in ASCII)."""
+
+
+@contextlib.contextmanager
+def database_lock(url: str) -> Iterator[None]:
+    """Hold the database for this daemon while the block runs. A second daemon on the
+    same PostgreSQL database (from another data dir or machine) would launch the same
+    pending jobs and call the first one's jobs lost: it is refused, as a second daemon
+    on one data dir is (`daemon.lock`). The lock is PostgreSQL's session advisory lock on
+    a connection of its own, released by the server when the daemon dies. SQLite's
+    default file is covered by the data dir's lock: nothing to do."""
+    if make_url(url).get_backend_name() == "sqlite":
+        yield
+        return
+    engine = make_engine(url)
+    try:
+        try:
+            conn = engine.connect()
+        except OperationalError as exc:
+            raise unavailable(url, exc) from None
+        with conn:
+            if not conn.scalar(text("SELECT pg_try_advisory_lock(:key)"),
+                               {"key": DAEMON_LOCK_KEY}):
+                raise DaemonAlreadyRunning(
+                    f"another jobsup daemon uses the database {shown_url(url)}",
+                    hint="use that daemon, stop it first, or give this one a database of "
+                         "its own (JOBSUP_DATABASE_URL)")
+            conn.commit()  # the lock outlives the transaction; the connection stays open
+            yield
+    finally:
+        engine.dispose()
 
 
 UNCOMMITTED_JOB_RECORDS = "jobsup.uncommitted_job_records"
