@@ -9,7 +9,7 @@ from sqlalchemy.orm import Session, sessionmaker
 
 from supervisor.spec import JobSpec, JobState
 from supervisor.storage import outbox, store
-from supervisor.storage.tables import SampleRecord
+from supervisor.storage.tables import Notification, SampleRecord
 
 pytestmark = pytest.mark.both_databases
 
@@ -95,3 +95,27 @@ def test_downsampling_buckets_are_whole_minutes(sessions: sessionmaker[Session])
         session.commit()
         kept = [sample.t for sample in store.samples(session, job.id, since=0)]
     assert kept == [start + minute * 60 + 50 for minute in range(10)]
+
+
+def test_a_nul_from_outside_is_stored(sessions: sessionmaker[Session]) -> None:
+    """Strings jobsup does not make can hold NUL: a webhook's error page (a notification's
+    `last_error`), a job's log in a reason. PostgreSQL's text cannot, and the write that
+    failed was the delivery's outcome: the message went out again and again. Kept as
+    U+FFFD there; SQLite keeps the NUL."""
+    page, reason = "HTTP 500: <html>\x00\x00</html>", "exited: log says a\x00b"
+    with sessions() as session:
+        job = store.create_job(session, spec=JobSpec(name="j", command=["true"]), now=T0)
+        store.transition(session, job, JobState.FAILED, now=T0 + 1, reason=reason)
+        outbox.add(session, ["webhook"], kind="firing", job_id=job.id, alert_id=None,
+                   payload_json="{}", event_id="e1", now=T0)
+        session.flush()
+        row = outbox.head(session, "webhook")
+        assert row is not None
+        assert outbox.record_outcome(session, row.id, {"last_error": page})
+        session.commit()
+        job_id, row_id = job.id, row.id
+    with sessions() as session:
+        stored = session.get(Notification, row_id)
+        assert stored is not None and stored.last_error is not None
+        assert stored.last_error.replace("\ufffd", "\x00") == page
+        assert (store.get_job(session, job_id).reason or "").replace("\ufffd", "\x00") == reason

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from importlib import resources
 from pathlib import Path
 from typing import Any
@@ -94,7 +94,37 @@ def make_engine(url: str) -> Engine:
         def _lock_timeout(dbapi_conn: Any, _record: Any) -> None:
             set_session(dbapi_conn, f"SET lock_timeout = {POSTGRESQL_LOCK_TIMEOUT_MS}")
 
+        event.listen(engine, "before_cursor_execute", _without_nul, retval=True)
+
     return engine
+
+
+def _without_nul(_conn: Any, _cursor: Any, statement: str, parameters: Any, _context: Any,
+                 _executemany: bool) -> tuple[str, Any]:
+    """PostgreSQL's text cannot hold NUL; SQLite's can. Strings jobsup does not make may
+    (a webhook's error page in `last_error`, a job's log line in a reason): stored with
+    U+FFFD in its place, not a failed write (the delivery's outcome was one, and the
+    message went out again every second)."""
+    return statement, _nul_free(parameters)
+
+
+def _nul_free(parameters: Any) -> Any:
+    """The parameters (a mapping, a sequence, or a list of them for executemany) with
+    NUL in their strings replaced; the same object when there is none (nearly always)."""
+    if not parameters:
+        return parameters
+    if isinstance(parameters, list):
+        return [_nul_free(row) for row in parameters]
+    values = parameters.values() if isinstance(parameters, Mapping) else parameters
+    if not any(isinstance(v, str) and "\x00" in v for v in values):
+        return parameters
+    if isinstance(parameters, Mapping):
+        return {k: _nul_replaced(v) for k, v in parameters.items()}
+    return tuple(_nul_replaced(v) for v in parameters)
+
+
+def _nul_replaced(value: Any) -> Any:
+    return value.replace("\x00", "\ufffd") if isinstance(value, str) else value
 
 
 def set_session(dbapi_conn: Any, statement: str) -> None:
