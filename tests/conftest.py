@@ -42,9 +42,9 @@ def database_kind(request: pytest.FixtureRequest) -> str:
 @pytest.fixture(scope="session")
 def postgres_server() -> Iterator[PostgresServer]:
     """This process's PostgreSQL server (one per xdist worker), started on first use."""
-    server = PostgresServer().start()
+    server = PostgresServer()
     try:
-        yield server
+        yield server.start()
     finally:
         server.stop()
 

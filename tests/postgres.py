@@ -73,28 +73,35 @@ class PostgresServer:
         if initdb.returncode != 0:
             pytest.fail(f"initdb failed ({initdb.returncode}):\n{initdb.stdout}{initdb.stderr}",
                         pytrace=False)
-        with open(self.log_path, "wb") as log:
-            self.proc = subprocess.Popen(
-                [*self.as_user, str(self.bin / "postgres"), "-D", str(data),
-                 "-p", str(self.port), "-k", str(self.root), "-c", "listen_addresses=127.0.0.1",
-                 "-c", "fsync=off", "-c", "synchronous_commit=off",
-                 "-c", "full_page_writes=off", "-c", "max_connections=200"],
-                stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-        self._wait_until_accepting()
-        return self
+        for _ in range(3):  # another process may take the free port first
+            with open(self.log_path, "wb") as log:
+                self.proc = subprocess.Popen(
+                    [*self.as_user, str(self.bin / "postgres"), "-D", str(data),
+                     "-p", str(self.port), "-k", str(self.root),
+                     "-c", "listen_addresses=127.0.0.1", "-c", "fsync=off",
+                     "-c", "synchronous_commit=off", "-c", "full_page_writes=off",
+                     "-c", "max_connections=200"],
+                    stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+            if self._wait_until_accepting():
+                return self
+            self.port = free_port()
+        pytest.fail(f"postgres could not bind a port:\n{self.log()}", pytrace=False)
 
-    def _wait_until_accepting(self) -> None:
+    def _wait_until_accepting(self) -> bool:
+        """True once it accepts connections; False if it exited for want of its port."""
         import psycopg
 
         assert self.proc is not None
         deadline = time.monotonic() + START_TIMEOUT_S
         while True:
             if self.proc.poll() is not None:
+                if "could not bind" in self.log() or "already in use" in self.log():
+                    return False
                 pytest.fail(f"postgres exited {self.proc.returncode}:\n{self.log()}",
                             pytrace=False)
             try:
                 psycopg.connect(self._dsn("postgres"), connect_timeout=2).close()
-                return
+                return True
             except psycopg.OperationalError:
                 if time.monotonic() > deadline:
                     self.stop()
