@@ -23,11 +23,17 @@ from sqlalchemy import func, select, text
 
 from supervisor.api.submission import submit_job
 from supervisor.daemon import recovery
-from supervisor.errors import DatabaseDamaged, JobRecordUnwritable
+from supervisor.errors import DatabaseDamaged, DatabaseUnavailable, JobRecordUnwritable
 from supervisor.runtime.fileio import atomic_write_json
 from supervisor.runtime.procfs import create_time, is_same_process, start_ticks_of
 from supervisor.spec import JobSpec, RestartPolicy
-from supervisor.storage.database import make_engine, make_sessionmaker, upgrade
+from supervisor.storage.database import (
+    engine_url,
+    make_engine,
+    make_sessionmaker,
+    shown_url,
+    upgrade,
+)
 from supervisor.storage.tables import Job, JobEvent
 from tests.helpers import PY, REPO, Daemon, free_port, job_module, python_job, wait_for
 
@@ -398,3 +404,22 @@ def test_an_unreachable_postgresql_stops_the_daemon_without_showing_the_password
         assert reason in result.stderr and "hint: start the database server" in result.stderr
         assert "s3cret" not in result.stdout + result.stderr
         assert "Traceback" not in result.stderr
+
+
+def test_database_urls_name_psycopg_and_never_show_the_password() -> None:
+    """`postgresql://` is psycopg 3 whatever SQLAlchemy's default driver (psycopg2 before
+    2.1); a driver jobsup does not install is an error with a hint, password hidden."""
+    for plain in ("postgresql://jobsup:s3cret@db:5432/jobsup", "postgres://jobsup:s3cret@db/j"):
+        assert engine_url(plain).drivername == "postgresql+psycopg"
+        assert engine_url(plain).password == "s3cret"
+        assert "s3cret" not in shown_url(plain) and ":***@" in shown_url(plain)
+    assert str(engine_url("sqlite:////tmp/x.db")) == "sqlite:////tmp/x.db"
+    assert shown_url("not a url") == "(an unparsable database URL)"
+    with pytest.raises(DatabaseUnavailable) as raised:
+        make_engine("postgresql+psycopg2://jobsup:s3cret@db/jobsup")
+    assert "s3cret" not in raised.value.message + (raised.value.hint or "")
+    assert "postgresql+psycopg2://jobsup:***@db/jobsup" in raised.value.message
+    assert "psycopg 3" in (raised.value.hint or "")
+    engine = make_engine("postgresql://jobsup:s3cret@db/jobsup")  # connects on first use
+    assert engine.dialect.driver == "psycopg" and engine.pool.status()
+    engine.dispose()

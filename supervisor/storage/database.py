@@ -37,7 +37,7 @@ POSTGRESQL_POOL_SIZE = 5
 at once (each holds one only for its transaction)."""
 
 
-def database_url(url: str) -> URL:
+def engine_url(url: str) -> URL:
     """The URL as SQLAlchemy gets it: a plain `postgresql://` (or `postgres://`) URL
     means psycopg 3, whatever SQLAlchemy's default driver for it (psycopg2 before 2.1)."""
     parsed = make_url(url)
@@ -58,7 +58,7 @@ def make_engine(url: str) -> Engine:
     """An engine. SQLite: WAL, busy_timeout, foreign keys, synchronous=NORMAL.
     PostgreSQL: connections checked before use (a restarted server or a dropped idle
     connection costs a reconnect, not a failed tick) and recycled hourly."""
-    parsed = database_url(url)
+    parsed = engine_url(url)
     is_sqlite = parsed.get_backend_name() == "sqlite"
     kwargs: dict[str, Any] = {}
     if is_sqlite:
@@ -72,11 +72,15 @@ def make_engine(url: str) -> Engine:
     try:
         engine = create_engine(parsed, **kwargs)
     except (ImportError, NoSuchModuleError) as exc:
-        raise DatabaseUnavailable(
-            f"no driver for the database {shown_url(parsed)}: {exc}",
-            hint="install the PostgreSQL driver: pip install 'jobsup[postgresql]'"
-            if parsed.get_backend_name() == "postgresql" else
-            "use a sqlite:// or postgresql:// URL in JOBSUP_DATABASE_URL") from None
+        if parsed.drivername == POSTGRESQL_DRIVER:
+            hint = "install jobsup's PostgreSQL driver: pip install 'jobsup[postgresql]'"
+        elif parsed.get_backend_name() == "postgresql":
+            hint = ("jobsup's PostgreSQL driver is psycopg 3: write the URL as "
+                    "postgresql://USER:PASSWORD@HOST:PORT/DATABASE")
+        else:
+            hint = "use a sqlite:/// or postgresql:// URL in JOBSUP_DATABASE_URL"
+        raise DatabaseUnavailable(f"no driver for the database {shown_url(parsed)}: {exc}",
+                                  hint=hint) from None
     if is_sqlite:
 
         @event.listens_for(engine, "connect")
