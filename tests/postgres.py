@@ -112,7 +112,7 @@ class PostgresServer:
     def _dsn(self, database: str) -> str:
         return f"host=127.0.0.1 port={self.port} user={SUPERUSER} dbname={database}"
 
-    def _admin(self, sql: str) -> None:
+    def admin(self, sql: str) -> None:
         import psycopg
 
         with psycopg.connect(self._dsn("postgres"), autocommit=True) as conn:
@@ -123,11 +123,11 @@ class PostgresServer:
         """A new empty database for one test; its URL. Dropped after, with whatever
         connections a killed daemon left to it."""
         name = f"t_{secrets.token_hex(6)}"
-        self._admin(f'CREATE DATABASE "{name}"')
+        self.admin(f'CREATE DATABASE "{name}"')
         try:
             yield self.url(name)
         finally:
-            self._admin(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+            self.admin(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
 
     def log(self) -> str:
         try:

@@ -423,3 +423,26 @@ def test_database_urls_name_psycopg_and_never_show_the_password() -> None:
     engine = make_engine("postgresql://jobsup:s3cret@db/jobsup")  # connects on first use
     assert engine.dialect.driver == "psycopg" and engine.pool.status()
     engine.dispose()
+
+
+def test_a_postgresql_role_that_cannot_create_the_tables_is_told_how(
+        postgres_server: Any, tmp_path: Path) -> None:
+    """PostgreSQL 15 grants CREATE on `public` to the database's owner only: a role that
+    merely may connect gets `error:` / `hint:` saying what to grant, not a traceback."""
+    with postgres_server.database() as owned_by_postgres:
+        postgres_server.admin("CREATE ROLE jobsup_weak LOGIN PASSWORD 's3cret'")
+        try:
+            url = owned_by_postgres.replace("postgres@", "jobsup_weak:s3cret@")
+            result = subprocess.run(
+                [PY, "-m", "supervisor", "serve", "--port", str(free_port()), "--data-dir",
+                 str(tmp_path / "data")], capture_output=True, text=True, timeout=60,
+                cwd=REPO, env={**{k: v for k, v in os.environ.items()
+                                  if not k.startswith("JOBSUP_")},
+                               "JOBSUP_DATABASE_URL": url})
+        finally:
+            postgres_server.admin("DROP ROLE jobsup_weak")
+    assert result.returncode == 1, result.stderr
+    assert "does not let its role create jobsup's tables: permission denied" in result.stderr
+    assert "hint: make the role the database's owner" in result.stderr
+    assert "s3cret" not in result.stdout + result.stderr
+    assert "Traceback" not in result.stderr

@@ -48,7 +48,7 @@ from supervisor.alerting import rules
 from supervisor.config import Settings
 from supervisor.daemon.lifecycle import signal_name
 from supervisor.daemon.loop import LOG_TAIL_LINES
-from supervisor.errors import DatabaseDamaged
+from supervisor.errors import DatabaseDamaged, DatabaseUnavailable
 from supervisor.observe.progress_file import from_progress_file
 from supervisor.observe.view import ProgressRecord, progress_json
 from supervisor.runtime import files
@@ -466,11 +466,26 @@ def open_server_database(settings: Settings, url: str, now: float) -> Engine:
     except OperationalError as exc:
         engine.dispose()
         raise unavailable(url, exc) from None
-    known = has_jobs(engine)
-    upgrade(engine)
+    try:
+        known = has_jobs(engine)
+        upgrade(engine)
+    except DBAPIError as exc:
+        engine.dispose()
+        if getattr(exc.orig, "sqlstate", None) != INSUFFICIENT_PRIVILEGE:
+            raise
+        raise DatabaseUnavailable(
+            f"the database {shown} does not let its role create jobsup's tables: "
+            f"{str(exc.orig).strip().splitlines()[0]}",
+            hint="make the role the database's owner (ALTER DATABASE ... OWNER TO ...), or "
+                 "GRANT CREATE ON SCHEMA public TO it (PostgreSQL 15 no longer grants it "
+                 "to every role)") from None
     if not known:
         rebuild_if_lost(engine, settings, shown, "had no jobs", now)
     return engine
+
+
+INSUFFICIENT_PRIVILEGE = "42501"
+"""PostgreSQL's SQLSTATE for "permission denied"."""
 
 
 def rebuild_if_lost(engine: Engine, settings: Settings, where: str, lost: str | None,
