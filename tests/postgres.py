@@ -113,10 +113,12 @@ class PostgresServer:
         return f"host=127.0.0.1 port={self.port} user={SUPERUSER} dbname={database}"
 
     def admin(self, sql: str) -> None:
+        """Run a statement as the superuser, outside a transaction (CREATE DATABASE);
+        the tests' own SQL, never input."""
         import psycopg
 
         with psycopg.connect(self._dsn("postgres"), autocommit=True) as conn:
-            conn.execute(sql)  # type: ignore[arg-type] - names made here, never input
+            conn.execute(sql.encode())
 
     @contextmanager
     def database(self) -> Iterator[str]:
