@@ -2,7 +2,8 @@
 SQLite (`tests/conftest.py`: the `database_kind` parameter). Debian's `postgresql`
 (./dev.sh installs it) provides the binaries; each pytest process (each xdist worker)
 starts its own server in a temporary directory, on a free loopback port with fsync off,
-and each test gets a database of its own, dropped after it."""
+and each test gets a database of its own, dropped after it. Nothing is shared between
+workers, so `-n 3 --dist loadfile` needs no coordination: 3 small servers at most."""
 
 from __future__ import annotations
 
@@ -80,7 +81,9 @@ class PostgresServer:
                      "-p", str(self.port), "-k", str(self.root),
                      "-c", "listen_addresses=127.0.0.1", "-c", "fsync=off",
                      "-c", "synchronous_commit=off", "-c", "full_page_writes=off",
-                     "-c", "max_connections=200"],
+                     "-c", "max_connections=200", "-c", "shared_buffers=32MB",
+                     # no parallel query: its segments live in /dev/shm, 64 MB in a container
+                     "-c", "max_parallel_workers_per_gather=0"],
                     stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
             if self._wait_until_accepting():
                 return self
