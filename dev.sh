@@ -29,27 +29,29 @@ setup_venv() {
         return
     fi
     [ -x .venv/bin/python ] || "$(find_python)" -m venv .venv
-    echo "setting up .venv (pip install -e '.[dev,workers]') ..." >&2
+    echo "setting up .venv (pip install -e '.[dev,workers,postgresql]') ..." >&2
     # constraints.txt pins torch to the release whose CPU build pip finds locally
     .venv/bin/python -m pip install --quiet --disable-pip-version-check \
-        -c constraints.txt -e '.[dev,workers]'
+        -c constraints.txt -e '.[dev,workers,postgresql]'
     echo "$want" >"$stamp"
 }
 
 system_packages() {
     # promtool and amtool for the dashboard and alert-rule tests, libfaketime for the
     # clock-step tests, tmux for the live-table test, chromium for the status page's
-    # browser tests (Debian packages)
+    # browser tests, postgresql for the store, API and restart tests against PostgreSQL
+    # (the tests start their own server from its binaries) (Debian packages)
     command -v promtool >/dev/null 2>&1 && command -v amtool >/dev/null 2>&1 &&
         dpkg -s libfaketime >/dev/null 2>&1 && command -v tmux >/dev/null 2>&1 &&
-        command -v chromium >/dev/null 2>&1 && return
+        command -v chromium >/dev/null 2>&1 &&
+        compgen -G '/usr/lib/postgresql/*/bin/postgres' >/dev/null && return
     local sudo=""
     [ "$(id -u)" -eq 0 ] || sudo="sudo"
     echo "installing Debian packages prometheus, prometheus-alertmanager, libfaketime," \
-        "tmux, chromium ..." >&2
+        "tmux, chromium, postgresql ..." >&2
     $sudo apt-get update -qq
     DEBIAN_FRONTEND=noninteractive $sudo apt-get install -y -qq --no-install-recommends \
-        prometheus prometheus-alertmanager libfaketime tmux chromium >/dev/null
+        prometheus prometheus-alertmanager libfaketime tmux chromium postgresql >/dev/null
 }
 
 cmd=${1:-}

@@ -34,7 +34,9 @@ class Settings(BaseSettings):
     port: int = 8765
 
     database_url: str | None = None
-    """Any SQLAlchemy URL; default `sqlite:///<data_dir>/jobsup.db`."""
+    """The store: `sqlite:///PATH`, or `postgresql://USER:PASSWORD@HOST:PORT/DATABASE`
+    (psycopg 3, the `postgresql` extra; the role and database must exist); default
+    `sqlite:///<data_dir>/jobsup.db`."""
 
     rebuild_db: bool = False
     """At start, a damaged SQLite database is moved aside (`jobsup.db.damaged-<time>`)

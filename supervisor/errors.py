@@ -51,6 +51,13 @@ class DatabaseDamaged(JobsupError):
     daemon does not start on it (`jobsup serve --rebuild-db` sets it aside)."""
 
 
+class DatabaseUnavailable(JobsupError):
+    """The configured database cannot be used: its driver is not installed, or its
+    server cannot be reached at start (the message shows its URL without the password)."""
+
+    status_code = 503
+
+
 class JobRecordUnwritable(JobsupError):
     """A submitted job's record (`DATA_DIR/jobs/ID/job.json`) could not be written: the
     job is not accepted, since a lost database could not bring it back."""

@@ -151,6 +151,7 @@ def test_server_errors_back_off_and_4xx_is_not_retried(make_daemon, receiver: Re
     assert 'jobsup_notifications_sent_total{destination="slack"} 1.0' in metrics
 
 
+@pytest.mark.both_databases
 def test_message_survives_a_daemon_kill(make_daemon, receiver: Receiver) -> None:
     receiver.script = [(503, {})] * 3
     daemon = slack_daemon(make_daemon, receiver)
@@ -269,21 +270,27 @@ def end_recorded_then_daemon_died(daemon: Daemon, job_id: str, state: str,
     """What a daemon killed right after committing a job's end leaves: the end in the
     database, no alert step run, the job's processes gone."""
     import json
-    import sqlite3
+
+    from sqlalchemy import update
+
+    from supervisor.storage.database import make_engine
+    from supervisor.storage.tables import Job
 
     wait_for(lambda: daemon.job(job_id)["pid"], 10, what="the worker's pid")
     daemon.kill()
-    db = sqlite3.connect(daemon.data_dir / "jobsup.db")
-    db.execute("UPDATE jobs SET state=?, exit_code=?, exit_reason='exit', "
-               "reason=?, ended_at=? WHERE id=?",
-               (state, exit_code, f"exited with code {exit_code}", time.time(), job_id))
-    db.commit()
-    db.close()
+    db = make_engine(daemon.env.get("JOBSUP_DATABASE_URL")
+                     or f"sqlite:///{daemon.data_dir / 'jobsup.db'}")
+    with db.begin() as conn:
+        conn.execute(update(Job).where(Job.id == job_id).values(
+            state=state, exit_code=exit_code, exit_reason="exit",
+            reason=f"exited with code {exit_code}", ended_at=time.time()))
+    db.dispose()
     attempt = daemon.data_dir / "jobs" / job_id / "attempt-1"
     os.kill(json.loads((attempt / "shim.json").read_text())["pid"], 9)
     os.killpg(json.loads((attempt / "worker.json").read_text())["pid"], 9)
 
 
+@pytest.mark.both_databases
 def test_crash_recorded_by_a_daemon_that_died_before_alerting(make_daemon,
                                                                receiver: Receiver) -> None:
     """The job's end was committed but the daemon died before its alert step: the next
@@ -298,6 +305,7 @@ def test_crash_recorded_by_a_daemon_that_died_before_alerting(make_daemon,
     assert [a["rule"] for a in daemon.job(job["id"])["alerts"]] == ["crashed"]
 
 
+@pytest.mark.both_databases
 def test_success_recorded_by_a_daemon_that_died_before_telling(make_daemon,
                                                                receiver: Receiver) -> None:
     """The same for a success: the next daemon sends its message, once."""

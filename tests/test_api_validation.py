@@ -1,4 +1,5 @@
-"""Bad input gets a clear error naming the field and changes nothing."""
+"""Bad input gets a clear error naming the field and changes nothing; the API's answers
+on SQLite and PostgreSQL."""
 
 from __future__ import annotations
 
@@ -47,6 +48,7 @@ def test_non_executable_file(daemon: Daemon, tmp_path: Path) -> None:
     assert "not executable" in response.json()["error"] and "chmod" in response.json()["hint"]
 
 
+@pytest.mark.both_databases
 def test_relative_program_resolves_against_cwd(daemon: Daemon, tmp_path: Path) -> None:
     script = tmp_path / "run.sh"
     script.write_text("#!/bin/sh\necho relative ok\n")
@@ -56,6 +58,7 @@ def test_relative_program_resolves_against_cwd(daemon: Daemon, tmp_path: Path) -
     assert daemon.logs(job["id"]) == "relative ok\n"
 
 
+@pytest.mark.both_databases
 def test_unknown_job_is_404_everywhere(daemon: Daemon) -> None:
     for method, path in [("GET", "/api/v1/jobs/nope"), ("POST", "/api/v1/jobs/nope/stop"),
                          ("GET", "/api/v1/jobs/nope/logs"), ("GET", "/api/v1/jobs/nope/events")]:
@@ -70,6 +73,7 @@ def test_malformed_json_body(daemon: Daemon) -> None:
     assert response.status_code == 422
 
 
+@pytest.mark.both_databases
 def test_job_response_has_the_contract_fields(daemon: Daemon) -> None:
     job = daemon.submit(python_job("pass"), name="fields")
     for key in ("id", "name", "spec", "state", "pid", "exit_code", "signal", "exit_reason",
@@ -87,6 +91,7 @@ def test_job_response_has_the_contract_fields(daemon: Daemon) -> None:
     assert job["spec"]["pattern"] == "**/*" and job["spec"]["stall_timeout_s"] == 600
 
 
+@pytest.mark.both_databases
 def test_token_guards_every_route_but_healthz(make_daemon) -> None:
     daemon: Daemon = make_daemon(env={"JOBSUP_TOKEN": "s3cret"})
     assert daemon.http.get("/healthz").status_code == 200

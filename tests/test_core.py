@@ -1,4 +1,5 @@
-"""The core daemon with real processes: exits, signals, stops, logs, restarts, deps."""
+"""The core daemon with real processes: exits, signals, stops, logs, restarts, deps; its
+API and store on SQLite and PostgreSQL."""
 
 from __future__ import annotations
 
@@ -12,6 +13,8 @@ import psutil
 import pytest
 
 from tests.helpers import Daemon, job_module, python_job, wait_for
+
+pytestmark = pytest.mark.both_databases
 
 
 def ts(iso: str) -> float:

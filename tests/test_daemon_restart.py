@@ -12,7 +12,7 @@ import pytest
 
 from tests.helpers import Daemon, exit_recorded, job_module, python_job, wait_for
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.both_databases]
 
 
 def test_daemon_sigkill_while_two_jobs_run(make_daemon, tmp_path: Path) -> None:
@@ -81,3 +81,25 @@ def test_second_daemon_on_the_same_data_dir_refuses(make_daemon) -> None:
     assert f"error: another jobsup daemon (pid {daemon.proc.pid}) owns" in result.stderr
     assert "hint:" in result.stderr and "Traceback" not in result.stderr
     assert daemon.http.get("/healthz").status_code == 200  # the first is untouched
+
+
+@pytest.mark.parametrize("database_kind", ["postgresql"], indirect=True)
+def test_second_daemon_on_the_same_postgresql_database_refuses(make_daemon) -> None:
+    """Another data dir, the same database: it would launch the first one's pending jobs
+    and call its running ones lost. Refused while the first lives, welcome after."""
+    first: Daemon = make_daemon()
+    url = first.env["JOBSUP_DATABASE_URL"]
+    job = first.submit(python_job("import time; time.sleep(600)"))
+    first.wait_state(job["id"], "running")
+    second: Daemon = make_daemon(env={"JOBSUP_DATABASE_URL": url}, start=False)
+    assert second.data_dir != first.data_dir
+    second.start(wait=False)
+    assert second.proc is not None and second.proc.wait(30) == 1
+    shown = url.split("@")[-1]
+    assert f"error: another jobsup daemon uses the database postgresql+psycopg://postgres@{shown}" \
+        in second.log()
+    assert "Traceback" not in second.log()
+    assert first.job(job["id"])["state"] == "running"  # the first is untouched
+    first.kill()  # its connection, and with it the lock, goes with the process
+    second.start()
+    assert second.job(job["id"])["state"] in ("running", "lost")

@@ -2,8 +2,9 @@
 orphaned, and damage stops the daemon with `error:` / `hint:` until `--rebuild-db`.
 
 The daemon tests run a real daemon that is SIGKILLed, then lose its database three ways:
-truncated to 0 bytes, deleted, garbage written over its header. The unit tests call
-`recovery.rebuild` on job directories written by hand."""
+truncated to 0 bytes, deleted, garbage written over its header; a PostgreSQL database has
+no file to lose, but an empty one is rebuilt the same way. The unit tests call
+`recovery.rebuild` on job directories written by hand (into both databases)."""
 
 from __future__ import annotations
 
@@ -18,16 +19,23 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from sqlalchemy import func, select, text
 
 from supervisor.api.submission import submit_job
 from supervisor.daemon import recovery
-from supervisor.errors import DatabaseDamaged, JobRecordUnwritable
+from supervisor.errors import DatabaseDamaged, DatabaseUnavailable, JobRecordUnwritable
 from supervisor.runtime.fileio import atomic_write_json
 from supervisor.runtime.procfs import create_time, is_same_process, start_ticks_of
 from supervisor.spec import JobSpec, RestartPolicy
-from supervisor.storage.database import make_engine, make_sessionmaker, upgrade
+from supervisor.storage.database import (
+    engine_url,
+    make_engine,
+    make_sessionmaker,
+    shown_url,
+    upgrade,
+)
 from supervisor.storage.tables import Job, JobEvent
-from tests.helpers import PY, REPO, Daemon, job_module, python_job, wait_for
+from tests.helpers import PY, REPO, Daemon, free_port, job_module, python_job, wait_for
 
 
 def db_path(daemon: Daemon) -> Path:
@@ -161,14 +169,6 @@ def test_damaged_database_stops_the_daemon_until_rebuild_db(
 # -- without a daemon ---------------------------------------------------------------
 
 
-@pytest.fixture
-def sessions(tmp_path: Path) -> Any:
-    engine = make_engine(f"sqlite:///{tmp_path / 'jobsup.db'}")
-    upgrade(engine)
-    yield make_sessionmaker(engine)
-    engine.dispose()
-
-
 def write_job(jobs_dir: Path, job_id: str, spec: JobSpec, created_at: float = 1000.0) -> None:
     (jobs_dir / job_id).mkdir(parents=True)
     atomic_write_json(jobs_dir / job_id / "job.json", {
@@ -193,6 +193,7 @@ def status(**fields: Any) -> dict[str, Any]:
             "killed_after_grace": False, "max_rss_bytes": 0, "spawn_error": None, **fields}
 
 
+@pytest.mark.both_databases
 def test_rebuild_classifies_each_job_from_its_newest_attempt(tmp_path: Path,
                                                              sessions: Any) -> None:
     jobs_dir = tmp_path / "jobs"
@@ -264,6 +265,7 @@ def test_rebuild_classifies_each_job_from_its_newest_attempt(tmp_path: Path,
         assert len(events) == 1 and "rebuilt from the data dir" in (events[0].reason or "")
 
 
+@pytest.mark.both_databases
 def test_rebuild_restarts_a_failure_with_restarts_left(tmp_path: Path, sessions: Any) -> None:
     jobs_dir = tmp_path / "jobs"
     spec = JobSpec(name="flaky", command=["/bin/false"], restart_policy=RestartPolicy.ON_FAILURE,
@@ -324,6 +326,7 @@ def test_a_damaged_page_inside_the_file_is_found_at_start(
     assert moved.exists() and not path.exists()
 
 
+@pytest.mark.both_databases
 def test_submit_that_cannot_write_job_json_fails_and_records_nothing(
         tmp_path: Path, sessions: Any) -> None:
     not_a_dir = tmp_path / "jobs"
@@ -353,3 +356,93 @@ def test_job_json_of_a_submit_never_committed_is_removed(tmp_path: Path) -> None
         session.commit()
     assert (jobs_dir / kept.id / "job.json").exists()
     engine.dispose()
+
+
+# -- PostgreSQL ---------------------------------------------------------------------
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("database_kind", ["postgresql"], indirect=True)
+def test_an_emptied_postgresql_database_is_rebuilt_from_the_data_dir(
+        make_daemon: Callable[..., Daemon]) -> None:
+    """No file to check or set aside (`--rebuild-db` says so and changes nothing): a
+    database left without jobs (dropped and recreated, restored from nothing) gets them
+    back from the data dir, the running one re-adopted."""
+    daemon = make_daemon()
+    url = daemon.env["JOBSUP_DATABASE_URL"]
+    jobs = start_jobs(daemon)
+    assert not db_path(daemon).exists()  # the state is in PostgreSQL, not the data dir
+    daemon.kill()
+    engine = make_engine(url)
+    with engine.begin() as conn:
+        assert conn.scalar(select(func.count()).select_from(Job)) == 3
+        conn.execute(text("DROP SCHEMA public CASCADE"))
+        conn.execute(text("CREATE SCHEMA public"))
+    engine.dispose()
+    start_with(daemon, "--rebuild-db")
+    assert "there is no file to set aside" in daemon.log()
+    check_rebuilt(daemon, jobs)
+    assert not db_path(daemon).exists()
+
+
+def test_an_unreachable_postgresql_stops_the_daemon_without_showing_the_password(
+        postgres_server: Any, tmp_path: Path) -> None:
+    """A database that does not exist on a running server, and a server that is not
+    there: `error:` / `hint:`, the URL with `***` for its password, no traceback."""
+    missing = postgres_server.url("no_such_database").replace("postgres@", "postgres:s3cret@")
+    nobody = f"postgresql://jobsup:s3cret@127.0.0.1:{free_port()}/jobsup"
+    for url, reason in ((missing, 'database "no_such_database" does not exist'),
+                        (nobody, "Connection refused")):
+        result = subprocess.run(
+            [PY, "-m", "supervisor", "serve", "--port", str(free_port()), "--data-dir",
+             str(tmp_path / "data")], capture_output=True, text=True, timeout=60, cwd=REPO,
+            env={**{k: v for k, v in os.environ.items() if not k.startswith("JOBSUP_")},
+                 "JOBSUP_DATABASE_URL": url})
+        assert result.returncode == 1, result.stderr
+        shown = url.replace(":s3cret@", ":***@")
+        assert f"error: cannot connect to the database {shown}" in result.stderr
+        assert reason in result.stderr and "hint: start the database server" in result.stderr
+        assert "s3cret" not in result.stdout + result.stderr
+        assert "Traceback" not in result.stderr
+
+
+def test_database_urls_name_psycopg_and_never_show_the_password() -> None:
+    """`postgresql://` is psycopg 3 whatever SQLAlchemy's default driver (psycopg2 before
+    2.1); a driver jobsup does not install is an error with a hint, password hidden."""
+    for plain in ("postgresql://jobsup:s3cret@db:5432/jobsup", "postgres://jobsup:s3cret@db/j"):
+        assert engine_url(plain).drivername == "postgresql+psycopg"
+        assert engine_url(plain).password == "s3cret"
+        assert "s3cret" not in shown_url(plain) and ":***@" in shown_url(plain)
+    assert str(engine_url("sqlite:////tmp/x.db")) == "sqlite:////tmp/x.db"
+    assert shown_url("not a url") == "(an unparsable database URL)"
+    with pytest.raises(DatabaseUnavailable) as raised:
+        make_engine("postgresql+psycopg2://jobsup:s3cret@db/jobsup")
+    assert "s3cret" not in raised.value.message + (raised.value.hint or "")
+    assert "postgresql+psycopg2://jobsup:***@db/jobsup" in raised.value.message
+    assert "psycopg 3" in (raised.value.hint or "")
+    engine = make_engine("postgresql://jobsup:s3cret@db/jobsup")  # connects on first use
+    assert engine.dialect.driver == "psycopg" and engine.pool.status()
+    engine.dispose()
+
+
+def test_a_postgresql_role_that_cannot_create_the_tables_is_told_how(
+        postgres_server: Any, tmp_path: Path) -> None:
+    """PostgreSQL 15 grants CREATE on `public` to the database's owner only: a role that
+    merely may connect gets `error:` / `hint:` saying what to grant, not a traceback."""
+    with postgres_server.database() as owned_by_postgres:
+        postgres_server.admin("CREATE ROLE jobsup_weak LOGIN PASSWORD 's3cret'")
+        try:
+            url = owned_by_postgres.replace("postgres@", "jobsup_weak:s3cret@")
+            result = subprocess.run(
+                [PY, "-m", "supervisor", "serve", "--port", str(free_port()), "--data-dir",
+                 str(tmp_path / "data")], capture_output=True, text=True, timeout=60,
+                cwd=REPO, env={**{k: v for k, v in os.environ.items()
+                                  if not k.startswith("JOBSUP_")},
+                               "JOBSUP_DATABASE_URL": url})
+        finally:
+            postgres_server.admin("DROP ROLE jobsup_weak")
+    assert result.returncode == 1, result.stderr
+    assert "does not let its role create jobsup's tables: permission denied" in result.stderr
+    assert "hint: make the role the database's owner" in result.stderr
+    assert "s3cret" not in result.stdout + result.stderr
+    assert "Traceback" not in result.stderr

@@ -130,7 +130,7 @@ def test_every_pip_install_uses_the_constraints() -> None:
         assert "-c /tmp/jobsup-src/constraints.txt" in line, line
 
 
-def test_constraints_pin_every_runtime_and_worker_dependency() -> None:
+def test_constraints_pin_every_runtime_worker_and_postgresql_dependency() -> None:
     project = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]
     pins = {}
     for line in (REPO / "constraints.txt").read_text().splitlines():
@@ -138,7 +138,9 @@ def test_constraints_pin_every_runtime_and_worker_dependency() -> None:
             name, sep, version = line.partition("==")
             assert sep and version, line
             pins[canonicalize_name(name)] = version
-    wanted = [*project["dependencies"], *project["optional-dependencies"]["workers"]]
+    extras = project["optional-dependencies"]
+    wanted = [*project["dependencies"], *extras["workers"], *extras["postgresql"],
+              "psycopg-binary"]  # psycopg[binary]'s wheel
     for requirement in map(Requirement, wanted):
         name = canonicalize_name(requirement.name)
         assert name in pins, f"{name} is not pinned in constraints.txt"

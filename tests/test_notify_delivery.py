@@ -1,6 +1,7 @@
 """Event ids, recorded attempts, redelivery marks, request signing and redaction of the
-notifier: a real SQLite outbox, real HTTP receivers on loopback, a fake clock, and
-`deliver_due()` called directly (the daemon-level proofs are in test_notify_crash.py)."""
+notifier: a real outbox (SQLite and PostgreSQL), real HTTP receivers on loopback, a fake
+clock, and `deliver_due()` called directly (the daemon-level proofs are in
+test_notify_crash.py)."""
 
 from __future__ import annotations
 
@@ -13,19 +14,24 @@ import sqlite3
 import threading
 import uuid
 from collections.abc import Callable, Iterator, Mapping
-from pathlib import Path
 from typing import Any
 
 import httpx
 import pytest
 from alembic import command
-from sqlalchemy import event, select, text
+from sqlalchemy import event, make_url, select, text
 from sqlalchemy.orm import Session, sessionmaker
 
 from supervisor.alerting import notify
 from supervisor.alerting.messages import compose
 from supervisor.alerting.notify import Destination, Notifier
-from supervisor.storage.database import alembic_config, make_engine, make_sessionmaker, upgrade
+from supervisor.storage.database import (
+    alembic_config,
+    make_engine,
+    make_sessionmaker,
+    set_session,
+    upgrade,
+)
 from supervisor.storage.tables import Notification
 from tests.helpers import Receiver, free_port, wait_for
 from tests.test_notify_unit import ALERT, JOB, LOG_TAIL, T0
@@ -55,23 +61,57 @@ def job_with_env() -> dict[str, Any]:
     return job
 
 
-@pytest.fixture
-def db_path(tmp_path: Path) -> Path:
-    return tmp_path / "db.sqlite"
+pytestmark = pytest.mark.both_databases
+
+LOCK_WAIT_MS = 200
+"""The tests' lock wait (the daemon's is 10 s): a locked database fails in 0.2 s."""
 
 
 @pytest.fixture
-def sessions(db_path: Path) -> Iterator[sessionmaker[Session]]:
-    engine = make_engine(f"sqlite:///{db_path}")
+def sessions(database_url: str) -> Iterator[sessionmaker[Session]]:
+    engine = make_engine(database_url)
 
     @event.listens_for(engine, "connect")
-    def _short_busy_timeout(dbapi_conn: Any, _record: Any) -> None:
-        # after make_engine's own pragmas: a locked database fails in 0.2 s, not 10 s
-        dbapi_conn.execute("PRAGMA busy_timeout=200")
+    def _short_lock_wait(dbapi_conn: Any, _record: Any) -> None:  # after make_engine's own
+        if engine.dialect.name == "sqlite":
+            dbapi_conn.execute(f"PRAGMA busy_timeout={LOCK_WAIT_MS}")
+        else:
+            set_session(dbapi_conn, f"SET lock_timeout = {LOCK_WAIT_MS}")
 
     upgrade(engine)
     yield make_sessionmaker(engine)
     engine.dispose()
+
+
+class WriteLock:
+    """Another writer holding the outbox, as long as the test says: SQLite's database
+    lock (BEGIN IMMEDIATE), PostgreSQL's table lock that lets readers through and no
+    writer (EXCLUSIVE), so the notifier's write waits and fails."""
+
+    def __init__(self, database_url: str) -> None:
+        url = make_url(database_url)
+        self.sqlite = url.get_backend_name() == "sqlite"
+        if self.sqlite:
+            self.conn: Any = sqlite3.connect(url.database or "", timeout=0,
+                                             isolation_level=None)
+        else:
+            import psycopg
+
+            self.conn = psycopg.connect(url.set(drivername="postgresql").render_as_string(
+                hide_password=False))
+
+    def take(self) -> None:
+        self.conn.execute("BEGIN IMMEDIATE" if self.sqlite
+                          else "LOCK TABLE notifications IN EXCLUSIVE MODE")
+
+    def release(self) -> None:
+        if self.sqlite:
+            self.conn.execute("ROLLBACK")
+        else:
+            self.conn.rollback()
+
+    def close(self) -> None:
+        self.conn.close()
 
 
 @pytest.fixture
@@ -214,19 +254,19 @@ def test_a_refused_connection_is_no_redelivery(make_notifier, sessions, clock, h
 
 
 def test_a_delivered_message_whose_outcome_cannot_be_written_is_not_sent_again(
-        make_notifier, sessions, clock, db_path) -> None:
+        make_notifier, sessions, clock, database_url, caplog) -> None:
     """The answer came back 200 but the database is locked (or full) when the outcome is
     written: the same process must not send the message again."""
     slow = Receiver(delay_s=0.5)
-    blocker = sqlite3.connect(db_path, timeout=0, isolation_level=None)
+    blocker = WriteLock(database_url)
     try:
         notifier = make_notifier(Destination("webhook", slow.url))
         enqueue(notifier, sessions, compose("firing", JOB, alert=ALERT, log_tail=[]), clock())
         thread, errors = in_background(notifier.deliver_due)
         wait_for(lambda: slow.in_flight, 10, interval=0.01, what="the POST in flight")
-        blocker.execute("BEGIN IMMEDIATE")  # another writer holds the lock past the answer
+        blocker.take()  # another writer holds the lock past the answer
         thread.join(10)
-        blocker.execute("ROLLBACK")
+        blocker.release()
         for _ in range(3):
             clock.advance(2.0)
             notifier.deliver_due()
@@ -234,6 +274,7 @@ def test_a_delivered_message_whose_outcome_cannot_be_written_is_not_sent_again(
         assert not errors
         (row,) = rows(sessions, "webhook")
         assert row.sent_at is not None and row.in_flight_since is None and row.attempts == 1
+        assert "cannot record the outcome of notification" in caplog.text  # the lock held
     finally:
         blocker.close()
         slow.close()
@@ -396,8 +437,8 @@ def test_an_error_page_that_echoes_the_url_is_not_logged_with_it(make_notifier, 
 
 # -- the migration ----------------------------------------------------------------------------
 
-def test_rows_from_before_0005_get_one_event_id_per_message(tmp_path: Path) -> None:
-    url = f"sqlite:///{tmp_path}/old.sqlite"
+def test_rows_from_before_0005_get_one_event_id_per_message(database_url: str) -> None:
+    url = database_url
     engine = make_engine(url)
     cfg = alembic_config(url)
     with engine.begin() as conn:

@@ -1,5 +1,6 @@
-"""Delivery logic of the notifier: a real SQLite outbox, a real HTTP receiver on loopback,
-a clock the test moves by hand, and `deliver_due()` called directly (no thread)."""
+"""Delivery logic of the notifier: a real outbox (SQLite and PostgreSQL), a real HTTP
+receiver on loopback, a clock the test moves by hand, and `deliver_due()` called directly
+(no thread)."""
 
 from __future__ import annotations
 
@@ -16,6 +17,8 @@ from supervisor.alerting.messages import SCHEMA, MessageContext, compose
 from supervisor.alerting.notify import Destination, Notifier, retry_after_s
 from supervisor.storage.tables import Notification
 from tests.helpers import T0, Receiver, free_port
+
+pytestmark = pytest.mark.both_databases
 
 JOB: dict[str, Any] = {
     "id": "a1b2c3", "name": "extract-hidden", "state": "running",

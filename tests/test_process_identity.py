@@ -18,6 +18,7 @@ import pytest
 from alembic import command
 from alembic.autogenerate import compare_metadata
 from alembic.migration import MigrationContext
+from sqlalchemy import inspect
 from sqlalchemy.orm import Session, sessionmaker
 
 from supervisor.api.submission import submit_job
@@ -113,20 +114,25 @@ def test_files_of_an_older_shim_are_matched_by_create_time(tmp_path: Path) -> No
     assert not procfs.is_same_process(worker.pid, None)  # nothing recorded: not ours
 
 
-def test_migrations_match_the_tables_and_go_down_and_up(tmp_path: Path) -> None:
-    url = f"sqlite:///{tmp_path}/db.sqlite"
-    db = make_engine(url)
+@pytest.mark.both_databases
+def test_migrations_match_the_tables_and_go_down_and_up(database_url: str) -> None:
+    """Alembic's schema is the ORM's on SQLite and PostgreSQL (types, indexes, the
+    partial unique index), and every migration goes down to nothing and up again."""
+    db = make_engine(database_url)
     upgrade(db)
     with db.connect() as conn:
         diff = compare_metadata(MigrationContext.configure(conn), Base.metadata)
     assert diff == [], diff
-    cfg = alembic_config(url)
+    cfg = alembic_config(database_url)
     with db.begin() as conn:
         cfg.attributes["connection"] = conn
         command.downgrade(cfg, "0005")
-        columns = {row[1] for row in conn.exec_driver_sql("PRAGMA table_info(jobs)")}
+        columns = {column["name"] for column in inspect(conn).get_columns("jobs")}
         assert "shim_start_ticks" not in columns and "shim_create_time" in columns
+        command.downgrade(cfg, "base")
+        assert set(inspect(conn).get_table_names()) <= {"alembic_version"}
     upgrade(db)
     with db.connect() as conn:
         assert compare_metadata(MigrationContext.configure(conn), Base.metadata) == []
+        assert inspect(conn).get_table_names()
     db.dispose()

@@ -4,10 +4,14 @@ told once per attempt."""
 
 from __future__ import annotations
 
+import pytest
 from sqlalchemy.orm import Session, sessionmaker
 
 from supervisor.spec import JobSpec, JobState
 from supervisor.storage import outbox, store
+from supervisor.storage.tables import Notification, SampleRecord
+
+pytestmark = pytest.mark.both_databases
 
 T0 = 1_700_000_000.0
 
@@ -47,3 +51,71 @@ def test_a_success_is_told_once_per_attempt(sessions: sessionmaker[Session]) -> 
         # attempt 2 (a restart by hand) started at T0 + 60: not told yet
         assert outbox.jobs_notified(session, "succeeded", {"j1": T0 + 60}) == set()
         assert outbox.jobs_notified(session, "succeeded", {}) == set()
+
+
+def test_counts_beyond_32_bits_are_kept(sessions: sessionmaker[Session]) -> None:
+    """Start ticks pass 2**31 after 248 days of uptime, and a progress count of tokens
+    passes it in a day of training: PostgreSQL's `integer` is 32 bits, SQLite's is not."""
+    ticks, tokens = 2**31 + 12_345, 5_000_000_000
+    with sessions() as session:
+        job = store.create_job(session, spec=JobSpec(name="j", command=["true"]), now=T0)
+        job.pid, job.pid_start_ticks, job.shim_start_ticks = 4242, ticks, ticks + 1
+        session.flush()
+        store.add_samples(session, [SampleRecord(
+            job_id=job.id, t=T0 + 1, items_done=tokens, items_total=2 * tokens, files=1,
+            bytes_written=1 << 40, cpu_percent=1.0, cpu_time_s=1.0, rss_bytes=1, read_bytes=1,
+            write_bytes=1, num_procs=1, num_threads=1, gpu_memory_bytes=None,
+            disk_free_bytes=None)])
+        session.commit()
+        job_id = job.id
+    with sessions() as session:
+        row = store.get_job(session, job_id)
+        assert (row.pid_start_ticks, row.shim_start_ticks) == (ticks, ticks + 1)
+        sample = store.latest_sample(session, job_id)
+        assert sample is not None and (sample.items_done, sample.items_total) == (tokens,
+                                                                                  2 * tokens)
+
+
+def test_downsampling_buckets_are_whole_minutes(sessions: sessionmaker[Session]) -> None:
+    """A minute's bucket keeps its newest sample, on both databases: the bucket is
+    floor(t / 60), where PostgreSQL's CAST to integer would round (x:50 joining the next
+    minute's x:10)."""
+    start = 1_800_000_000.0 // 900 * 900  # a whole quarter hour
+    times = [start + minute * 60 + second for minute in range(10) for second in (10, 50)]
+    with sessions() as session:
+        job = store.create_job(session, spec=JobSpec(name="j", command=["true"]), now=start)
+        session.flush()
+        store.add_samples(session, [SampleRecord(
+            job_id=job.id, t=t, items_done=i, items_total=None, files=0, bytes_written=0,
+            cpu_percent=0.0, cpu_time_s=0.0, rss_bytes=0, read_bytes=0, write_bytes=0,
+            num_procs=1, num_threads=1, gpu_memory_bytes=None, disk_free_bytes=None)
+            for i, t in enumerate(times)])
+        session.commit()
+        assert store.compact_samples(session, now=start + 7 * 3600) == 10
+        session.commit()
+        kept = [sample.t for sample in store.samples(session, job.id, since=0)]
+    assert kept == [start + minute * 60 + 50 for minute in range(10)]
+
+
+def test_a_nul_from_outside_is_stored(sessions: sessionmaker[Session]) -> None:
+    """Strings jobsup does not make can hold NUL: a webhook's error page (a notification's
+    `last_error`), a job's log in a reason. PostgreSQL's text cannot, and the write that
+    failed was the delivery's outcome: the message went out again and again. Kept as
+    U+FFFD there; SQLite keeps the NUL."""
+    page, reason = "HTTP 500: <html>\x00\x00</html>", "exited: log says a\x00b"
+    with sessions() as session:
+        job = store.create_job(session, spec=JobSpec(name="j", command=["true"]), now=T0)
+        store.transition(session, job, JobState.FAILED, now=T0 + 1, reason=reason)
+        outbox.add(session, ["webhook"], kind="firing", job_id=job.id, alert_id=None,
+                   payload_json="{}", event_id="e1", now=T0)
+        session.flush()
+        row = outbox.head(session, "webhook")
+        assert row is not None
+        assert outbox.record_outcome(session, row.id, {"last_error": page})
+        session.commit()
+        job_id, row_id = job.id, row.id
+    with sessions() as session:
+        stored = session.get(Notification, row_id)
+        assert stored is not None and stored.last_error is not None
+        assert stored.last_error.replace("\ufffd", "\x00") == page
+        assert (store.get_job(session, job_id).reason or "").replace("\ufffd", "\x00") == reason

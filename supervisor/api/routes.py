@@ -47,6 +47,7 @@ from supervisor.spec import (
     check_env,
 )
 from supervisor.storage import store
+from supervisor.storage.database import sqlite_path
 from supervisor.storage.tables import Job
 
 log = logging.getLogger(__name__)
@@ -166,10 +167,12 @@ def create_app(settings: Settings, sessions: sessionmaker[Session], *,
         """The database cannot take the write (its disk is full, or it is locked): a
         503 the client can retry, never a bare 500."""
         if store.is_disk_full(exc):
+            where = (f"the filesystem of {settings.data_dir} (df -h {settings.data_dir})"
+                     if sqlite_path(settings.resolved_database_url) is not None
+                     else "the database server's disk")
             body = {"error": "the daemon's database cannot be written: its disk is full; "
                              "nothing was recorded",
-                    "hint": f"free space on the filesystem of {settings.data_dir} "
-                            f"(df -h {settings.data_dir}), then retry", "field": None}
+                    "hint": f"free space on {where}, then retry", "field": None}
         else:
             # the driver's message only: str(exc) would log the statement's parameters,
             # a submitted spec's env values among them

@@ -1,4 +1,5 @@
-"""`jobsup serve`: lock the data dir, upgrade the schema, re-adopt jobs, serve the API."""
+"""`jobsup serve`: lock the data dir (and a PostgreSQL database), upgrade the schema,
+re-adopt jobs, serve the API."""
 
 from __future__ import annotations
 
@@ -24,7 +25,7 @@ from supervisor.config import Settings
 from supervisor.daemon.loop import Engine
 from supervisor.daemon.recovery import open_database
 from supervisor.errors import DaemonAlreadyRunning, UnsafeBind
-from supervisor.storage.database import make_sessionmaker
+from supervisor.storage.database import database_lock, make_sessionmaker
 
 log = logging.getLogger(__name__)
 
@@ -143,7 +144,7 @@ def build_app(settings: Settings) -> FastAPI:
 def serve(settings: Settings) -> None:
     check_bind(settings)
     settings.jobs_dir.mkdir(parents=True, exist_ok=True)
-    with data_dir_lock(settings.data_dir):
+    with data_dir_lock(settings.data_dir), database_lock(settings.resolved_database_url):
         app = build_app(settings)
         uvicorn.run(app, host=settings.host, port=settings.port, log_level="warning",
                     access_log=False)

@@ -16,7 +16,9 @@ When, at daemon start (`open_database`):
 - the file is damaged ("file is not a database", "database disk image is malformed",
   `PRAGMA quick_check` failing): refuse to start with `DatabaseDamaged`, unless
   `rebuild_db` (`jobsup serve --rebuild-db`) is set: then move the file aside
-  (`jobsup.db.damaged-<time>`, with its `-wal` and `-shm`) and rebuild.
+  (`jobsup.db.damaged-<time>`, with its `-wal` and `-shm`) and rebuild;
+- a PostgreSQL database (`JOBSUP_DATABASE_URL`) has no file to check or set aside: only
+  a database without jobs while `DATA_DIR/jobs` holds job directories is rebuilt.
 
 What a rebuild cannot bring back: samples, alerts, notifications and the event
 history; the exact restart count (taken from the attempt number); for a job submitted
@@ -39,14 +41,14 @@ from typing import Any
 from urllib.request import pathname2url
 
 from sqlalchemy import Engine, inspect, select
-from sqlalchemy.exc import DBAPIError
+from sqlalchemy.exc import DBAPIError, OperationalError
 from sqlalchemy.orm import Session
 
 from supervisor.alerting import rules
 from supervisor.config import Settings
 from supervisor.daemon.lifecycle import signal_name
 from supervisor.daemon.loop import LOG_TAIL_LINES
-from supervisor.errors import DatabaseDamaged
+from supervisor.errors import DatabaseDamaged, DatabaseUnavailable
 from supervisor.observe.progress_file import from_progress_file
 from supervisor.observe.view import ProgressRecord, progress_json
 from supervisor.runtime import files
@@ -66,7 +68,14 @@ from supervisor.spec import (
     stored_spec,
 )
 from supervisor.storage import store
-from supervisor.storage.database import make_engine, make_sessionmaker, sqlite_path, upgrade
+from supervisor.storage.database import (
+    make_engine,
+    make_sessionmaker,
+    shown_url,
+    sqlite_path,
+    unavailable,
+    upgrade,
+)
 from supervisor.storage.store import JOB_RECORD
 from supervisor.storage.tables import Job
 
@@ -407,43 +416,91 @@ def open_database(settings: Settings, *, now: float | None = None) -> Engine:
     now = time.time() if now is None else now
     url = settings.resolved_database_url
     path = sqlite_path(url)
-    where = str(path) if path is not None else "(the configured database)"
+    if path is None:
+        return open_server_database(settings, url, now)
     lost = None
-    if path is not None:
-        try:
-            size: int | None = path.stat().st_size
-        except FileNotFoundError:
-            size = None
-        if not size:
-            lost = "was missing" if size is None else "was empty (0 bytes)"
-            for orphan in set_aside_orphans(path, now):
-                log.warning("set %s aside: its database %s", orphan, lost)
-        elif check_or_set_aside(path, settings.jobs_dir, rebuild_db=settings.rebuild_db,
-                                now=now) is not None:
-            lost = "was damaged and set aside"
+    try:
+        size: int | None = path.stat().st_size
+    except FileNotFoundError:
+        size = None
+    if not size:
+        lost = "was missing" if size is None else "was empty (0 bytes)"
+        for orphan in set_aside_orphans(path, now):
+            log.warning("set %s aside: its database %s", orphan, lost)
+    elif check_or_set_aside(path, settings.jobs_dir, rebuild_db=settings.rebuild_db,
+                            now=now) is not None:
+        lost = "was damaged and set aside"
     engine = make_engine(url)
     try:
         known = has_jobs(engine)
         upgrade(engine)
     except DBAPIError as exc:
         engine.dispose()
-        if path is None or exc.orig is None or not is_corruption(exc.orig):
+        if exc.orig is None or not is_corruption(exc.orig):
             raise
         if not settings.rebuild_db or lost is not None:
             raise damaged_error(path, settings.jobs_dir, str(exc.orig)) from None
         moved = set_aside(path, "damaged", now)
         log.warning("moved the damaged database aside to %s (%s)", moved, exc.orig)
         return open_database(settings, now=now)
-    if not known and job_dirs(settings.jobs_dir):
-        lost = lost or "had no jobs"
-        sessions = make_sessionmaker(engine)
-        with sessions() as session:
-            summary = rebuild(session, settings.jobs_dir, now)
-            session.commit()
-        counts = ", ".join(f"{n} {state}" for state, n in sorted(summary.states.items()))
-        log.warning(
-            "the database %s %s: rebuilt %d jobs from %s (%s; %d skipped, %d without a "
-            "job.json); their samples, alerts, notifications and event history from before "
-            "are lost", where, lost, summary.rebuilt, settings.jobs_dir, counts or "none",
-            len(summary.skipped), summary.from_launch)
+    if not known:
+        rebuild_if_lost(engine, settings, str(path), lost, now)
     return engine
+
+
+def open_server_database(settings: Settings, url: str, now: float) -> Engine:
+    """A database server's (PostgreSQL): no file to check or set aside, its damage is
+    the server's business, so `rebuild_db` changes nothing. A database with no jobs
+    while the data dir holds job directories (a new, emptied or restored-from-nothing
+    database) gets them rebuilt, as a lost SQLite file does. A server that cannot be
+    reached stops the daemon with `DatabaseUnavailable` (the URL shown without its
+    password)."""
+    shown = shown_url(url)
+    if settings.rebuild_db:
+        log.info("--rebuild-db: %s is a database server's; there is no file to set aside",
+                 shown)
+    engine = make_engine(url)
+    try:
+        with engine.connect():
+            pass
+    except OperationalError as exc:
+        engine.dispose()
+        raise unavailable(url, exc) from None
+    try:
+        known = has_jobs(engine)
+        upgrade(engine)
+    except DBAPIError as exc:
+        engine.dispose()
+        if getattr(exc.orig, "sqlstate", None) != INSUFFICIENT_PRIVILEGE:
+            raise
+        raise DatabaseUnavailable(
+            f"the database {shown} does not let its role create jobsup's tables: "
+            f"{str(exc.orig).strip().splitlines()[0]}",
+            hint="make the role the database's owner (ALTER DATABASE ... OWNER TO ...), or "
+                 "GRANT CREATE ON SCHEMA public TO it (PostgreSQL 15 no longer grants it "
+                 "to every role)") from None
+    if not known:
+        rebuild_if_lost(engine, settings, shown, "had no jobs", now)
+    return engine
+
+
+INSUFFICIENT_PRIVILEGE = "42501"
+"""PostgreSQL's SQLSTATE for "permission denied"."""
+
+
+def rebuild_if_lost(engine: Engine, settings: Settings, where: str, lost: str | None,
+                    now: float) -> None:
+    """Rebuild the jobs of the data dir into a database that has none."""
+    if not job_dirs(settings.jobs_dir):
+        return
+    lost = lost or "had no jobs"
+    sessions = make_sessionmaker(engine)
+    with sessions() as session:
+        summary = rebuild(session, settings.jobs_dir, now)
+        session.commit()
+    counts = ", ".join(f"{n} {state}" for state, n in sorted(summary.states.items()))
+    log.warning(
+        "the database %s %s: rebuilt %d jobs from %s (%s; %d skipped, %d without a "
+        "job.json); their samples, alerts, notifications and event history from before "
+        "are lost", where, lost, summary.rebuilt, settings.jobs_dir, counts or "none",
+        len(summary.skipped), summary.from_launch)

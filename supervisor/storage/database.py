@@ -1,17 +1,22 @@
-"""Database engine (SQLite pragmas), sessions, and schema upgrade through Alembic."""
+"""Database engine (SQLite with its pragmas, or PostgreSQL through psycopg 3), sessions,
+and schema upgrade through Alembic."""
 
 from __future__ import annotations
 
 import contextlib
 import logging
+from collections.abc import Iterator, Mapping
 from importlib import resources
 from pathlib import Path
 from typing import Any
 
 from alembic import command
 from alembic.config import Config
-from sqlalchemy import Engine, create_engine, event, make_url
+from sqlalchemy import URL, Engine, create_engine, event, make_url, text
+from sqlalchemy.exc import ArgumentError, NoSuchModuleError, OperationalError
 from sqlalchemy.orm import Session, SessionTransaction, sessionmaker
+
+from supervisor.errors import DaemonAlreadyRunning, DatabaseUnavailable
 
 log = logging.getLogger(__name__)
 
@@ -19,16 +24,63 @@ SQLITE_BUSY_TIMEOUT_MS = 10_000
 """How long a writer waits for the lock before SQLITE_BUSY, in milliseconds."""
 
 
+POSTGRESQL_DRIVER = "postgresql+psycopg"
+"""The PostgreSQL driver jobsup installs (psycopg 3, the `postgresql` extra)."""
+
+POSTGRESQL_LOCK_TIMEOUT_MS = SQLITE_BUSY_TIMEOUT_MS
+"""How long a PostgreSQL statement waits for a lock (a row another transaction is
+writing) before it fails, as SQLite's busy timeout: a write that cannot be made is
+rolled back and retried (`transactions.py`, the notifier), never waited on forever."""
+
+POSTGRESQL_POOL_SIZE = 5
+"""Connections kept open to PostgreSQL: the tick, the notifier and a few API requests
+at once (each holds one only for its transaction)."""
+
+
+def engine_url(url: str) -> URL:
+    """The URL as SQLAlchemy gets it: a plain `postgresql://` (or `postgres://`) URL
+    means psycopg 3, whatever SQLAlchemy's default driver for it (psycopg2 before 2.1)."""
+    parsed = make_url(url)
+    if parsed.drivername in ("postgresql", "postgres"):
+        parsed = parsed.set(drivername=POSTGRESQL_DRIVER)
+    return parsed
+
+
+def shown_url(url: str | URL) -> str:
+    """The URL for logs and error messages: its password replaced by `***`."""
+    try:
+        return make_url(url).render_as_string(hide_password=True)
+    except ArgumentError:  # not a URL at all: show no part of it
+        return "(an unparsable database URL)"
+
+
 def make_engine(url: str) -> Engine:
-    """An engine; for SQLite: WAL, busy_timeout, foreign keys, synchronous=NORMAL."""
-    is_sqlite = url.startswith("sqlite")
+    """An engine. SQLite: WAL, busy_timeout, foreign keys, synchronous=NORMAL.
+    PostgreSQL: connections checked before use (a restarted server or a dropped idle
+    connection costs a reconnect, not a failed tick) and recycled hourly."""
+    parsed = engine_url(url)
+    is_sqlite = parsed.get_backend_name() == "sqlite"
     kwargs: dict[str, Any] = {}
     if is_sqlite:
         kwargs["connect_args"] = {"check_same_thread": False, "timeout": 10}
-        path = url.split("///", 1)[-1]
-        if path and path != ":memory:":
-            Path(path).parent.mkdir(parents=True, exist_ok=True)
-    engine = create_engine(url, **kwargs)
+        path = sqlite_path(url)
+        if path is not None:
+            path.parent.mkdir(parents=True, exist_ok=True)
+    elif parsed.get_backend_name() == "postgresql":
+        kwargs.update(pool_pre_ping=True, pool_recycle=3600, pool_size=POSTGRESQL_POOL_SIZE,
+                      max_overflow=10)
+    try:
+        engine = create_engine(parsed, **kwargs)
+    except (ImportError, NoSuchModuleError) as exc:
+        if parsed.drivername == POSTGRESQL_DRIVER:
+            hint = "install jobsup's PostgreSQL driver: pip install 'jobsup[postgresql]'"
+        elif parsed.get_backend_name() == "postgresql":
+            hint = ("jobsup's PostgreSQL driver is psycopg 3: write the URL as "
+                    "postgresql://USER:PASSWORD@HOST:PORT/DATABASE")
+        else:
+            hint = "use a sqlite:/// or postgresql:// URL in JOBSUP_DATABASE_URL"
+        raise DatabaseUnavailable(f"no driver for the database {shown_url(parsed)}: {exc}",
+                                  hint=hint) from None
     if is_sqlite:
 
         @event.listens_for(engine, "connect")
@@ -40,7 +92,97 @@ def make_engine(url: str) -> Engine:
             cur.execute("PRAGMA synchronous=NORMAL")
             cur.close()
 
+    elif engine.dialect.name == "postgresql":
+
+        @event.listens_for(engine, "connect")
+        def _lock_timeout(dbapi_conn: Any, _record: Any) -> None:
+            set_session(dbapi_conn, f"SET lock_timeout = {POSTGRESQL_LOCK_TIMEOUT_MS}")
+
+        event.listen(engine, "before_cursor_execute", _without_nul, retval=True)
+
     return engine
+
+
+def _without_nul(_conn: Any, _cursor: Any, statement: str, parameters: Any, _context: Any,
+                 _executemany: bool) -> tuple[str, Any]:
+    """PostgreSQL's text cannot hold NUL; SQLite's can. Strings jobsup does not make may
+    (a webhook's error page in `last_error`, a job's log line in a reason): stored with
+    U+FFFD in its place, not a failed write (the delivery's outcome was one, and the
+    message went out again every second)."""
+    return statement, _nul_free(parameters)
+
+
+def _nul_free(parameters: Any) -> Any:
+    """The parameters (a mapping, a sequence, or a list of them for executemany) with
+    NUL in their strings replaced; the same object when there is none (nearly always)."""
+    if not parameters:
+        return parameters
+    if isinstance(parameters, list):
+        return [_nul_free(row) for row in parameters]
+    values = parameters.values() if isinstance(parameters, Mapping) else parameters
+    if not any(isinstance(v, str) and "\x00" in v for v in values):
+        return parameters
+    if isinstance(parameters, Mapping):
+        return {k: _nul_replaced(v) for k, v in parameters.items()}
+    return tuple(_nul_replaced(v) for v in parameters)
+
+
+def _nul_replaced(value: Any) -> Any:
+    return value.replace("\x00", "\ufffd") if isinstance(value, str) else value
+
+
+def set_session(dbapi_conn: Any, statement: str) -> None:
+    """Run a `SET` on a new PostgreSQL connection outside a transaction: in one, the
+    pool's rollback at check-in would undo it."""
+    dbapi_conn.autocommit = True
+    try:
+        dbapi_conn.execute(statement)
+    finally:
+        dbapi_conn.autocommit = False
+
+
+def unavailable(url: str | URL, exc: OperationalError) -> DatabaseUnavailable:
+    """A connection that could not be made (refused, no such database or role, a wrong
+    password), for the user: the URL without its password, the driver's first line."""
+    reason = str(exc.orig).strip().splitlines()[0] if exc.orig else str(exc)
+    return DatabaseUnavailable(
+        f"cannot connect to the database {shown_url(url)}: {reason}",
+        hint="start the database server, or fix JOBSUP_DATABASE_URL (the database and its "
+             "role must exist; jobsup creates the tables)")
+
+
+DAEMON_LOCK_KEY = 0x6A6F62737570
+"""The PostgreSQL advisory lock a daemon holds on its database ("jobsup" in ASCII)."""
+
+
+@contextlib.contextmanager
+def database_lock(url: str) -> Iterator[None]:
+    """Hold the database for this daemon while the block runs. A second daemon on the
+    same PostgreSQL database (from another data dir or machine) would launch the same
+    pending jobs and call the first one's jobs lost: it is refused, as a second daemon
+    on one data dir is (`daemon.lock`). The lock is PostgreSQL's session advisory lock on
+    a connection of its own, released by the server when the daemon dies. SQLite's
+    default file is covered by the data dir's lock: nothing to do."""
+    if make_url(url).get_backend_name() == "sqlite":
+        yield
+        return
+    engine = make_engine(url)
+    try:
+        try:
+            conn = engine.connect()
+        except OperationalError as exc:
+            raise unavailable(url, exc) from None
+        with conn:
+            if not conn.scalar(text("SELECT pg_try_advisory_lock(:key)"),
+                               {"key": DAEMON_LOCK_KEY}):
+                raise DaemonAlreadyRunning(
+                    f"another jobsup daemon uses the database {shown_url(url)}",
+                    hint="use that daemon, stop it first, or give this one a database of "
+                         "its own (JOBSUP_DATABASE_URL)")
+            conn.commit()  # the lock outlives the transaction; the connection stays open
+            yield
+    finally:
+        engine.dispose()
 
 
 UNCOMMITTED_JOB_RECORDS = "jobsup.uncommitted_job_records"
@@ -98,4 +240,4 @@ def upgrade(engine: Engine) -> None:
     with engine.begin() as conn:
         cfg.attributes["connection"] = conn
         command.upgrade(cfg, "head")
-    log.info("database schema at head (%s)", engine.url.render_as_string(hide_password=True))
+    log.info("database schema at head (%s)", shown_url(engine.url))

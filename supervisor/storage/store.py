@@ -10,9 +10,13 @@ import logging
 import secrets
 from collections.abc import Mapping, Sequence
 from pathlib import Path
+from typing import Any
 
-from sqlalchemy import Integer, cast, delete, func, insert, select, update
+from sqlalchemy import Integer, delete, func, insert, select, update
+from sqlalchemy.ext.compiler import compiles
 from sqlalchemy.orm import Session
+from sqlalchemy.sql.compiler import SQLCompiler
+from sqlalchemy.sql.functions import FunctionElement
 
 from supervisor.errors import Conflict, JobNotFound, JobRecordUnwritable
 from supervisor.runtime.fileio import atomic_write_json
@@ -255,6 +259,28 @@ def latest_sample(session: Session, job_id: str) -> Sample | None:
     ).first()
 
 
+class time_bucket(FunctionElement[int]):  # noqa: N801 - an SQL function's name
+    """`time_bucket(t, size)`: the number of the `size`-second bucket holding `t`,
+    floor(t / size). SQLite's CAST to INTEGER truncates (floor, for times after 1970);
+    PostgreSQL's rounds, so there it is FLOOR."""
+
+    type = Integer()
+    name = "time_bucket"
+    inherit_cache = True
+
+
+@compiles(time_bucket)
+def _truncated(element: time_bucket, compiler: SQLCompiler, **kw: Any) -> str:
+    t, size = element.clauses
+    return f"CAST({compiler.process(t, **kw)} / {compiler.process(size, **kw)} AS INTEGER)"
+
+
+@compiles(time_bucket, "postgresql")
+def _floored(element: time_bucket, compiler: SQLCompiler, **kw: Any) -> str:
+    t, size = element.clauses
+    return f"FLOOR({compiler.process(t, **kw)} / {compiler.process(size, **kw)})"
+
+
 def compact_samples(session: Session, *, now: float,
                     since: Mapping[float, float] | None = None) -> int:
     """Downsample old samples per SAMPLE_TIERS (keep the newest row of each bucket);
@@ -270,7 +296,7 @@ def compact_samples(session: Session, *, now: float,
         keep = (
             select(func.max(Sample.id))
             .where(*window)
-            .group_by(Sample.job_id, cast(Sample.t / bucket_s, Integer))
+            .group_by(Sample.job_id, time_bucket(Sample.t, bucket_s))
         )
         result = session.execute(delete(Sample).where(*window, Sample.id.not_in(keep)))
         deleted += result.rowcount or 0  # type: ignore[attr-defined]

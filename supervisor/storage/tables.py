@@ -16,6 +16,12 @@ class Base(DeclarativeBase):
     pass
 
 
+Count = BigInteger().with_variant(Integer(), "sqlite")
+"""A count that may pass 2**31: start ticks (after 248 days of uptime at 100 Hz), items
+done (tokens). 64 bits everywhere: PostgreSQL's `bigint`; SQLite's INTEGER already is
+(its column stays INTEGER, migration 0007)."""
+
+
 class Job(Base):
     __tablename__ = "jobs"
 
@@ -28,13 +34,13 @@ class Job(Base):
     # the worker (the job's own process; its pid is also its process group id)
     pid: Mapped[int | None] = mapped_column(Integer)
     pid_create_time: Mapped[float | None] = mapped_column(Float)
-    pid_start_ticks: Mapped[int | None] = mapped_column(Integer)
+    pid_start_ticks: Mapped[int | None] = mapped_column(Count)
     """With `pid`, the worker's identity (`procfs.is_same_process`); the create time is
     for people and for rows written before migration 0006."""
     # the shim that started the worker and records its exit
     shim_pid: Mapped[int | None] = mapped_column(Integer)
     shim_create_time: Mapped[float | None] = mapped_column(Float)
-    shim_start_ticks: Mapped[int | None] = mapped_column(Integer)
+    shim_start_ticks: Mapped[int | None] = mapped_column(Count)
 
     attempt: Mapped[int] = mapped_column(Integer, default=0)
     restarts: Mapped[int] = mapped_column(Integer, default=0)
@@ -74,8 +80,8 @@ class Sample(Base):
     id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
     job_id: Mapped[str] = mapped_column(ForeignKey("jobs.id", ondelete="CASCADE"))
     t: Mapped[float] = mapped_column(Float)
-    items_done: Mapped[int | None] = mapped_column(Integer)
-    items_total: Mapped[int | None] = mapped_column(Integer)
+    items_done: Mapped[int | None] = mapped_column(Count)
+    items_total: Mapped[int | None] = mapped_column(Count)
     files: Mapped[int] = mapped_column(Integer, default=0)
     bytes_written: Mapped[int] = mapped_column(BigInteger, default=0)
     cpu_percent: Mapped[float] = mapped_column(Float, default=0.0)
