@@ -57,6 +57,9 @@ class Launch(TypedDict):
     """Absolute path of the attempt's `OUTPUT_LOG`."""
     stop_grace_s: float
     """Seconds between the SIGTERM of a stop and the SIGKILL."""
+    inherit_env: NotRequired[list[str]]
+    """Prefixes of variables the worker takes from the shim's own environment on top of
+    `env` (the `slurm` backend: `SLURM_`, the allocation's, which srun needs)."""
 
 
 class Claim(TypedDict):
@@ -166,13 +169,17 @@ def read_launch(adir: str | os.PathLike[str]) -> Launch | None:
     if not isinstance(argv, list) or not argv or not all(isinstance(a, str) for a in argv):
         return None
     grace = _number(data.get("stop_grace_s"))
-    return Launch(
+    launch = Launch(
         job_id=_text(data.get("job_id")) or "", attempt=_whole(data.get("attempt")) or 0,
         argv=argv, cwd=_text(data.get("cwd")) or "/",
         env={str(k): str(v) for k, v in env.items()} if isinstance(env, dict) else {},
         log_path=_text(data.get("log_path")) or str(Path(adir) / OUTPUT_LOG),
         stop_grace_s=grace if grace is not None and grace > 0 else 10.0,
     )
+    inherit = data.get("inherit_env")
+    if isinstance(inherit, list):
+        launch["inherit_env"] = [p for p in inherit if isinstance(p, str) and p]
+    return launch
 
 
 def read_claim(adir: str | os.PathLike[str]) -> Claim | None:
