@@ -39,17 +39,19 @@ setup_venv() {
 system_packages() {
     # promtool and amtool for the dashboard and alert-rule tests, libfaketime for the
     # clock-step tests, tmux for the live-table test, chromium for the status page's
-    # browser tests (Debian packages)
+    # browser tests, slurm-wlm and munge for the SLURM backend's one-node cluster
+    # (tests/slurm_cluster.py) (Debian packages)
     command -v promtool >/dev/null 2>&1 && command -v amtool >/dev/null 2>&1 &&
         dpkg -s libfaketime >/dev/null 2>&1 && command -v tmux >/dev/null 2>&1 &&
-        command -v chromium >/dev/null 2>&1 && return
+        command -v chromium >/dev/null 2>&1 && dpkg -s slurm-wlm munge >/dev/null 2>&1 &&
+        return
     local sudo=""
     [ "$(id -u)" -eq 0 ] || sudo="sudo"
     echo "installing Debian packages prometheus, prometheus-alertmanager, libfaketime," \
-        "tmux, chromium ..." >&2
+        "tmux, chromium, slurm-wlm, munge ..." >&2
     $sudo apt-get update -qq
     DEBIAN_FRONTEND=noninteractive $sudo apt-get install -y -qq --no-install-recommends \
-        prometheus prometheus-alertmanager libfaketime tmux chromium >/dev/null
+        prometheus prometheus-alertmanager libfaketime tmux chromium slurm-wlm munge >/dev/null
 }
 
 cmd=${1:-}

@@ -78,7 +78,7 @@ def test_a_job_runs_in_the_allocation_and_succeeds(daemon: Daemon, over_time: di
     job = daemon.submit(python_job(
         "import os; print('inside', os.environ['SLURM_JOB_ID'], flush=True);"
         f"open({str(out)!r}, 'w').write(os.environ['JOBSUP_JOB_ID'])"), name="ok")
-    assert job["spec"]["backend"] is None  # the daemon's default: JOBSUP_BACKEND=slurm
+    assert job["spec"]["backend"] == "slurm"  # the daemon's default (JOBSUP_BACKEND), stored
     done = daemon.wait_state(job["id"], "succeeded", "failed", "lost", timeout=30)
     assert (done["state"], done["exit_code"], done["exit_reason"]) == ("succeeded", 0, "exit")
     assert out.read_text() == job["id"]
@@ -159,9 +159,12 @@ def test_a_two_rank_job_with_one_failing_rank_names_it(daemon: Daemon,
                 f"MASTER_PORT={port}") in log
 
 
+@pytest.mark.parametrize("database_lost", [False, True], ids=["restart", "database-lost"])
 def test_a_restarted_daemon_readopts_a_running_job(cluster: SlurmCluster,
                                                    make_daemon: Callable[..., Daemon],
-                                                   tmp_path: Path) -> None:
+                                                   tmp_path: Path, database_lost: bool) -> None:
+    """The daemon SIGKILLed mid-job (and, in the second case, its database deleted:
+    rebuilt from the data dir) comes back to the same SLURM job and records its end."""
     go = tmp_path / "go"
     first = make_daemon({"JOBSUP_BACKEND": "slurm"})
     job = first.submit(python_job(
@@ -172,6 +175,8 @@ def test_a_restarted_daemon_readopts_a_running_job(cluster: SlurmCluster,
     wait_for(lambda: "running in SLURM" in (first.job(job["id"])["reason"] or ""), 30,
              what="the job running in SLURM")
     first.kill()
+    if database_lost:
+        (first.data_dir / "jobsup.db").unlink()
     again = make_daemon({"JOBSUP_BACKEND": "slurm"}, data_dir=first.data_dir)
     readopted = again.job(job["id"])
     assert readopted["state"] == "running"
