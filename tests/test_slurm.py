@@ -20,7 +20,8 @@ from pydantic import ValidationError
 
 from supervisor.runtime.fileio import read_json
 from supervisor.runtime.launcher import attempt_dir
-from supervisor.runtime.slurm import SLURM_FILE, SlurmJob, end_of, sbatch_argv
+from supervisor.runtime.slurm import SLURM_FILE
+from supervisor.runtime.slurm_jobs import SlurmJob, end_of, sbatch_argv
 from supervisor.spec import ExitReason, JobSpec
 from tests.helpers import PY, Daemon, python_job, wait_for
 from tests.slurm_cluster import SlurmCluster, missing_tools
