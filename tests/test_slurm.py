@@ -181,6 +181,9 @@ def test_a_restarted_daemon_readopts_a_running_job(cluster: SlurmCluster,
     again = make_daemon({"JOBSUP_BACKEND": "slurm"}, data_dir=first.data_dir)
     readopted = again.job(job["id"])
     assert readopted["state"] == "running"
+    if database_lost:  # rebuilt as a SLURM attempt, not judged by this machine's /proc
+        assert any("in SLURM; re-adopted after the database was rebuilt" in (e["reason"] or "")
+                   for e in again.events(job["id"])), again.events(job["id"])
     assert cluster.state_of(sid)["JobState"] == "RUNNING"
     go.touch()
     done = again.wait_state(job["id"], "succeeded", "failed", "lost", timeout=30)
