@@ -20,6 +20,7 @@ from pydantic import ValidationError
 
 from supervisor.runtime.fileio import read_json
 from supervisor.runtime.launcher import attempt_dir
+from supervisor.runtime.rank import rank_environment
 from supervisor.runtime.slurm import SLURM_FILE
 from supervisor.runtime.slurm_jobs import SlurmJob, end_of, sbatch_argv
 from supervisor.spec import ExitReason, JobSpec
@@ -91,6 +92,15 @@ def test_a_failing_job_fails_with_its_exit_code(daemon: Daemon) -> None:
     done = daemon.wait_state(job["id"], "succeeded", "failed", "lost", timeout=30)
     assert (done["state"], done["exit_code"], done["exit_reason"]) == ("failed", 3, "exit")
     assert done["reason"] == "exited with code 3"
+
+
+def test_a_job_sbatch_refuses_fails_saying_why(daemon: Daemon) -> None:
+    job = daemon.submit(python_job("print('never')"), name="nowhere",
+                        slurm={"partition": "nope"})
+    done = daemon.wait_state(job["id"], "failed", "succeeded", "lost", timeout=15)
+    assert (done["state"], done["exit_reason"]) == ("failed", "exit")
+    assert done["reason"].startswith("could not start the job's shim: sbatch refused the job:")
+    assert "invalid partition" in done["reason"].lower()
 
 
 def test_a_pending_job_shows_the_schedulers_reason_and_stops(daemon: Daemon,
@@ -258,6 +268,18 @@ def test_every_final_slurm_state_has_an_exit_reason(state: str, cancelled_by_job
     if end is not None:
         assert "SLURM job 7" in end.reason
         assert end.restartable is (state != "CANCELLED")
+
+
+def test_ranks_get_the_torchrun_variables_from_sruns() -> None:
+    env = rank_environment({"SLURM_PROCID": "5", "SLURM_NTASKS": "6", "SLURM_LOCALID": "1",
+                            "SLURM_NODEID": "2", "SLURM_TASKS_PER_NODE": "2(x3)",
+                            "SLURM_JOB_ID": "20123", "SLURM_JOB_NODELIST": "gpu07,gpu09"})
+    assert {k: env[k] for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE",
+                                "NODE_RANK", "MASTER_ADDR", "MASTER_PORT")} == {
+        "RANK": "5", "WORLD_SIZE": "6", "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "2",
+        "NODE_RANK": "2", "MASTER_ADDR": "gpu07", "MASTER_PORT": "20123"}
+    assert rank_environment({"MASTER_PORT": "29500", "SLURM_JOB_NODELIST": "n1"})[
+        "MASTER_PORT"] == "29500"  # the job's own setting wins
 
 
 def test_an_accounted_cancel_names_who() -> None:
