@@ -113,6 +113,18 @@ NodeName={self.host} NodeAddr=127.0.0.1 CPUs={CPUS} RealMemory={memory_mb} State
 PartitionName=debug Nodes={self.host} Default=YES MaxTime=INFINITE State=UP
 """
 
+    def stop_controller(self) -> None:
+        """slurmctld goes down (SIGTERM); jobs running on the node go on."""
+        proc = self.procs["slurmctld"]
+        proc.terminate()
+        proc.wait(15)
+
+    def start_controller(self) -> None:
+        """slurmctld comes back, with the jobs in its state directory."""
+        self._spawn("slurmctld", [_tool("slurmctld"), "-D", "-i"])
+        wait_for(self._controller_answers, 30,
+                 what=f"slurmctld to answer; log: {self._log('slurmctld')}")
+
     def _spawn(self, name: str, argv: list[str]) -> None:
         with open(self.dir / "log" / f"{name}.out" if name != "munged"
                   else self.dir / "munge" / "munged.out", "wb") as out:

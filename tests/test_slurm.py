@@ -213,6 +213,35 @@ def test_a_job_past_its_time_limit_ends_timeout(daemon: Daemon,
                               "SLURM (TIMEOUT)")
 
 
+def test_a_controller_down_keeps_jobs_running_and_defers_launches(
+        daemon: Daemon, cluster: SlurmCluster, tmp_path: Path) -> None:
+    """After the TIMEOUT case: slurmctld stopped for a while must not end anything."""
+    go = tmp_path / "go"
+    running = daemon.submit(python_job(
+        "import os, time\n"
+        f"while not os.path.exists({str(go)!r}): time.sleep(0.1)"), name="through-outage")
+    wait_for(lambda: "running in SLURM" in (daemon.job(running["id"])["reason"] or ""), 30,
+             what="the job running in SLURM")
+    cluster.stop_controller()
+    try:
+        later = daemon.submit(python_job("print('late')"), name="submitted-in-outage")
+        deferred = wait_for(lambda: (j := daemon.job(later["id"]))["state"] == "pending"
+                            and "SLURM did not take the job" in (j["reason"] or "") and j,
+                            40, what="the launch deferred")
+        assert "Unable to contact slurm controller" in deferred["reason"]
+        assert deferred["reason"].endswith("next try in 10 s")
+        kept = daemon.job(running["id"])
+        assert kept["state"] == "running"
+        assert "SLURM does not answer" in kept["reason"]
+    finally:
+        cluster.start_controller()
+    go.touch()
+    assert daemon.wait_state(running["id"], "succeeded", "failed", "lost",
+                             timeout=40)["state"] == "succeeded"
+    done = daemon.wait_state(later["id"], "succeeded", "failed", "lost", timeout=40)
+    assert (done["state"], done["attempt"]) == ("succeeded", 2)  # attempt 1: not taken
+
+
 # -- the parts that need no cluster ----------------------------------------------------
 
 def test_slurm_sections_are_validated() -> None:

@@ -25,6 +25,7 @@ from supervisor.runtime.launcher import (
     Attempt,
     Backend,
     ExitStatus,
+    LaunchDeferred,
     LaunchFate,
     LocalBackend,
     ShimState,
@@ -50,7 +51,8 @@ EXIT_STOP_MARGIN_S = 5.0
 up on a job and lets the daemon exit."""
 
 LAUNCH_RETRY_S = 10.0
-"""Seconds before a launch that failed for lack of space in the data dir is tried again."""
+"""Seconds before a launch that failed for lack of space in the data dir, or that the
+backend deferred (`LaunchDeferred`), is tried again."""
 
 COMPACT_EVERY_S = 300.0
 """Seconds between two downsampling passes over old samples."""
@@ -548,6 +550,11 @@ class Engine:
                                          stop_grace_s=spec.stop_grace_s
                                          or self.settings.stop_grace_s)
         except OSError as exc:
+            if isinstance(exc, LaunchDeferred):  # e.g. SLURM's controller not answering
+                store.transition(session, job, JobState.PENDING, now=now,
+                                 reason=f"{exc}; next try in {LAUNCH_RETRY_S:.0f} s",
+                                 retry_at=now + LAUNCH_RETRY_S)
+                return
             if exc.errno in (errno.ENOSPC, errno.EDQUOT):  # the data dir's disk is full
                 store.transition(session, job, JobState.PENDING, now=now,
                                  reason=f"waiting for space in the data dir to launch "

@@ -101,6 +101,11 @@ def write_launch(jobs_dir: Path, job_id: str, number: int, spec: JobSpec, *, cwd
     return adir
 
 
+class LaunchDeferred(OSError):
+    """The backend cannot launch now but may later (a scheduler that does not answer):
+    the job goes back to `pending` and the launch is tried again."""
+
+
 @dataclass(frozen=True)
 class SchedulerEnd:
     """How a cluster scheduler says an attempt ended, when that, not the worker's exit

@@ -40,6 +40,7 @@ from supervisor.runtime.launcher import (
     SCRUBBED_ENV,
     Attempt,
     Backend,
+    LaunchDeferred,
     LaunchFate,
     SchedulerEnd,
     ShimState,
@@ -71,6 +72,15 @@ COMMAND_TIMEOUT_S = 30.0
 QUERY_TTL_S = 1.0
 """One squeue answer serves every job of a tick (and at most this long)."""
 
+TRANSIENT_ERRORS = ("Unable to contact slurm controller", "Socket timed out",
+                    "temporarily unable", "Resource temporarily unavailable",
+                    "Transport endpoint is not connected")
+"""sbatch errors after which the same submission may succeed later."""
+UNREACHABLE_RETRY_S = 15.0
+"""After squeue failed, SLURM jobs count as running without asking again for this long:
+squeue takes ~9 s to give up on a controller that is down, which would stall each tick."""
+
+
 class SlurmUnreachable(Exception):
     """squeue failed: the controller is down or slow; nothing can be concluded."""
 
@@ -86,6 +96,8 @@ class SlurmBackend(Backend):
         self._listing: dict[str, SlurmJob] | None = None
         self._listed_at = 0.0
         self._unreachable: str | None = None
+        """squeue's last error, until it answers again."""
+        self._failed_at = 0.0
         self._finals: dict[str, SlurmJob | None] = {}
         """Final states looked up one by one (scontrol, sacct), kept: they never change."""
 
@@ -101,13 +113,17 @@ class SlurmBackend(Backend):
         now = time.monotonic()
         if self._listing is not None and now - self._listed_at < QUERY_TTL_S:
             return self._listing
+        if self._unreachable is not None and now - self._failed_at < UNREACHABLE_RETRY_S:
+            raise SlurmUnreachable(self._unreachable)
         try:
             done = self._run(["squeue", "--noheader", "--all", "--states=all",
                               f"--user={os.getuid()}", "--format=%i|%j|%T|%r|%N"])
-        except (OSError, subprocess.SubprocessError) as exc:
+            if done.returncode != 0:
+                raise SlurmUnreachable(done.stderr.strip()
+                                       or f"squeue exited {done.returncode}")
+        except (OSError, subprocess.SubprocessError, SlurmUnreachable) as exc:
+            self._failed_at = time.monotonic()
             raise SlurmUnreachable(str(exc)) from None
-        if done.returncode != 0:
-            raise SlurmUnreachable(done.stderr.strip() or f"squeue exited {done.returncode}")
         listing: dict[str, SlurmJob] = {}
         for line in done.stdout.splitlines():
             parts = line.split("|")
@@ -188,14 +204,30 @@ class SlurmBackend(Backend):
         try:
             done = self._run(sbatch_argv(spec, adir, name))
         except subprocess.SubprocessError as exc:
-            raise OSError(f"sbatch did not answer: {exc}") from None
+            self._give_up(adir)
+            raise LaunchDeferred(f"SLURM did not take the job (sbatch: {exc})") from None
         if done.returncode != 0:
-            raise OSError(f"sbatch refused the job: {done.stderr.strip()}")
+            error = done.stderr.strip()
+            if any(words in error for words in TRANSIENT_ERRORS):
+                self._give_up(adir)
+                raise LaunchDeferred(f"SLURM did not take the job ({error})")
+            raise OSError(f"sbatch refused the job: {error}")
         slurm_id = done.stdout.strip().split(";")[0]
         atomic_write_json(adir / SLURM_FILE, {"job_id": slurm_id, "name": name})
         self._listing = None
         log.info("job %s: attempt %d submitted to SLURM as job %s", job_id, number, slurm_id)
         return Attempt(job_id, number, adir)
+
+    @staticmethod
+    def _give_up(adir: Path) -> None:
+        """Claim an attempt whose submission failed for the daemon: had SLURM taken the
+        job after all (sbatch timed out after the controller accepted it), its shim
+        finds the claim taken and starts nothing; the next attempt runs the job."""
+        try:
+            create_json_exclusive(adir / files.CLAIM, files.Claim(by="daemon",
+                                                                 pid=os.getpid()))
+        except OSError as exc:
+            log.warning("cannot claim %s (%s)", adir, exc)
 
     def attempt(self, job_id: str, number: int, shim_pid: int | None,
                 shim_create_time: float | None, shim_start_ticks: int | None) -> Attempt:
