@@ -12,6 +12,7 @@ daemon the tests start, at it.
 from __future__ import annotations
 
 import contextlib
+import getpass
 import os
 import shutil
 import signal
@@ -78,14 +79,14 @@ class SlurmCluster:
 
     def _config(self, munge_socket: Path) -> str:
         memory_mb = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // 2**20 // 2
-        d = self.dir
+        d, user = self.dir, getpass.getuser()  # root here; slurmd may need root anyway
         return f"""\
 ClusterName=jobsuptest
 SlurmctldHost={self.host}(127.0.0.1)
 SlurmctldPort={free_port()}
 SlurmdPort={free_port()}
-SlurmUser=root
-SlurmdUser=root
+SlurmUser={user}
+SlurmdUser={user}
 AuthType=auth/munge
 CredType=cred/munge
 AuthInfo=socket={munge_socket}

@@ -361,8 +361,10 @@ class Engine:
                                              job.shim_create_time, job.shim_start_ticks)
 
     def backend_for(self, job: Job) -> Backend:
-        """The backend the job runs on: its spec's, else the daemon's default."""
-        name = stored_spec(job.spec_json).backend_or(self.settings.backend)
+        """The backend the job runs on: its spec's, stored resolved at submit; a job
+        stored before backends existed (no `backend`, no `slurm`) is a local one, whatever
+        JOBSUP_BACKEND says now."""
+        name = stored_spec(job.spec_json).backend_or("local")
         backend = self.backends.get(name)
         if backend is None:
             from supervisor.runtime.slurm import SlurmBackend  # only where SLURM is used
