@@ -87,6 +87,17 @@ def test_a_job_runs_in_the_allocation_and_succeeds(daemon: Daemon, over_time: di
     assert f"inside {slurm_id(daemon, job)}" in daemon.logs(job["id"])
 
 
+def test_a_local_job_beside_them_runs_on_the_daemons_machine(daemon: Daemon) -> None:
+    job = daemon.submit(python_job("import os; print('in slurm' if 'SLURM_JOB_ID' in "
+                                   "os.environ else 'on the daemon machine')"),
+                        name="here", backend="local")
+    done = daemon.wait_state(job["id"], "succeeded", "failed", "lost", timeout=15)
+    assert (done["state"], done["spec"]["backend"]) == ("succeeded", "local")
+    assert "on the daemon machine" in daemon.logs(job["id"])
+    adir = attempt_dir(daemon.data_dir / "jobs", job["id"], 1)
+    assert not (adir / SLURM_FILE).exists()
+
+
 def test_a_failing_job_fails_with_its_exit_code(daemon: Daemon) -> None:
     job = daemon.submit(python_job("import sys; print('bad input'); sys.exit(3)"), name="bad")
     done = daemon.wait_state(job["id"], "succeeded", "failed", "lost", timeout=30)
