@@ -10,7 +10,9 @@ is checked by the module's last test, while the others run."""
 
 from __future__ import annotations
 
+import json
 import os
+import subprocess
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -103,6 +105,20 @@ def test_a_failing_job_fails_with_its_exit_code(daemon: Daemon) -> None:
     done = daemon.wait_state(job["id"], "succeeded", "failed", "lost", timeout=30)
     assert (done["state"], done["exit_code"], done["exit_reason"]) == ("failed", 3, "exit")
     assert done["reason"] == "exited with code 3"
+
+
+def test_jobsup_submit_takes_the_slurm_section(daemon: Daemon, cluster: SlurmCluster) -> None:
+    done = subprocess.run(
+        [PY, "-m", "supervisor", "submit", "--url", daemon.url, "--name", "from-cli",
+         "--backend", "slurm", "--slurm", "cpus_per_task=2", "--slurm", "time=5",
+         "--slurm", "extra=--comment=from-the-cli", "--wait", "--json", "--", PY, "-c",
+         "print('hello')"], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    job = daemon.job(json.loads(done.stdout)["id"])
+    assert job["spec"]["slurm"]["cpus_per_task"] == 2
+    state = cluster.state_of(slurm_id(daemon, job))
+    assert (state["NumCPUs"], state["TimeLimit"], state["Comment"]) == \
+        ("2", "00:05:00", "from-the-cli")
 
 
 def test_a_job_sbatch_refuses_fails_saying_why(daemon: Daemon) -> None:
