@@ -59,6 +59,14 @@ class Settings(BaseSettings):
     sample_interval: float = Field(default=2.0, gt=0)
     """Seconds between two ticks of the engine (sampling, forecasts, alerts)."""
 
+    observe: Literal["daemon", "shim"] = "daemon"
+    """Who reads a local job's processes, GPU memory and output files: the daemon itself
+    (`daemon`), or the job's shim, which publishes them to the attempt directory
+    (`observed.jsonl`) as it does on a node the daemon cannot read (`shim`: an output
+    directory on a filesystem slow to scan from here, or a test of the remote path).
+    Jobs of a backend whose shims run elsewhere (SLURM) are always observed by their
+    shims."""
+
     restart_backoff_s: float = Field(default=1.0, ge=0)
     """First delay before an `on-failure` restart; doubles with every restart."""
 

@@ -419,6 +419,10 @@ class Resources(BaseModel):
     gpu_devices: list[GpuDeviceUse] | None = Field(
         default=None, description="per GPU the job uses, by NVML index; [] when it uses "
                                   "none, null when NVML is unavailable")
+    node: str | None = Field(
+        default=None, description="the host whose shim took these readings (a job on "
+                                  "another node, or any under JOBSUP_OBSERVE=shim); null "
+                                  "when the daemon reads the job's processes itself")
 
 
 class AlertOut(BaseModel):

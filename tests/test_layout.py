@@ -32,6 +32,36 @@ def test_the_shim_imports_only_the_standard_library_and_runtime() -> None:
                for m in ours), ours
 
 
+PUBLISHER_READERS = {"supervisor.observe", "supervisor.observe.sampler",
+                     "supervisor.observe.gpu", "supervisor.observe.outputs",
+                     "supervisor.observe.patterns"}
+"""The daemon's readers the shim's publisher imports when it takes its first reading
+(`runtime/publish.py`): they must stay standard library only, like the shim."""
+
+
+def test_the_publishing_shim_imports_only_the_standard_library_and_its_readers(
+        tmp_path: Path) -> None:
+    code = ("import json, os, sys\n"
+            "from supervisor.runtime import files\n"
+            "from supervisor.runtime.publish import Publisher\n"
+            f"p = Publisher(__import__('pathlib').Path({str(tmp_path)!r}), files.Observe("
+            f"interval_s=1, output_dir={str(tmp_path)!r}, pattern='*', gpu=True), "
+            "shim_pid=os.getpid(), worker_pid=os.getpid(), cwd='/')\n"
+            "assert p.publish(final=True)['error'] is None\n"
+            "print(json.dumps(sorted(sys.modules)))")
+    result = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True,
+                            text=True, timeout=60, check=True)
+    modules = json.loads(result.stdout)
+    outside = [m for m in modules
+               if m.split(".")[0] not in sys.stdlib_module_names
+               and m.split(".")[0] not in ("supervisor", "_distutils_hack", "pynvml")
+               and not m.startswith("_")]
+    ours = {m for m in modules if m.startswith("supervisor.")}
+    assert outside == []  # pynvml, imported where it is installed, is NVML's binding
+    assert ours - PUBLISHER_READERS <= {m for m in ours if m.startswith("supervisor.runtime")}
+    assert ours >= PUBLISHER_READERS  # the readers were imported: the list is not vacuous
+
+
 def test_the_workers_do_not_import_the_supervisor() -> None:
     sources = sorted((REPO / "workers").glob("*.py"))
     assert sources

@@ -146,7 +146,8 @@ def test_a_pending_job_shows_the_schedulers_reason_and_stops(daemon: Daemon,
     assert cluster.state_of(sid)["JobState"] == "CANCELLED"
 
 
-def test_a_stop_runs_the_jobs_grace_inside_the_allocation(daemon: Daemon, tmp_path: Path) -> None:
+def test_a_stop_runs_the_jobs_grace_inside_the_allocation(daemon: Daemon, cluster: SlurmCluster,
+                                                          tmp_path: Path) -> None:
     marker = tmp_path / "term.txt"
     job = daemon.submit(python_job(
         "import signal, sys, time\n"
@@ -156,6 +157,10 @@ def test_a_stop_runs_the_jobs_grace_inside_the_allocation(daemon: Daemon, tmp_pa
         "print('up', flush=True)\n"
         "time.sleep(600)"), name="stoppable", stop_grace_s=20)
     wait_for(lambda: "up" in daemon.logs(job["id"]), 30, what="the job's first line")
+    # its processes, read by its shim in the allocation and published (observed.jsonl)
+    seen = wait_for(lambda: (r := daemon.job(job["id"])["resources"])["num_procs"] >= 1
+                    and r, 15, what="the shim's readings")
+    assert seen["node"] == cluster.host and seen["rss_bytes"] > 0
     daemon.http.post(f"/api/v1/jobs/{job['id']}/stop")
     done = daemon.wait_state(job["id"], "stopped", "failed", "lost", timeout=15)
     assert (done["state"], done["exit_reason"]) == ("stopped", "stopped")

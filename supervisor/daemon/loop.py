@@ -20,6 +20,7 @@ from supervisor.config import Settings
 from supervisor.daemon import lifecycle
 from supervisor.observe.observer import SCAN_BUDGET_S, ObservedJob, Observer
 from supervisor.observe.view import progress_json, stored_progress
+from supervisor.runtime import files
 from supervisor.runtime.fileio import tail_lines
 from supervisor.runtime.launcher import (
     Attempt,
@@ -29,6 +30,7 @@ from supervisor.runtime.launcher import (
     LaunchFate,
     LocalBackend,
     ShimState,
+    attempt_dir,
     log_path,
 )
 from supervisor.spec import ExitReason, JobSpec, JobState, stored_spec
@@ -76,10 +78,14 @@ class Engine:
         self.sessions = sessions
         self.clock: Callable[[], float] = clock or SteadyClock()
         """Every timeout and backoff is measured on this clock (see `clock.py`)."""
-        self.backend: Backend = backend or LocalBackend(settings.jobs_dir, on_exit=self.wake)
+        self.backend: Backend = backend or LocalBackend(
+            settings.jobs_dir, on_exit=self.wake,
+            publish_interval_s=settings.sample_interval if settings.observe == "shim" else None)
         """The `local` backend (or the one a test gives)."""
         self.backends: dict[str, Backend] = {"local": self.backend}
         """By name, each made when a job first needs it (`backend_for`)."""
+        self._shim_observes: dict[tuple[str, int], bool] = {}
+        """Per (job, attempt): observed through its shim's readings (`observed.jsonl`)."""
         self._wake = threading.Event()
         self._should_exit = threading.Event()
         self._thread: threading.Thread | None = None
@@ -344,9 +350,9 @@ class Engine:
         job whose processes are on other machines (a SLURM job) has no tree here: its
         pids are not looked up in this machine's /proc."""
         backend = self.backend_for(job)
-        if not backend.observes_locally:
+        if not backend.observes_locally:  # its shim publishes its readings
             return ObservedJob(job.id, stored_spec(job.spec_json), job.attempt,
-                               -1, None, None, job.started_at, None)
+                               -1, None, None, job.started_at, None, remote=True)
         if attempt.shim_pid is not None and (self._shims_seen_alive.get(job.id) is attempt
                                              or backend.shim_alive(attempt)):
             root, root_time, root_ticks = (attempt.shim_pid, attempt.shim_create_time,
@@ -354,7 +360,22 @@ class Engine:
         else:
             root, root_time, root_ticks = job.pid or -1, job.pid_create_time, job.pid_start_ticks
         return ObservedJob(job.id, stored_spec(job.spec_json), job.attempt,
-                           root, root_time, job.pid, job.started_at, root_ticks)
+                           root, root_time, job.pid, job.started_at, root_ticks,
+                           remote=self._observed_by_shim(job))
+
+    def _observed_by_shim(self, job: Job) -> bool:
+        """The job's shim publishes its readings: always on a backend whose jobs run
+        elsewhere; under JOBSUP_OBSERVE=shim, if its launch asked for them (a job launched
+        by a daemon without the setting is read here)."""
+        if not self.backend_for(job).observes_locally:
+            return True
+        if self.settings.observe != "shim":
+            return False
+        key = (job.id, job.attempt)
+        if key not in self._shim_observes:
+            launch = files.read_launch(attempt_dir(self.settings.jobs_dir, job.id, job.attempt))
+            self._shim_observes[key] = launch is not None and "observe" in launch
+        return self._shim_observes[key]
 
     def _attempt(self, job: Job) -> Attempt:
         return self.backend_for(job).attempt(job.id, job.attempt, job.shim_pid,
@@ -369,7 +390,8 @@ class Engine:
         if backend is None:
             from supervisor.runtime.slurm import SlurmBackend  # only where SLURM is used
 
-            backend = self.backends[name] = SlurmBackend(self.settings.jobs_dir)
+            backend = self.backends[name] = SlurmBackend(
+                self.settings.jobs_dir, publish_interval_s=self.settings.sample_interval)
         return backend
 
     def _check_running(self, session: Session, job: Job, now: float) -> None:

@@ -26,6 +26,7 @@ import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field, replace
+from functools import partial
 from pathlib import Path
 
 from supervisor.observe import forecast
@@ -38,6 +39,7 @@ from supervisor.observe.readings import (
     items_from,
     output_scanner,
 )
+from supervisor.observe.remote import NO_TREE, ShimFileSide, ShimReading, backlog_samples
 from supervisor.observe.sampler import Sampler, TreeGpuMemory, TreeReading, TreeTarget
 from supervisor.observe.threads import FilePool
 from supervisor.observe.view import (
@@ -46,6 +48,7 @@ from supervisor.observe.view import (
     ProgressRecord,
     ResourceRecord,
 )
+from supervisor.runtime.launcher import attempt_dir
 from supervisor.storage.tables import Sample, SampleRecord
 
 log = logging.getLogger(__name__)
@@ -66,7 +69,12 @@ FILE_WORKERS = 64
 """Most threads reading the jobs' output trees and progress files. A thread is started
 only when every thread is busy, and each job has at most one reading in flight, so a
 reading stuck on a dead file server holds one thread and the other jobs get new ones
-(I/O bound: a handful serve hundreds of healthy jobs)."""
+(I/O bound: a handful serve hundreds of healthy jobs; see `READINGS_PER_BATCH`)."""
+
+
+READINGS_PER_BATCH = 16
+"""Most jobs whose file readings one worker thread takes one after the other per tick
+(`FilePool.submit_all`): more jobs on one filesystem spread over more threads."""
 
 
 ACTIVITY_CPU_S = 0.05
@@ -109,6 +117,13 @@ class _JobState:
     """The last observation error logged, so that a lasting one is logged once."""
     tick_at: tuple[float, float] = (0.0, 0.0)
     """(now, time.monotonic()) of the last tick that observed the job."""
+    shim_tree: TreeReading | None = None
+    """A remote job: the process figures of its shim's newest reading."""
+    node: str | None = None
+    """A remote job: the node its shim's readings come from."""
+    last_sample_t: float | None = None
+    """When the job's last sample was taken (a remote job's older readings become
+    samples of their own only if newer)."""
 
     def noteitems_from(self, items_done: int | None, now: float) -> None:
         if items_done is None:
@@ -202,6 +217,7 @@ class Observer:
         started = time.monotonic()
         self._settle_endings({job.job_id for job in jobs})
         states = [self._state_for(job, now, started) for job in jobs]
+        self._start_readings(states, now, started)
         readings, tree_errors = self._sample_trees(jobs, now)
         waiting = [state.inflight.future for state in states  # those started this tick;
                    if state.inflight is not None and state.inflight.tick == self._tick]
@@ -213,11 +229,12 @@ class Observer:
         forecasts: dict[str, forecast.JobForecast] = {}
         for job, state in zip(jobs, states, strict=True):
             state.pick_up()
-            tree = readings.get(job.job_id)
+            tree = self._shim_tree(state) if job.remote else readings.get(job.job_id)
+            backlog: list[SampleRecord] = []
             try:
                 if tree is None:
                     raise RuntimeError(tree_errors.get(job.job_id, "no process reading"))
-                view, sample, job_forecast = self._observe_one(job, state, tree, now)
+                view, sample, job_forecast = self._observe_one(job, state, tree, now, backlog)
             except Exception as error:  # a bug or a surprise in this job's reading only
                 message = f"observation failed: {_describe(error)}"
                 if tree is None:
@@ -225,8 +242,10 @@ class Observer:
                 self._log_error(job.job_id, state, message, error)
                 views[job.job_id] = self._stale_view(job, message)
                 continue
+            samples += backlog
             if sample is not None:
                 samples.append(sample)
+                state.last_sample_t = sample.t
             views[job.job_id] = view
             forecasts[job.job_id] = job_forecast
             reading = state.reading
@@ -299,32 +318,64 @@ class Observer:
         self.views.setdefault(job_id, JobView(progress=progress))
 
     def _state_for(self, job: ObservedJob, now: float, started: float) -> _JobState:
-        """The job's state, its file reading picked up if done, a new one started if
-        none runs."""
+        """The job's state, its file reading picked up if done (`_start_readings`
+        starts the next)."""
         state = self._state.get(job.job_id)
         if state is None:
             state = self._state[job.job_id] = _JobState(
-                FileSide(self.jobs_dir, self.make_scanner), activity_at=job.started_at)
+                self._file_side(job), activity_at=job.started_at)
         state.job = job
         state.tick_at = (now, started)
         state.pick_up()
-        if state.inflight is None:
-            files = state.files
-            try:
-                future = self._workers.submit(lambda: files.read(job, now))
-            except RuntimeError as error:
-                state.start_error = str(error)
-            else:
-                state.start_error = None
-                state.inflight = _Inflight(future, started, self._tick)
         return state
+
+    def _start_readings(self, states: Sequence[_JobState], now: float, started: float) -> None:
+        """A new file reading for every job with none in flight, in batches of at most
+        READINGS_PER_BATCH jobs whose last reading was on the same filesystem (a dead
+        file server holds only readings that would hang on it anyway); a job not read
+        yet is a batch of its own."""
+        batches: dict[object, list[tuple[_JobState, ObservedJob]]] = {}
+        for state in states:
+            if state.inflight is not None or state.job is None:
+                continue
+            device = state.reading.device if state.reading is not None else None
+            key = device if device is not None else ("job", state.job.job_id)
+            batches.setdefault(key, []).append((state, state.job))
+        for members in batches.values():
+            for first in range(0, len(members), READINGS_PER_BATCH):
+                batch = members[first:first + READINGS_PER_BATCH]
+                try:
+                    futures = self._workers.submit_all(
+                        [partial(state.files.read, job, now) for state, job in batch])
+                except RuntimeError as error:
+                    for state, _ in batch:
+                        state.start_error = str(error)
+                    continue
+                for (state, _), future in zip(batch, futures, strict=True):
+                    state.start_error = None
+                    state.inflight = _Inflight(future, started, self._tick)
+
+    def _file_side(self, job: ObservedJob) -> FileSide:
+        if job.remote:
+            return ShimFileSide(self.jobs_dir, self.make_scanner,
+                                attempt_dir(self.jobs_dir, job.job_id, job.attempt))
+        return FileSide(self.jobs_dir, self.make_scanner)
+
+    @staticmethod
+    def _shim_tree(state: _JobState) -> TreeReading:
+        """A remote job's process figures: its shim's newest reading, from the file
+        reading picked up this tick if it brought one, else the last one."""
+        outcome = state.outcome
+        if isinstance(outcome, FileReading) and outcome.shim:
+            state.shim_tree, state.node = outcome.shim[-1].tree, outcome.shim[-1].node
+        return state.shim_tree or NO_TREE
 
     def _sample_trees(self, jobs: Sequence[ObservedJob], now: float
                       ) -> tuple[dict[str, TreeReading], dict[str, str]]:
         """Every job's process tree in one pass; if that pass fails, job by job, so a
         failure costs only the jobs it concerns (their CPU % reads 0 this once)."""
         targets = [TreeTarget(j.job_id, j.root_pid, j.root_create_time, j.worker_pid,
-                              j.root_start_ticks) for j in jobs]
+                              j.root_start_ticks) for j in jobs if not j.remote]
         try:
             readings = self.sampler.sample(targets, now)
             self._sampler_error = None
@@ -342,22 +393,35 @@ class Observer:
                 errors[target.job_id] = _describe(error)
         return readings, errors
 
-    def _observe_one(self, job: ObservedJob, state: _JobState, tree: TreeReading,
-                     now: float) -> tuple[JobView, SampleRecord | None, forecast.JobForecast]:
+    def _observe_one(self, job: ObservedJob, state: _JobState, tree: TreeReading, now: float,
+                     backlog: list[SampleRecord]
+                     ) -> tuple[JobView, SampleRecord | None, forecast.JobForecast]:
+        """`backlog`: receives the samples of a remote job's readings older than the
+        newest (those its shim wrote since the last tick, or while the daemon was down)."""
         spec = job.spec
         outcome, state.outcome = state.outcome, None
         previous = self.views.get(job.job_id)
         if isinstance(outcome, FileReading):
             state.reading = fresh = outcome
             items_done, items_total, metrics, source = items_from(spec, fresh)
+            backlog += self._backlog(job, state, outcome.shim[:-1], items_total,
+                                     counted=source == "files")
             state.noteitems_from(items_done, fresh.t)
-            self._remember(state, forecast.Observation(fresh.t, items_done, fresh.bytes_written))
+            if fresh.stale is None:
+                self._remember(state, forecast.Observation(fresh.t, items_done,
+                                                           fresh.bytes_written))
             progress = ProgressRecord(
                 items_done=items_done, items_total=items_total, files=fresh.files,
                 bytes_written=fresh.bytes_written, source=source,
                 last_progress_at=state.last_progress_at, metrics=metrics,
-                observed_at=fresh.t)
-            state.logged_error = None
+                observed_at=fresh.t, observation_error=fresh.stale)
+            if fresh.stale != state.logged_error:
+                if fresh.stale is not None:  # (a shim that has not published yet: debug)
+                    log.log(logging.WARNING if state.node else logging.DEBUG, "job %s: %s",
+                            job.job_id, fresh.stale)
+                elif state.logged_error is not None and job.remote:
+                    log.info("job %s: its shim's readings are fresh again", job.job_id)
+            state.logged_error = fresh.stale
         else:  # nothing new: the last known figures, and why
             error = self._why_not_fresh(job, state, outcome)
             self._log_error(job.job_id, state, error, outcome)
@@ -377,7 +441,7 @@ class Observer:
             status=tree.status, num_procs=tree.num_procs, num_threads=tree.num_threads,
             cpu_percent=round(tree.cpu_percent, 1), rss_bytes=tree.rss_bytes,
             read_bytes=tree.read_bytes, gpu_memory_bytes=tree.gpu_memory_bytes,
-            gpu_devices=gpu_shares(tree.gpu_devices))
+            gpu_devices=gpu_shares(tree.gpu_devices), node=state.node)
         view = JobView(progress=progress, forecast=job_forecast, resources=resources,
                        cpu_time_s=tree.cpu_time_s, read_bytes=tree.read_bytes,
                        disk_device=device, first_item_at=state.first_item_at,
@@ -394,6 +458,24 @@ class Observer:
             num_threads=tree.num_threads, gpu_memory_bytes=tree.gpu_memory_bytes,
             disk_free_bytes=free_bytes)
         return view, sample, job_forecast
+
+    def _backlog(self, job: ObservedJob, state: _JobState, readings: Sequence[ShimReading],
+                 items_total: int | None, *, counted: bool) -> list[SampleRecord]:
+        """Samples of a remote job's readings older than its newest, each at its own
+        time, newer than its last sample; they count for its activity and, where the job's
+        items are its files (`counted`), for its progress and forecast. Its progress file
+        or log was not read then: their `items_done` is None otherwise."""
+        after = state.last_sample_t
+        newer = [r for r in readings if after is None or r.t > after]
+        samples = backlog_samples(job.job_id, newer, items_total=items_total, counted=counted)
+        for sample, r in zip(samples, newer, strict=True):
+            if sample.items_done is not None:
+                state.noteitems_from(sample.items_done, r.t)
+                self._remember(state, forecast.Observation(r.t, sample.items_done,
+                                                           sample.bytes_written))
+            state.note_activity(r.tree, sample.bytes_written, r.t)
+            state.last_sample_t = r.t
+        return samples
 
     @staticmethod
     def _why_not_fresh(job: ObservedJob, state: _JobState,
@@ -481,7 +563,9 @@ class Observer:
     def load_history(self, job: ObservedJob, rows: Sequence[Sample]) -> None:
         """Continue a running job's forecast after a daemon restart from stored samples."""
         state = self._state.setdefault(job.job_id, _JobState(
-            FileSide(self.jobs_dir, self.make_scanner), activity_at=job.started_at))
+            self._file_side(job), activity_at=job.started_at))
+        if rows:
+            state.last_sample_t = rows[-1].t
         for row in rows:
             self._remember(state, forecast.Observation(row.t, row.items_done, row.bytes_written))
             state.noteitems_from(row.items_done, row.t)

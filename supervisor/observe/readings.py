@@ -9,13 +9,16 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 from supervisor.observe import progress_file
 from supervisor.observe.outputs import OutputScanner, ScanResult
 from supervisor.observe.view import disk_free
 from supervisor.runtime.launcher import log_path, progress_path
 from supervisor.spec import JobSpec
+
+if TYPE_CHECKING:
+    from supervisor.observe.remote import ShimReading
 
 
 @dataclass(frozen=True)
@@ -30,6 +33,10 @@ class ObservedJob:
     worker_pid: int | None
     started_at: float | None = None
     root_start_ticks: int | None = None
+    remote: bool = False
+    """Its shim publishes its readings (`observed.jsonl`), which the observer reads
+    instead of /proc and the output directory: a job on another node
+    (`Backend.observes_locally` False), or any job under `JOBSUP_OBSERVE=shim`."""
 
 
 class Scanner(Protocol):
@@ -58,6 +65,11 @@ class FileReading:
     waiting: bool = False
     """Output files whose size may still change were not statted this time (the
     scanner's `waiting`): a final reading after the job's end is worth taking."""
+    shim: tuple[ShimReading, ...] = ()
+    """A remote job's readings new since the last file reading, oldest first (the
+    newest gave the figures above); () for a local job."""
+    stale: str | None = None
+    """A remote job: why its shim's figures are old (it has gone silent); None if not."""
 
 
 class FileSide:
@@ -82,13 +94,17 @@ class FileSide:
             scan = self.scanner.scan(time.time(), final=final)
             files, bytes_written, waiting = scan.files, scan.bytes, scan.waiting > 0
         free_bytes, device = disk_free(spec.output_dir or spec.cwd)
-        reported = progress_file.from_progress_file(progress_path(self.jobs_dir, job.job_id))
-        source: str | None = "progress_file"
-        if reported is None:
-            reported = progress_file.from_log(log_path(self.jobs_dir, job.job_id, job.attempt))
-            source = "log" if reported is not None else None
+        reported, source = self.progress(job)
         return FileReading(now, files, bytes_written, bool(spec.output_dir), reported,
                            source, free_bytes, device, waiting)
+
+    def progress(self, job: ObservedJob) -> tuple[progress_file.Reported | None, str | None]:
+        """(what the job reports, "progress_file" or "log"), (None, None) if nothing."""
+        reported = progress_file.from_progress_file(progress_path(self.jobs_dir, job.job_id))
+        if reported is not None:
+            return reported, "progress_file"
+        reported = progress_file.from_log(log_path(self.jobs_dir, job.job_id, job.attempt))
+        return reported, "log" if reported is not None else None
 
 
 def output_scanner(root: str, pattern: str) -> Scanner:

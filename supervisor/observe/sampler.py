@@ -18,6 +18,7 @@ from supervisor.runtime.procfs import (
     ProcStat,
     all_stats,
     is_started_at,
+    read_small,
 )
 
 STATUS_NAMES = {"R": "running", "S": "sleeping", "D": "disk-sleep", "Z": "zombie",
@@ -58,8 +59,7 @@ class ProcessTable:
 def read_io_bytes(pid: int, proc_root: str = "/proc") -> tuple[int, int] | None:
     """(read_bytes, write_bytes) that hit the storage layer, from /proc/<pid>/io."""
     try:
-        with open(f"{proc_root}/{pid}/io", "rb") as f:
-            data = f.read()
+        data = read_small(f"{proc_root}/{pid}/io")
     except OSError:  # gone, or not ours to read
         return None
     read_bytes = write_bytes = 0

@@ -69,6 +69,9 @@ class ResourceRecord:
     gpu_memory_bytes: int | None = None
     gpu_devices: tuple[GpuShare, ...] | None = None
     """Per GPU the job uses; () when it uses none, None when NVML is unavailable."""
+    node: str | None = None
+    """The host whose shim took these readings (a remote job); None when the daemon
+    reads the job's processes itself."""
 
 
 NO_FORECAST = forecast.JobForecast(

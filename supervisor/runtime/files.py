@@ -15,6 +15,12 @@ Who writes what, in order:
   creates it owns the attempt.
 - `shim.json` (`Identity`), the shim, once it owns the attempt.
 - `worker.json` (`WorkerRecord`), the shim, once the worker runs.
+- `observed.jsonl` (`Observed`, one JSON line per reading), the shim, every
+  `Observe.interval_s` while the worker runs, when `launch.json` asks for it with an
+  `observe` object: what the daemon cannot read itself when the job runs on another
+  node (its process tree, GPU memory, output files, free disk). Append-only, rotated to
+  `observed.jsonl.1` at `Observe.max_bytes` (`runtime/publish.py` writes it,
+  `observe/remote.py` reads it).
 
 A process is named by (pid, create time), never by its pid alone (`procfs`). Every file
 lives in a directory the job can write to: the readers here trust no type, and answer
@@ -23,6 +29,7 @@ None for a missing, unreadable or malformed file.
 
 from __future__ import annotations
 
+import json
 import os
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -41,8 +48,32 @@ OUTPUT_LOG = "output.log"
 """The worker's stdout and stderr (`Launch.log_path` names it)."""
 SHIM_LOG = "shim.log"
 """The shim's own stdout and stderr."""
+OBSERVED = "observed.jsonl"
+"""The shim's readings of its job, one JSON line each (`Observed`)."""
+OBSERVED_ROTATED = "observed.jsonl.1"
+"""`OBSERVED` renamed when it reached `Observe.max_bytes` (the one before is dropped)."""
+OBSERVED_MAX_BYTES = 1 << 20
+"""Default cap of `OBSERVED`: ~2,500 readings, 80 minutes at a 2 s interval; with the
+rotated file, what a daemon away that long finds when it comes back."""
+OBSERVED_MIN_BYTES = 4096
+"""The least `Observe.max_bytes` taken: a reading is a few hundred bytes."""
 
 Claimant = Literal["shim", "daemon"]
+
+
+class Observe(TypedDict):
+    """`launch.json`'s `observe`: the shim publishes readings of its job (`OBSERVED`)."""
+
+    interval_s: float
+    """Seconds between two readings (the daemon's sample interval)."""
+    output_dir: str | None
+    """The job's output directory, scanned on the node (None: no scan)."""
+    pattern: str
+    """Its item pattern (`JobSpec.pattern`)."""
+    gpu: bool
+    """Read the tree's GPU memory through NVML (where it imports and answers)."""
+    max_bytes: NotRequired[int]
+    """Cap of `OBSERVED` before it rotates (`OBSERVED_MAX_BYTES`)."""
 
 
 class Launch(TypedDict):
@@ -60,6 +91,9 @@ class Launch(TypedDict):
     inherit_env: NotRequired[list[str]]
     """Prefixes of variables the worker takes from the shim's own environment on top of
     `env` (the `slurm` backend: `SLURM_`, the allocation's, which srun needs)."""
+    observe: NotRequired[Observe]
+    """Present: the shim publishes readings (`OBSERVED`); absent: the daemon reads the
+    job's processes and files itself."""
 
 
 class Claim(TypedDict):
@@ -120,6 +154,57 @@ class Status(TypedDict):
     """OOM kills in the shim's memory cgroup during the run; None without one."""
 
 
+class ObservedGpu(TypedDict):
+    """The tree's memory on one GPU, with the device's own figures (NVML index order)."""
+
+    index: int
+    name: str | None
+    uuid: str | None
+    memory_bytes: int
+    used_bytes: int
+    total_bytes: int
+
+
+class Observed(TypedDict):
+    """One line of `observed.jsonl`: the job as its shim saw it at `t`. The tree is the
+    shim's descendants (the worker and what it spawned; the shim itself, whose own work
+    includes taking these readings, is left out)."""
+
+    seq: int
+    """1, 2, ... per shim: a gap is a reading that could not be written."""
+    t: float
+    """The node's wall clock (seconds since the epoch) when the reading was taken."""
+    node: str
+    """The node's host name."""
+    interval_s: float
+    status: str | None
+    """The worker's process state (running, sleeping, ...); None once it is gone."""
+    num_procs: int
+    num_threads: int
+    cpu_time_s: float
+    """Cumulative CPU seconds of the tree, with its reaped children."""
+    rss_bytes: int
+    read_bytes: int
+    write_bytes: int
+    gpu_memory_bytes: int | None
+    """None: GPU reading off, or NVML absent or failing on the node."""
+    gpu_devices: list[ObservedGpu] | None
+    files: int | None
+    """Items under `Observe.output_dir` matching its pattern; None without a scan."""
+    bytes_written: int | None
+    waiting: int
+    """Output files still settling that this scan did not stat."""
+    disk_free_bytes: int | None
+    """Free bytes for unprivileged writers on the output (else cwd) filesystem."""
+    disk_total_bytes: int | None
+    disk_device: int | None
+    """That filesystem's device number on the node (`st_dev`)."""
+    final: bool
+    """Taken after the worker ended, every settling file statted."""
+    error: str | None
+    """What part of the reading failed (its figures are then zero or None)."""
+
+
 @dataclass(frozen=True)
 class WorkerInfo:
     """`worker.json` as read back."""
@@ -158,6 +243,18 @@ def _text(value: Any) -> str | None:
     return value if isinstance(value, str) else None
 
 
+def _observe(value: Any) -> Observe | None:
+    if not isinstance(value, dict):
+        return None
+    interval = _number(value.get("interval_s"))
+    max_bytes = _whole(value.get("max_bytes"))
+    return Observe(
+        interval_s=interval if interval is not None and interval > 0 else 2.0,
+        output_dir=_text(value.get("output_dir")) or None,
+        pattern=_text(value.get("pattern")) or "**/*", gpu=value.get("gpu") is not False,
+        max_bytes=max(max_bytes or OBSERVED_MAX_BYTES, OBSERVED_MIN_BYTES))
+
+
 def read_launch(adir: str | os.PathLike[str]) -> Launch | None:
     """The attempt's `launch.json`, None unless it names at least an argv (a list of
     strings). Fields a daemon of an older version did not write get their defaults:
@@ -179,7 +276,47 @@ def read_launch(adir: str | os.PathLike[str]) -> Launch | None:
     inherit = data.get("inherit_env")
     if isinstance(inherit, list):
         launch["inherit_env"] = [p for p in inherit if isinstance(p, str) and p]
+    observe = _observe(data.get("observe"))
+    if observe is not None:
+        launch["observe"] = observe
     return launch
+
+
+def parse_observed(line: bytes) -> Observed | None:
+    """One line of `observed.jsonl`, None unless it is a JSON object with a sequence
+    number, a time and a node (a torn or foreign line). Fields of the wrong type read
+    as zero or None: the job's node writes this file."""
+    try:
+        data = json.loads(line)
+    except ValueError:
+        return None
+    if not isinstance(data, dict):
+        return None
+    seq, t, node = _whole(data.get("seq")), _number(data.get("t")), _text(data.get("node"))
+    if seq is None or t is None or node is None:
+        return None
+    devices = data.get("gpu_devices")
+    gpus = None if not isinstance(devices, list) else [
+        ObservedGpu(index=_whole(d.get("index")) or 0, name=_text(d.get("name")),
+                    uuid=_text(d.get("uuid")), memory_bytes=_whole(d.get("memory_bytes")) or 0,
+                    used_bytes=_whole(d.get("used_bytes")) or 0,
+                    total_bytes=_whole(d.get("total_bytes")) or 0)
+        for d in devices if isinstance(d, dict)]
+    return Observed(
+        seq=seq, t=t, node=node[:255], interval_s=_number(data.get("interval_s")) or 2.0,
+        status=_text(data.get("status")), num_procs=_whole(data.get("num_procs")) or 0,
+        num_threads=_whole(data.get("num_threads")) or 0,
+        cpu_time_s=_number(data.get("cpu_time_s")) or 0.0,
+        rss_bytes=_whole(data.get("rss_bytes")) or 0,
+        read_bytes=_whole(data.get("read_bytes")) or 0,
+        write_bytes=_whole(data.get("write_bytes")) or 0,
+        gpu_memory_bytes=_whole(data.get("gpu_memory_bytes")), gpu_devices=gpus,
+        files=_whole(data.get("files")), bytes_written=_whole(data.get("bytes_written")),
+        waiting=_whole(data.get("waiting")) or 0,
+        disk_free_bytes=_whole(data.get("disk_free_bytes")),
+        disk_total_bytes=_whole(data.get("disk_total_bytes")),
+        disk_device=_whole(data.get("disk_device")), final=data.get("final") is True,
+        error=(_text(data.get("error")) or "")[:300] or None)
 
 
 def read_claim(adir: str | os.PathLike[str]) -> Claim | None:

@@ -82,12 +82,20 @@ def job_environment(base: Mapping[str, str], spec: JobSpec, job_id: str, number:
     return env
 
 
+def observe_request(spec: JobSpec, interval_s: float) -> files.Observe:
+    """`launch.json`'s `observe` for a job whose shim publishes its readings."""
+    return files.Observe(interval_s=interval_s, output_dir=spec.output_dir,
+                         pattern=spec.pattern, gpu=True)
+
+
 def write_launch(jobs_dir: Path, job_id: str, number: int, spec: JobSpec, *, cwd: str,
                  stop_grace_s: float, argv: list[str] | None = None,
-                 inherit_env: Sequence[str] = ()) -> Path:
+                 inherit_env: Sequence[str] = (),
+                 observe: files.Observe | None = None) -> Path:
     """Create the attempt's directory and its `launch.json` (what the shim runs: `argv`,
     default the spec's command; `inherit_env`, prefixes of variables the worker takes
-    from the shim's own environment, such as the allocation's `SLURM_`); the directory."""
+    from the shim's own environment, such as the allocation's `SLURM_`; `observe`, the
+    shim publishes its readings); the directory."""
     adir = attempt_dir(jobs_dir, job_id, number)
     adir.mkdir(parents=True, exist_ok=True)
     env = job_environment(os.environ, spec, job_id, number, progress_path(jobs_dir, job_id))
@@ -97,6 +105,8 @@ def write_launch(jobs_dir: Path, job_id: str, number: int, spec: JobSpec, *, cwd
     )
     if inherit_env:
         launch["inherit_env"] = list(inherit_env)
+    if observe is not None:
+        launch["observe"] = observe
     atomic_write_json(adir / files.LAUNCH, launch)
     return adir
 
@@ -150,10 +160,6 @@ class Backend(ABC):
     a cluster backend (`slurm.SlurmBackend`) implements the same calls with its
     scheduler's tools."""
 
-    observes_locally: bool = True
-    """The job's processes run on this machine, so the daemon samples them in /proc.
-    False for a cluster backend: its processes live on compute nodes."""
-
     def scheduler_end(self, attempt: Attempt) -> SchedulerEnd | None:
         """Why the scheduler ended an attempt that `read_exit` reported ended, when the
         scheduler's reason overrides the exit code (None: the exit code tells)."""
@@ -163,6 +169,11 @@ class Backend(ABC):
         """What the scheduler says of a running attempt (queued, and why), for the job's
         `reason`; None when there is nothing to add."""
         return None
+
+    observes_locally: bool = True
+    """The daemon can read its jobs' /proc, NVML and output files (they run here). A
+    backend whose shims run on other nodes sets it False, asks them to publish their
+    readings (`observe_request` in `launch.json`) and the engine reads those instead."""
 
     @abstractmethod
     def start(self, job_id: str, number: int, spec: JobSpec, *, cwd: str,
@@ -232,15 +243,21 @@ class Backend(ABC):
 class LocalBackend(Backend):
     """Shims as children of the daemon on this machine."""
 
-    def __init__(self, jobs_dir: Path, on_exit: Callable[[], None]):
+    def __init__(self, jobs_dir: Path, on_exit: Callable[[], None], *,
+                 publish_interval_s: float | None = None):
+        """`publish_interval_s`: the shims publish their readings this often
+        (`JOBSUP_OBSERVE=shim`); None: the daemon reads the jobs itself."""
         self.jobs_dir = jobs_dir
+        self.publish_interval_s = publish_interval_s
         self._children: dict[int, subprocess.Popen[bytes]] = {}
         self._watcher = ExitWatcher(on_exit)
 
     def start(self, job_id: str, number: int, spec: JobSpec, *, cwd: str,
               stop_grace_s: float) -> Attempt:
-        adir = write_launch(self.jobs_dir, job_id, number, spec, cwd=cwd,
-                            stop_grace_s=stop_grace_s)
+        adir = write_launch(
+            self.jobs_dir, job_id, number, spec, cwd=cwd, stop_grace_s=stop_grace_s,
+            observe=(observe_request(spec, self.publish_interval_s)
+                     if self.publish_interval_s is not None else None))
         with open(adir / files.SHIM_LOG, "ab") as shim_log:
             proc = subprocess.Popen(
                 [sys.executable, "-m", "supervisor.runtime.shim", str(adir)],

@@ -15,9 +15,12 @@ the worker left behind. A job that has ended has no process left.
 Stop: SIGTERM (or SIGINT/SIGHUP) to the shim forwards SIGTERM to the worker's group
 and, after `stop_grace_s`, sends SIGKILL to the group and every remaining descendant.
 
-Stdlib only (plus the stdlib-only `fileio`, `files` and `procfs` of this package): it
-must start fast and must not break when the daemon's dependencies are upgraded under a
-running job.
+Stdlib only (plus the stdlib-only `fileio`, `files`, `procfs` and `publish` of this
+package): it must start fast and must not break when the daemon's dependencies are
+upgraded under a running job. When `launch.json` has an `observe` object, a thread
+(`publish.py`) also appends readings of the job to `observed.jsonl` for a daemon that
+cannot read this node, the last one after the worker ended and before the exit is
+recorded.
 """
 
 from __future__ import annotations
@@ -44,6 +47,7 @@ from supervisor.runtime.procfs import (
     signal_group,
     start_ticks_of,
 )
+from supervisor.runtime.publish import Publisher
 
 PR_SET_CHILD_SUBREAPER = 36
 CLAIM_FILE = files.CLAIM
@@ -198,11 +202,19 @@ class Shim:
             start_ticks=start_ticks_of(worker_pid), started_at=time.time()))
         if self.stop_requested:  # a stop that arrived while the worker was starting
             signal_group(worker_pid, signal.SIGTERM)
+        publisher = None
+        if "observe" in self.launch:  # the daemon cannot read this node: publish readings
+            publisher = Publisher(self.attempt_dir, self.launch["observe"], shim_pid=me,
+                                  worker_pid=worker_pid, cwd=self.launch["cwd"])
+            publisher.start()
 
         status, max_rss_kb = self._wait_for(worker_pid)
         self.worker.returncode = 0  # reaped by wait4 above; keep Popen from waiting again
         signal.setitimer(signal.ITIMER_REAL, 0)
         self._clean_up_leftovers(worker_pid)
+        if publisher is not None and not publisher.stop():
+            print("jobsup shim: the final reading is still running; recording the exit "
+                  "without it", file=sys.stderr)
 
         if os.WIFSIGNALED(status):
             self._write_status(exit_code=None, sig=os.WTERMSIG(status), max_rss_kb=max_rss_kb)

@@ -7,7 +7,9 @@ filesystem the daemon and the nodes share, so the exit code, the log and the cla
 reach the daemon the usual way. The SLURM job id goes to `slurm.json`; the job's name,
 `jobsup-ID-N`, finds it too if the daemon died before writing that file.
 
-Liveness comes from the scheduler, never from /proc (`observes_locally` is False): one
+The job's process tree, GPUs and output are read by its shim on the node, which
+publishes them to `observed.jsonl` (`observes_locally` is False; docs/scale-out.md).
+Liveness comes from the scheduler, never from /proc: one
 `squeue` per tick for all of this user's jobs. A job SLURM still lists as pending,
 running, completing or suspended is alive; once it lists a final state (or no longer
 lists it: `sacct` is asked where accounting exists), the attempt has ended, and
@@ -46,6 +48,7 @@ from supervisor.runtime.launcher import (
     ShimState,
     _package_root_on_path,
     attempt_dir,
+    observe_request,
     write_launch,
 )
 from supervisor.runtime.slurm_jobs import (
@@ -91,8 +94,11 @@ class SlurmBackend(Backend):
 
     observes_locally = False
 
-    def __init__(self, jobs_dir: Path):
+    def __init__(self, jobs_dir: Path, *, publish_interval_s: float = 2.0):
+        """`publish_interval_s`: how often each job's shim publishes its readings
+        (`observed.jsonl`; the daemon's tick interval)."""
         self.jobs_dir = jobs_dir
+        self.publish_interval_s = publish_interval_s
         self._listing: dict[str, SlurmJob] | None = None
         self._listed_at = 0.0
         self._unreachable: str | None = None
@@ -193,7 +199,8 @@ class SlurmBackend(Backend):
               stop_grace_s: float) -> Attempt:
         adir = write_launch(self.jobs_dir, job_id, number, spec, cwd=cwd,
                             stop_grace_s=stop_grace_s, argv=worker_argv(spec),
-                            inherit_env=["SLURM_"])
+                            inherit_env=["SLURM_"],
+                            observe=observe_request(spec, self.publish_interval_s))
         script = adir / BATCH_SCRIPT
         script.write_text(
             "#!/bin/sh\n# the job's jobsup shim, inside the allocation (docs/scale-out.md)\n"
