@@ -40,18 +40,21 @@ system_packages() {
     # promtool and amtool for the dashboard and alert-rule tests, libfaketime for the
     # clock-step tests, tmux for the live-table test, chromium for the status page's
     # browser tests, postgresql for the store, API and restart tests against PostgreSQL
-    # (the tests start their own server from its binaries) (Debian packages)
+    # (the tests start their own server from its binaries), slurm-wlm and munge for the
+    # SLURM backend's one-node cluster (tests/slurm_cluster.py) (Debian packages)
     command -v promtool >/dev/null 2>&1 && command -v amtool >/dev/null 2>&1 &&
         dpkg -s libfaketime >/dev/null 2>&1 && command -v tmux >/dev/null 2>&1 &&
         command -v chromium >/dev/null 2>&1 &&
-        compgen -G '/usr/lib/postgresql/*/bin/postgres' >/dev/null && return
+        compgen -G '/usr/lib/postgresql/*/bin/postgres' >/dev/null &&
+        dpkg -s slurm-wlm munge >/dev/null 2>&1 && return
     local sudo=""
     [ "$(id -u)" -eq 0 ] || sudo="sudo"
     echo "installing Debian packages prometheus, prometheus-alertmanager, libfaketime," \
-        "tmux, chromium, postgresql ..." >&2
+        "tmux, chromium, postgresql, slurm-wlm, munge ..." >&2
     $sudo apt-get update -qq
     DEBIAN_FRONTEND=noninteractive $sudo apt-get install -y -qq --no-install-recommends \
-        prometheus prometheus-alertmanager libfaketime tmux chromium postgresql >/dev/null
+        prometheus prometheus-alertmanager libfaketime tmux chromium postgresql slurm-wlm \
+        munge >/dev/null
 }
 
 cmd=${1:-}

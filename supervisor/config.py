@@ -78,6 +78,10 @@ class Settings(BaseSettings):
     stop_grace_s: float = Field(default=10.0, gt=0)
     """Default seconds between SIGTERM and SIGKILL on stop (a job spec may override)."""
 
+    backend: Literal["local", "slurm"] = "local"
+    """Where a job runs when its spec names no backend (and has no `slurm` section):
+    `local` (a shim on this machine) or `slurm` (sbatch; docs/scale-out.md)."""
+
     stop_jobs_on_exit: bool = False
     """On SIGTERM/SIGINT the daemon stops every running job as `POST /jobs/{id}/stop`
     does (SIGTERM, the job's grace, SIGKILL) and waits for them before it exits. Off by

@@ -4,12 +4,20 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 import threading
 from collections.abc import Iterable, Mapping
 from enum import StrEnum
-from typing import Annotated, Any
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
 
 from supervisor.errors import InvalidSpec
 from supervisor.observe.patterns import check_pattern
@@ -39,6 +47,15 @@ class ExitReason(StrEnum):
     OOM = "oom"
     STOPPED = "stopped"
     LOST = "lost"
+    # a cluster scheduler ended the job (the `slurm` backend; docs/scale-out.md)
+    TIMEOUT = "timeout"
+    """It ran past its time limit (SLURM TIMEOUT, DEADLINE)."""
+    CANCELLED = "cancelled"
+    """Cancelled outside jobsup (`scancel` by its owner or an administrator)."""
+    PREEMPTED = "preempted"
+    """The scheduler took its allocation for another job."""
+    NODE_FAIL = "node_fail"
+    """A node of its allocation failed (SLURM NODE_FAIL, BOOT_FAIL)."""
 
 
 class AlertState(StrEnum):
@@ -122,6 +139,90 @@ def check_env(env: Mapping[str, str], allowed: Iterable[str], *, field: str = "e
             field=field)
 
 
+BackendName = Literal["local", "slurm"]
+"""Where a job runs: `local`, a shim on the daemon's machine; `slurm`, a shim inside a
+SLURM allocation (docs/scale-out.md)."""
+
+SLURM_TIME = re.compile(
+    r"(?:\d+|\d+:\d+|\d+:\d+:\d+|\d+-\d+|\d+-\d+:\d+|\d+-\d+:\d+:\d+"
+    r"|INFINITE|UNLIMITED)")
+"""The time formats `sbatch --time` accepts: minutes, minutes:seconds,
+hours:minutes:seconds, days-hours, days-hours:minutes, days-hours:minutes:seconds."""
+
+SLURM_MEMORY = re.compile(r"\d+[KMGT]?")
+SLURM_WORD = re.compile(r"[A-Za-z0-9_.:,=+@/-]+")
+"""A partition, account, QOS or GRES: no spaces, no shell or option syntax."""
+
+SLURM_OPTIONS_OWNED = ("--output", "--error", "--chdir", "--job-name", "--parsable",
+                       "--requeue", "--wrap", "--export", "-o", "-e", "-D", "-J")
+"""sbatch options jobsup sets itself: the shim's log, the attempt dir, the job's name
+(how a restarted daemon finds it), no requeue (restarts are new attempts), the
+environment (the launch file carries it, without the daemon's secrets)."""
+
+
+class SlurmResources(BaseModel):
+    """What a `slurm` job asks the scheduler for (sbatch options)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    partition: str | None = None
+    nodes: int = Field(default=1, ge=1, le=100_000)
+    tasks_per_node: int = Field(
+        default=1, ge=1, le=4096,
+        description="ranks per node; with nodes x tasks_per_node > 1 the job's command "
+                    "runs once per rank through srun, with RANK, WORLD_SIZE, LOCAL_RANK, "
+                    "MASTER_ADDR, MASTER_PORT set")
+    gpus_per_node: int | None = Field(default=None, ge=1, le=1024)
+    gres: str | None = None
+    cpus_per_task: int | None = Field(default=None, ge=1, le=100_000)
+    mem: str | None = Field(default=None, description="per node, e.g. 64G (sbatch --mem)")
+    time: str | None = Field(default=None, description="time limit, sbatch's formats: "
+                             "minutes, [days-]hours:minutes:seconds, ...")
+    account: str | None = None
+    qos: str | None = None
+    extra: list[str] = Field(default_factory=list, description="more sbatch options, "
+                             "each one `--name=value` argument")
+
+    @field_validator("partition", "gres", "account", "qos")
+    @classmethod
+    def _word(cls, value: str | None) -> str | None:
+        if value is not None and not SLURM_WORD.fullmatch(value):
+            raise ValueError(f"{value!r} is not a SLURM name (letters, digits, _.:,=+@/-)")
+        return value
+
+    @field_validator("mem")
+    @classmethod
+    def _memory(cls, value: str | None) -> str | None:
+        if value is not None and not SLURM_MEMORY.fullmatch(value):
+            raise ValueError(f"{value!r} is not a SLURM memory size (e.g. 500M, 64G)")
+        return value
+
+    @field_validator("time")
+    @classmethod
+    def _time(cls, value: str | None) -> str | None:
+        if value is not None and not SLURM_TIME.fullmatch(value):
+            raise ValueError(f"{value!r} is not a SLURM time limit: use minutes, "
+                             "minutes:seconds, hours:minutes:seconds or "
+                             "days-hours[:minutes[:seconds]]")
+        return value
+
+    @field_validator("extra")
+    @classmethod
+    def _options(cls, extra: list[str]) -> list[str]:
+        check_no_nul(extra)
+        for option in extra:
+            if not option.startswith("-"):
+                raise ValueError(f"{option!r} is not an sbatch option (--name=value)")
+            name = option.split("=", 1)[0]
+            if name in SLURM_OPTIONS_OWNED:
+                raise ValueError(f"{name} is set by jobsup and cannot be given in extra")
+        return extra
+
+    @property
+    def ranks(self) -> int:
+        return self.nodes * self.tasks_per_node
+
+
 class JobSpec(BaseModel):
     """What to run and how to watch it (the body of `POST /api/v1/jobs`)."""
 
@@ -155,6 +256,25 @@ class JobSpec(BaseModel):
         description="the `low_acceptance` alert fires when the job's reported metric "
                     "`acceptance_length` is below this (None: off)")
     labels: dict[str, str] = Field(default_factory=dict)
+    backend: BackendName | None = Field(
+        default=None, description="where the job runs: `local` or `slurm`; null: the "
+                                  "daemon's default (JOBSUP_BACKEND)")
+    slurm: SlurmResources | None = Field(
+        default=None, description="what a `slurm` job asks the scheduler for")
+
+    @model_validator(mode="after")
+    def _slurm_only_for_slurm(self) -> JobSpec:
+        if self.slurm is not None and self.backend == "local":
+            raise ValueError("slurm: a `local` job takes no slurm section (set backend "
+                             "to `slurm`, or leave it out for the daemon's default)")
+        return self
+
+    def backend_or(self, default: BackendName) -> BackendName:
+        """The backend this job runs on: its own, else `slurm` when it has a slurm
+        section, else the daemon's `default`."""
+        if self.backend is not None:
+            return self.backend
+        return "slurm" if self.slurm is not None else default
 
     @field_validator("command")
     @classmethod

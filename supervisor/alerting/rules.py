@@ -57,6 +57,11 @@ RANK_FAILURES: tuple[re.Pattern[str], ...] = (
     # torchrun's failure summary: the first observed failure
     re.compile(r"Root Cause.*?rank\s*:\s*(?P<rank>\d+)\s*\(local_rank:\s*(?P<where>\d+)\)"
                r"\s*exitcode\s*:\s*(?P<how>-?\d+)", re.S),
+    # srun (a multi-rank `slurm` job): its task number is the rank, then the node
+    re.compile(r"srun: error: (?P<where>\S+): tasks? (?P<rank>\d+)[-\d,]*: "
+               r"(?P<how>Exited with exit code [1-9]\d*)"),
+    re.compile(r"srun: error: (?P<where>\S+): tasks? (?P<rank>\d+)[-\d,]*: "
+               r"(?P<how>Killed|Segmentation fault|Aborted|Bus error)"),
 )
 """How a multi-process job's parent names the rank that failed first."""
 

@@ -243,7 +243,8 @@ def create_app(settings: Settings, sessions: sessionmaker[Session], *,
     @app.post(f"{API_PREFIX}/jobs", status_code=201)
     def submit(spec: JobSpec, session: DB) -> JobOut:
         check_env(spec.env, settings.allowed_env)
-        job, warnings = submit_job(session, spec, default_cwd=default_cwd, views=views())
+        job, warnings = submit_job(session, spec, default_cwd=default_cwd, views=views(),
+                                   default_backend=settings.backend)
         session.commit()
         wake()
         return job_out(job, None, warnings=warnings)
@@ -256,7 +257,7 @@ def create_app(settings: Settings, sessions: sessionmaker[Session], *,
         submitted: list[tuple[Job, list[str]]] = []
         for spec in eagle3_jobs(params, resolve=lambda i: submitted[i][0].id):
             submitted.append(submit_job(session, spec, default_cwd=default_cwd,
-                                        views=views()))
+                                        views=views(), default_backend=settings.backend))
         session.commit()
         wake()
         return [job_out(job, None, warnings=warnings) for job, warnings in submitted]

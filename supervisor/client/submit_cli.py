@@ -23,6 +23,11 @@ from supervisor.client.options import (
 from supervisor.client.output import fail, print_json, usage_error, warn
 from supervisor.errors import JobsupError
 
+BACKENDS = ("local", "slurm")
+SLURM_KEYS = ("partition", "nodes", "tasks_per_node", "gpus_per_node", "gres",
+              "cpus_per_task", "mem", "time", "account", "qos", "extra")
+"""The `slurm` section's fields (`extra` may be given several times)."""
+
 SUBMIT_OPTIONS = {
     "name": ("--name", "1 to 128 characters"),
     "command": ("the command after --", "a program and its arguments"),
@@ -38,6 +43,8 @@ SUBMIT_OPTIONS = {
     "depends_on": ("--depends-on", "ids of jobs this daemon knows (`jobsup ls`)"),
     "env": ("--env", "KEY=VALUE"),
     "labels": ("--label", "KEY=VALUE"),
+    "backend": ("--backend", " | ".join(BACKENDS)),
+    "slurm": ("--slurm", "KEY=VALUE, KEY one of " + ", ".join(SLURM_KEYS)),
 }
 """The submit option behind each JobSpec field, and what it takes: the hint of an error
 that names the field."""
@@ -50,6 +57,21 @@ def submit_hint(message: str) -> str | None:
     hints = [f"{option}: {takes}" for option, takes in
              (SUBMIT_OPTIONS[f] for f in dict.fromkeys(fields) if f in SUBMIT_OPTIONS)]
     return "; ".join(hints) or None
+
+
+def slurm_section(items: list[str]) -> dict[str, Any]:
+    """`--slurm KEY=VALUE` options as the spec's `slurm` section (`extra` collects)."""
+    section: dict[str, Any] = {}
+    for item in items:
+        key, sep, value = item.partition("=")
+        if not sep or key not in SLURM_KEYS:
+            usage_error(f"--slurm: {item!r} is not KEY=VALUE with a known KEY",
+                        hint=SUBMIT_OPTIONS["slurm"][1])
+        if key == "extra":
+            section.setdefault("extra", []).append(value)
+        else:
+            section[key] = value
+    return section
 
 
 def submit(
@@ -79,6 +101,13 @@ def submit(
     label: Annotated[list[str] | None,
                      typer.Option("--label", "-l", help="KEY=VALUE; repeatable.")] = None,
     cwd: Annotated[Path | None, typer.Option(help="Working directory (default: here).")] = None,
+    backend: Annotated[str | None, typer.Option(
+        help="Where it runs: local | slurm (default: the daemon's JOBSUP_BACKEND).",
+        autocompletion=choices(BACKENDS))] = None,
+    slurm: Annotated[list[str] | None, typer.Option(
+        help="KEY=VALUE of what a slurm job asks for (partition, nodes, tasks_per_node, "
+             "gpus_per_node, gres, cpus_per_task, mem, time, account, qos, extra); "
+             "repeatable; implies --backend slurm.")] = None,
     wait: Annotated[bool, typer.Option(
         "--wait", help="Wait for the job to end; exit with its outcome (see `jobsup wait`).")
     ] = False,
@@ -97,6 +126,7 @@ def submit(
             usage_error(f"{option}: {value} is not a finite number of seconds ({field})",
                         hint=f"{option}: {takes}")
     check_choice("--restart", restart, POLICIES)
+    check_choice("--backend", backend, BACKENDS)
     check_output_dir("--output", output)
     check_timeout(timeout)
     spec: dict[str, Any] = {"name": name, "command": command,
@@ -112,6 +142,10 @@ def submit(
         spec["env"] = pairs(env, "--env")
     if label:
         spec["labels"] = pairs(label, "--label")
+    if backend is not None:
+        spec["backend"] = backend
+    if slurm:
+        spec["slurm"] = slurm_section(slurm)
     try:
         c = client(url)
         job = c.post("/api/v1/jobs", json=spec)

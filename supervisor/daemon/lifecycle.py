@@ -17,6 +17,7 @@ import signal as signals
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from supervisor.runtime.launcher import SchedulerEnd
 from supervisor.spec import ExitReason, JobState, RestartPolicy
 
 
@@ -57,6 +58,9 @@ class Exit:
     """The kernel's OOM killer took it (cgroup count) or its log says CUDA OOM."""
     notes: str | None = None
     """What the log tail and the exit tell (NCCL, CUDA OOM, the failing rank)."""
+    scheduler_end: SchedulerEnd | None = None
+    """A cluster scheduler ended it (a time limit, a cancel from outside jobsup, a
+    preemption, a failed node): that is the reason, whatever the exit code."""
 
 
 @dataclass(frozen=True)
@@ -78,16 +82,21 @@ def after_exit(ended: Exit, restarts: Restarts) -> Decision:
     if ended.stop_requested:
         return Decision(JobState.STOPPED, ExitReason.STOPPED,
                         f"stopped {ended.stop_cause} ({ended.stopped_by})")
-    if ended.exit_code == 0 and not ended.spawn_error:
+    end = ended.scheduler_end
+    if end is not None and not end.restartable:  # a person ended it: no restart
+        return Decision(JobState.STOPPED, end.exit_reason, end.reason)
+    if end is None and ended.exit_code == 0 and not ended.spawn_error:
         return Decision(JobState.SUCCEEDED, ExitReason.EXIT, "exited with code 0")
-    if ended.spawn_error:
+    if end is not None:
+        exit_reason, reason = end.exit_reason, end.reason
+    elif ended.spawn_error:
         exit_reason, reason = ExitReason.EXIT, ended.spawn_error
     elif ended.signal is not None:
         exit_reason = ExitReason.SIGNAL
         reason = f"killed by signal {ended.signal} ({signal_name(ended.signal)})"
     else:
         exit_reason, reason = ExitReason.EXIT, f"exited with code {ended.exit_code}"
-    if ended.oom:
+    if ended.oom and end is None:
         exit_reason = ExitReason.OOM
     if ended.notes:
         reason = f"{reason} — {ended.notes}"

@@ -26,6 +26,7 @@ from supervisor.runtime.launcher import (
     Attempt,
     Backend,
     ExitStatus,
+    LaunchDeferred,
     LaunchFate,
     LocalBackend,
     ShimState,
@@ -52,7 +53,8 @@ EXIT_STOP_MARGIN_S = 5.0
 up on a job and lets the daemon exit."""
 
 LAUNCH_RETRY_S = 10.0
-"""Seconds before a launch that failed for lack of space in the data dir is tried again."""
+"""Seconds before a launch that failed for lack of space in the data dir, or that the
+backend deferred (`LaunchDeferred`), is tried again."""
 
 COMPACT_EVERY_S = 300.0
 """Seconds between two downsampling passes over old samples."""
@@ -79,6 +81,9 @@ class Engine:
         self.backend: Backend = backend or LocalBackend(
             settings.jobs_dir, on_exit=self.wake,
             publish_interval_s=settings.sample_interval if settings.observe == "shim" else None)
+        """The `local` backend (or the one a test gives)."""
+        self.backends: dict[str, Backend] = {"local": self.backend}
+        """By name, each made when a job first needs it (`backend_for`)."""
         self._shim_observes: dict[tuple[str, int], bool] = {}
         """Per (job, attempt): observed through its shim's readings (`observed.jsonl`)."""
         self._wake = threading.Event()
@@ -137,7 +142,8 @@ class Engine:
             self._thread.join(timeout=10)
         self.notifier.stop()
         self.observer.close()
-        self.backend.close()
+        for backend in self.backends.values():
+            backend.close()
 
     def stop_jobs(self, poll_s: float = 0.1) -> None:
         """Before the daemon exits (`serve --stop-jobs-on-exit`): stop every running job
@@ -201,9 +207,9 @@ class Engine:
         for job in running.values():
             if job.id in told:
                 continue
-            attempt = self._attempt(job)
+            attempt, backend = self._attempt(job), self.backend_for(job)
             self._stopped_for_exit.add(job.id)
-            self.backend.request_stop(attempt, self.backend.read_worker(attempt))
+            backend.request_stop(attempt, backend.read_worker(attempt))
         return running
 
     def wake(self) -> None:
@@ -219,8 +225,8 @@ class Engine:
                 if progress is not None:
                     self.observer.seed(job.id, progress)
             for job in store.jobs_in_states(session, JobState.RUNNING):
-                attempt = self._attempt(job)
-                self.backend.watch(attempt, self.backend.read_worker(attempt))
+                attempt, backend = self._attempt(job), self.backend_for(job)
+                backend.watch(attempt, backend.read_worker(attempt))
                 rows = store.samples(session, job.id, since=job.started_at or 0, limit=100_000)
                 self.observer.load_history(self._observed(job, attempt), rows)
         self.tick()
@@ -254,7 +260,8 @@ class Engine:
         cannot be written waits (samples in memory, alerts sent unrecorded) and the
         rest of the tick goes on."""
         now = self.clock()
-        self.backend.reap()
+        for backend in list(self.backends.values()):
+            backend.reap()
         self._shims_seen_alive = {}
         with self.sessions() as session:
             running = store.jobs_in_states(session, JobState.RUNNING)
@@ -339,9 +346,15 @@ class Engine:
 
     def _observed(self, job: Job, attempt: Attempt) -> ObservedJob:
         """The sampler's view of a job: its tree is rooted at the shim (which is the
-        subreaper of everything the job spawns), or at the worker if the shim is gone."""
+        subreaper of everything the job spawns), or at the worker if the shim is gone. A
+        job whose processes are on other machines (a SLURM job) has no tree here: its
+        pids are not looked up in this machine's /proc."""
+        backend = self.backend_for(job)
+        if not backend.observes_locally:  # its shim publishes its readings
+            return ObservedJob(job.id, stored_spec(job.spec_json), job.attempt,
+                               -1, None, None, job.started_at, None, remote=True)
         if attempt.shim_pid is not None and (self._shims_seen_alive.get(job.id) is attempt
-                                             or self.backend.shim_alive(attempt)):
+                                             or backend.shim_alive(attempt)):
             root, root_time, root_ticks = (attempt.shim_pid, attempt.shim_create_time,
                                            attempt.shim_start_ticks)
         else:
@@ -354,7 +367,7 @@ class Engine:
         """The job's shim publishes its readings: always on a backend whose jobs run
         elsewhere; under JOBSUP_OBSERVE=shim, if its launch asked for them (a job launched
         by a daemon without the setting is read here)."""
-        if not self.backend.observes_locally:
+        if not self.backend_for(job).observes_locally:
             return True
         if self.settings.observe != "shim":
             return False
@@ -365,26 +378,39 @@ class Engine:
         return self._shim_observes[key]
 
     def _attempt(self, job: Job) -> Attempt:
-        return self.backend.attempt(job.id, job.attempt, job.shim_pid, job.shim_create_time,
-                                    job.shim_start_ticks)
+        return self.backend_for(job).attempt(job.id, job.attempt, job.shim_pid,
+                                             job.shim_create_time, job.shim_start_ticks)
+
+    def backend_for(self, job: Job) -> Backend:
+        """The backend the job runs on: its spec's, stored resolved at submit; a job
+        stored before backends existed (no `backend`, no `slurm`) is a local one, whatever
+        JOBSUP_BACKEND says now."""
+        name = stored_spec(job.spec_json).backend_or("local")
+        backend = self.backends.get(name)
+        if backend is None:
+            from supervisor.runtime.slurm import SlurmBackend  # only where SLURM is used
+
+            backend = self.backends[name] = SlurmBackend(
+                self.settings.jobs_dir, publish_interval_s=self.settings.sample_interval)
+        return backend
 
     def _check_running(self, session: Session, job: Job, now: float) -> None:
-        attempt = self._attempt(job)
+        attempt, backend = self._attempt(job), self.backend_for(job)
         if job.shim_pid is None and attempt.shim_pid is not None:
             store.record_shim(job, attempt)
         # the worker's file is read while its pid is unknown, else only where it is used
         # (a running job's shim alive and not stopped: most jobs, most ticks; #15)
         pid_known = job.pid is not None
-        worker = None if pid_known else self.backend.read_worker(attempt)
+        worker = None if pid_known else backend.read_worker(attempt)
         if worker is not None:
             store.record_worker(job, worker)
 
         # a running shim has not recorded an exit yet (or has just done so: then the
         # exit watcher wakes the next tick as it ends), so its status file is not read
-        shim = self.backend.shim_state(attempt)
-        status = None if shim is ShimState.RUNNING else self.backend.read_exit(attempt)
+        shim = backend.shim_state(attempt)
+        status = None if shim is ShimState.RUNNING else backend.read_exit(attempt)
         if status is not None:
-            self.backend.forget(attempt)
+            backend.forget(attempt)
             self._finish(session, job, status, now)
             return
 
@@ -396,23 +422,26 @@ class Engine:
         if shim is not ShimState.GONE:
             if shim is ShimState.RUNNING:
                 self._shims_seen_alive[job.id] = attempt  # its reading needs no new look
+                note = backend.status_note(attempt)  # a scheduler's queue, and why
+                if note is not None and note != job.reason:
+                    job.reason = note
                 return
             if pid_known:
-                worker = self.backend.read_worker(attempt)
-            if worker is None or not self.backend.worker_alive(worker):
+                worker = backend.read_worker(attempt)
+            if worker is None or not backend.worker_alive(worker):
                 # a stopped shim cannot reap the worker nor record its exit: continue it
                 log.warning("job %s: its shim (pid %s) was stopped (SIGSTOP) after the "
                             "worker ended; continuing it (SIGCONT)", job.id, attempt.shim_pid)
-                self.backend.resume_shim(attempt)
+                backend.resume_shim(attempt)
             return
         if pid_known:
-            worker = self.backend.read_worker(attempt)
-        if worker is not None and self.backend.worker_alive(worker):
+            worker = backend.read_worker(attempt)
+        if worker is not None and backend.worker_alive(worker):
             # the shim died but the job runs on: watch the worker itself, so its end
             # is noticed at once (the watcher ignores a pid it already watches)
-            self.backend.watch(attempt, worker)
+            backend.watch(attempt, worker)
             return
-        status = self.backend.read_exit(attempt)  # the shim may have just finished
+        status = backend.read_exit(attempt)  # the shim may have just finished
         if status is not None:
             self._finish(session, job, status, now)
         elif worker is None:
@@ -421,7 +450,7 @@ class Engine:
             # where it could not reserve its status file). The claim file settles it; a
             # shim known to be dead needs no waiting
             if attempt.shim_pid is not None or now - (job.started_at or now) > LAUNCH_CONFIRM_S:
-                fate = self.backend.settle_launch(attempt)
+                fate = backend.settle_launch(attempt)
                 if fate is not LaunchFate.WAIT:
                     self._apply(session, job, lifecycle.launch_cut_short(
                         shim_recorded=attempt.shim_pid is not None,
@@ -441,19 +470,19 @@ class Engine:
         return all(other is None or JobState(other.state).ended for other in states)
 
     def _stop_running(self, job: Job, attempt: Attempt, now: float) -> None:
-        key = (job.id, job.attempt)
-        worker = self.backend.read_worker(attempt)
+        key, backend = (job.id, job.attempt), self.backend_for(job)
+        worker = backend.read_worker(attempt)
         if key not in self._stop_sent:
             self._stop_sent.add(key)
             log.info("job %s: stopping (SIGTERM, SIGKILL after %.0f s)", job.id,
                      self._grace(job))
-            self.backend.request_stop(attempt, worker)
+            backend.request_stop(attempt, worker)
         elif (key not in self._killed and job.stop_requested_at is not None
               and now - job.stop_requested_at > self._grace(job) + STOP_BACKSTOP_S):
             self._killed.add(key)
             log.warning("job %s: still running %.0f s after stop; SIGKILL", job.id,
                         now - job.stop_requested_at)
-            self.backend.kill(attempt, worker)
+            backend.kill(attempt, worker)
 
     def _grace(self, job: Job) -> float:
         spec = stored_spec(job.spec_json)
@@ -486,7 +515,9 @@ class Engine:
         decision = lifecycle.after_exit(
             lifecycle.Exit(status.exit_code, status.signal, spawn_error=status.spawn_error,
                            stop_requested=stop_requested, stopped_by=stopped_by,
-                           stop_cause=stop_cause, oom=oom is not None, notes=notes or None),
+                           stop_cause=stop_cause, oom=oom is not None, notes=notes or None,
+                           scheduler_end=self.backend_for(job).scheduler_end(
+                               self._attempt(job))),
             lifecycle.Restarts(spec.restart_policy, done=job.restarts, limit=spec.max_restarts,
                                backoff_s=self.settings.restart_backoff_s,
                                backoff_max_s=self.settings.restart_backoff_max_s))
@@ -538,11 +569,16 @@ class Engine:
         store.start_attempt(session, job, now=now)
         session.commit()
         try:
-            attempt = self.backend.start(job.id, job.attempt, spec,
+            attempt = self.backend_for(job).start(job.id, job.attempt, spec,
                                          cwd=spec.cwd or ".",
                                          stop_grace_s=spec.stop_grace_s
                                          or self.settings.stop_grace_s)
         except OSError as exc:
+            if isinstance(exc, LaunchDeferred):  # e.g. SLURM's controller not answering
+                store.transition(session, job, JobState.PENDING, now=now,
+                                 reason=f"{exc}; next try in {LAUNCH_RETRY_S:.0f} s",
+                                 retry_at=now + LAUNCH_RETRY_S)
+                return
             if exc.errno in (errno.ENOSPC, errno.EDQUOT):  # the data dir's disk is full
                 store.transition(session, job, JobState.PENDING, now=now,
                                  reason=f"waiting for space in the data dir to launch "

@@ -60,6 +60,7 @@ from supervisor.runtime.launcher import (
     worker_group_alive,
 )
 from supervisor.runtime.procfs import is_same_process
+from supervisor.runtime.slurm import SLURM_FILE
 from supervisor.spec import (
     ExitReason,
     JobSpec,
@@ -226,10 +227,15 @@ def _from_attempt(jobs_dir: Path, job: Job, spec: JobSpec, number: int,
         job.shim_pid, job.shim_create_time = shim["pid"], shim["create_time"]
         job.shim_start_ticks = shim.get("start_ticks")
 
+    started = f"started (attempt {number})"
+    if (adir / SLURM_FILE).exists():
+        # a SLURM attempt: its shim and worker are not this machine's processes, and its
+        # end may be SLURM's (a time limit, a cancel); the engine asks the scheduler
+        return JobState.RUNNING, (f"{started} in SLURM; re-adopted after the database was "
+                                  "rebuilt")
     status = files.read_exit(adir)
     if status is not None:
         return _ended(jobs_dir, job, spec, status, now)
-    started = f"started (attempt {number})"
     if is_same_process(job.shim_pid, job.shim_create_time, job.shim_start_ticks):
         return JobState.RUNNING, f"{started}; re-adopted after the database was rebuilt"
     if worker is not None and worker_group_alive(worker):

@@ -88,6 +88,9 @@ class Launch(TypedDict):
     """Absolute path of the attempt's `OUTPUT_LOG`."""
     stop_grace_s: float
     """Seconds between the SIGTERM of a stop and the SIGKILL."""
+    inherit_env: NotRequired[list[str]]
+    """Prefixes of variables the worker takes from the shim's own environment on top of
+    `env` (the `slurm` backend: `SLURM_`, the allocation's, which srun needs)."""
     observe: NotRequired[Observe]
     """Present: the shim publishes readings (`OBSERVED`); absent: the daemon reads the
     job's processes and files itself."""
@@ -270,6 +273,9 @@ def read_launch(adir: str | os.PathLike[str]) -> Launch | None:
         log_path=_text(data.get("log_path")) or str(Path(adir) / OUTPUT_LOG),
         stop_grace_s=grace if grace is not None and grace > 0 else 10.0,
     )
+    inherit = data.get("inherit_env")
+    if isinstance(inherit, list):
+        launch["inherit_env"] = [p for p in inherit if isinstance(p, str) and p]
     observe = _observe(data.get("observe"))
     if observe is not None:
         launch["observe"] = observe

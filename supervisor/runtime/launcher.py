@@ -1,8 +1,9 @@
 """Start, stop and re-adopt jobs. Backend `local`: the shim runs on this machine.
 
 The engine talks to a backend only through `Backend`: start an attempt, read what the
-shim recorded, ask whether the attempt still lives, stop it. A later `slurm` backend
-implements the same calls with sbatch/squeue/sacct and a shim on the compute node.
+shim recorded, ask whether the attempt still lives, stop it. The `slurm` backend
+(`slurm.py`) implements the same calls with sbatch/squeue/scancel and a shim inside
+the allocation.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ import subprocess
 import sys
 import threading
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from enum import StrEnum
 from pathlib import Path
@@ -34,7 +35,7 @@ from supervisor.runtime.procfs import (
     signal_group,
     start_ticks_to_time,
 )
-from supervisor.spec import JobSpec
+from supervisor.spec import ExitReason, JobSpec
 
 log = logging.getLogger(__name__)
 
@@ -87,6 +88,49 @@ def observe_request(spec: JobSpec, interval_s: float) -> files.Observe:
                          pattern=spec.pattern, gpu=True)
 
 
+def write_launch(jobs_dir: Path, job_id: str, number: int, spec: JobSpec, *, cwd: str,
+                 stop_grace_s: float, argv: list[str] | None = None,
+                 inherit_env: Sequence[str] = (),
+                 observe: files.Observe | None = None) -> Path:
+    """Create the attempt's directory and its `launch.json` (what the shim runs: `argv`,
+    default the spec's command; `inherit_env`, prefixes of variables the worker takes
+    from the shim's own environment, such as the allocation's `SLURM_`; `observe`, the
+    shim publishes its readings); the directory."""
+    adir = attempt_dir(jobs_dir, job_id, number)
+    adir.mkdir(parents=True, exist_ok=True)
+    env = job_environment(os.environ, spec, job_id, number, progress_path(jobs_dir, job_id))
+    launch = files.Launch(
+        job_id=job_id, attempt=number, argv=argv or spec.command, cwd=cwd, env=env,
+        log_path=str(adir / files.OUTPUT_LOG), stop_grace_s=stop_grace_s,
+    )
+    if inherit_env:
+        launch["inherit_env"] = list(inherit_env)
+    if observe is not None:
+        launch["observe"] = observe
+    atomic_write_json(adir / files.LAUNCH, launch)
+    return adir
+
+
+class LaunchDeferred(OSError):
+    """The backend cannot launch now but may later (a scheduler that does not answer):
+    the job goes back to `pending` and the launch is tried again."""
+
+
+@dataclass(frozen=True)
+class SchedulerEnd:
+    """How a cluster scheduler says an attempt ended, when that, not the worker's exit
+    code, is the reason (a time limit, a cancel, a preemption, a failed node)."""
+
+    state: str
+    """The scheduler's own word (SLURM: TIMEOUT, CANCELLED, NODE_FAIL, ...)."""
+    exit_reason: ExitReason
+    reason: str
+    """In words, with the scheduler's job id."""
+    restartable: bool = True
+    """False for a cancel from outside jobsup: a person ended it, the restart policy does
+    not undo that (the job ends `stopped`)."""
+
+
 class LaunchFate(StrEnum):
     """What became of a launch whose shim left no trace in time."""
 
@@ -113,7 +157,18 @@ class ShimState(StrEnum):
 
 class Backend(ABC):
     """What the engine needs of a launcher. `LocalBackend` runs shims on this machine;
-    a cluster backend (SLURM) implements the same calls with its scheduler's tools."""
+    a cluster backend (`slurm.SlurmBackend`) implements the same calls with its
+    scheduler's tools."""
+
+    def scheduler_end(self, attempt: Attempt) -> SchedulerEnd | None:
+        """Why the scheduler ended an attempt that `read_exit` reported ended, when the
+        scheduler's reason overrides the exit code (None: the exit code tells)."""
+        return None
+
+    def status_note(self, attempt: Attempt) -> str | None:
+        """What the scheduler says of a running attempt (queued, and why), for the job's
+        `reason`; None when there is nothing to add."""
+        return None
 
     observes_locally: bool = True
     """The daemon can read its jobs' /proc, NVML and output files (they run here). A
@@ -199,17 +254,10 @@ class LocalBackend(Backend):
 
     def start(self, job_id: str, number: int, spec: JobSpec, *, cwd: str,
               stop_grace_s: float) -> Attempt:
-        adir = attempt_dir(self.jobs_dir, job_id, number)
-        adir.mkdir(parents=True, exist_ok=True)
-        env = job_environment(os.environ, spec, job_id, number,
-                              progress_path(self.jobs_dir, job_id))
-        launch = files.Launch(
-            job_id=job_id, attempt=number, argv=spec.command, cwd=cwd, env=env,
-            log_path=str(adir / files.OUTPUT_LOG), stop_grace_s=stop_grace_s,
-        )
-        if self.publish_interval_s is not None:
-            launch["observe"] = observe_request(spec, self.publish_interval_s)
-        atomic_write_json(adir / files.LAUNCH, launch)
+        adir = write_launch(
+            self.jobs_dir, job_id, number, spec, cwd=cwd, stop_grace_s=stop_grace_s,
+            observe=(observe_request(spec, self.publish_interval_s)
+                     if self.publish_interval_s is not None else None))
         with open(adir / files.SHIM_LOG, "ab") as shim_log:
             proc = subprocess.Popen(
                 [sys.executable, "-m", "supervisor.runtime.shim", str(adir)],

@@ -182,7 +182,7 @@ class Shim:
                 self.worker = subprocess.Popen(
                     self.launch["argv"],
                     cwd=self.launch["cwd"],
-                    env=self.launch["env"],
+                    env=worker_environment(self.launch, os.environ),
                     stdin=subprocess.DEVNULL,
                     stdout=log,
                     stderr=subprocess.STDOUT,
@@ -273,6 +273,17 @@ class Shim:
             spawn_error=spawn_error[:300] if spawn_error else None,
             oom_kills=_delta(self.oom_kills_at_start, oom_kill_count()),
         ))
+
+
+def worker_environment(launch: files.Launch, own: Mapping[str, str]) -> dict[str, str]:
+    """The launch's environment, plus the shim's own variables whose names start with
+    one of its `inherit_env` prefixes (a SLURM allocation's `SLURM_*`: srun needs them
+    to start the job's ranks inside the allocation)."""
+    prefixes = tuple(launch.get("inherit_env", ()))
+    env = dict(launch["env"])
+    if prefixes:
+        env.update({k: v for k, v in own.items() if k.startswith(prefixes)})
+    return env
 
 
 def reserve_status(path: Path) -> None:

@@ -1,0 +1,384 @@
+"""Backend `slurm`: the shim runs inside a SLURM allocation (docs/scale-out.md).
+
+Start: `launch.json` is written as for a local job (`launcher.write_launch`), then
+`sbatch --parsable` submits a batch script that execs the shim on the allocation's
+first node. The shim writes its files into the attempt directory, which must be on a
+filesystem the daemon and the nodes share, so the exit code, the log and the claim
+reach the daemon the usual way. The SLURM job id goes to `slurm.json`; the job's name,
+`jobsup-ID-N`, finds it too if the daemon died before writing that file.
+
+The job's process tree, GPUs and output are read by its shim on the node, which
+publishes them to `observed.jsonl` (`observes_locally` is False; docs/scale-out.md).
+Liveness comes from the scheduler, never from /proc: one
+`squeue` per tick for all of this user's jobs. A job SLURM still lists as pending,
+running, completing or suspended is alive; once it lists a final state (or no longer
+lists it: `sacct` is asked where accounting exists), the attempt has ended, and
+`scheduler_end` says whether SLURM's state (TIMEOUT, CANCELLED from outside, OOM,
+PREEMPTED, NODE_FAIL) rather than the shim's exit code is the reason. An unreachable
+controller is not an ended job: the attempt counts as running until SLURM answers.
+
+Stop: `stop.json` records that jobsup asked (so a cancel is told apart from someone
+else's `scancel`), then `scancel --batch --signal=TERM` reaches the shim alone, which
+runs the job's own SIGTERM -> grace -> SIGKILL; the backstop after the grace is a plain
+`scancel` (SLURM's SIGTERM, KillWait, SIGKILL to everything). A job still queued is
+cancelled at once. Jobs are submitted `--no-requeue`: a restart is a new attempt that
+jobsup starts, never SLURM re-running an attempt whose claim is taken.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shlex
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from supervisor.runtime import files
+from supervisor.runtime.fileio import atomic_write_json, create_json_exclusive, read_json
+from supervisor.runtime.files import ExitStatus, WorkerInfo
+from supervisor.runtime.launcher import (
+    SCRUBBED_ENV,
+    Attempt,
+    Backend,
+    LaunchDeferred,
+    LaunchFate,
+    SchedulerEnd,
+    ShimState,
+    _package_root_on_path,
+    attempt_dir,
+    observe_request,
+    write_launch,
+)
+from supervisor.runtime.slurm_jobs import (
+    BATCH_SCRIPT,
+    PENDING_REASONS,
+    SlurmJob,
+    end_of,
+    job_name,
+    parse_exit_code,
+    sbatch_argv,
+    worker_argv,
+)
+from supervisor.spec import JobSpec
+
+log = logging.getLogger(__name__)
+
+SLURM_FILE = "slurm.json"
+"""`{"job_id": "123", "name": "jobsup-ID-N"}`, written after sbatch answered."""
+STOP_FILE = "stop.json"
+"""Written before jobsup cancels the job: its cancel, not someone else's."""
+
+COMMAND_TIMEOUT_S = 30.0
+"""How long one sbatch, squeue, scontrol, sacct or scancel may take."""
+QUERY_TTL_S = 1.0
+"""One squeue answer serves every job of a tick (and at most this long)."""
+
+TRANSIENT_ERRORS = ("Unable to contact slurm controller", "Socket timed out",
+                    "temporarily unable", "Resource temporarily unavailable",
+                    "Transport endpoint is not connected")
+"""sbatch errors after which the same submission may succeed later."""
+UNREACHABLE_RETRY_S = 15.0
+"""After squeue failed, SLURM jobs count as running without asking again for this long:
+squeue takes ~9 s to give up on a controller that is down, which would stall each tick."""
+
+
+class SlurmUnreachable(Exception):
+    """squeue failed: the controller is down or slow; nothing can be concluded."""
+
+
+class SlurmBackend(Backend):
+    """Shims inside SLURM allocations; the scheduler's tools on this machine's PATH,
+    pointed at the cluster by the daemon's environment (`SLURM_CONF`)."""
+
+    observes_locally = False
+
+    def __init__(self, jobs_dir: Path, *, publish_interval_s: float = 2.0):
+        """`publish_interval_s`: how often each job's shim publishes its readings
+        (`observed.jsonl`; the daemon's tick interval)."""
+        self.jobs_dir = jobs_dir
+        self.publish_interval_s = publish_interval_s
+        self._listing: dict[str, SlurmJob] | None = None
+        self._listed_at = 0.0
+        self._unreachable: str | None = None
+        """squeue's last error, until it answers again."""
+        self._failed_at = 0.0
+        self._finals: dict[str, SlurmJob | None] = {}
+        """Final states looked up one by one (scontrol, sacct), kept: they never change."""
+
+    # -- the scheduler's tools --------------------------------------------------------
+    def _run(self, argv: list[str]) -> subprocess.CompletedProcess[str]:
+        env = {k: v for k, v in os.environ.items() if k not in SCRUBBED_ENV}
+        return subprocess.run(argv, capture_output=True, text=True, env=env,
+                              timeout=COMMAND_TIMEOUT_S, stdin=subprocess.DEVNULL)
+
+    def _jobs(self) -> dict[str, SlurmJob]:
+        """This user's jobsup jobs in SLURM's memory, by job name (one squeue a tick);
+        SlurmUnreachable when squeue fails."""
+        now = time.monotonic()
+        if self._listing is not None and now - self._listed_at < QUERY_TTL_S:
+            return self._listing
+        if self._unreachable is not None and now - self._failed_at < UNREACHABLE_RETRY_S:
+            raise SlurmUnreachable(self._unreachable)
+        try:
+            done = self._run(["squeue", "--noheader", "--all", "--states=all",
+                              f"--user={os.getuid()}", "--format=%i|%j|%T|%r|%N"])
+            if done.returncode != 0:
+                raise SlurmUnreachable(done.stderr.strip()
+                                       or f"squeue exited {done.returncode}")
+        except (OSError, subprocess.SubprocessError, SlurmUnreachable) as exc:
+            self._failed_at = time.monotonic()
+            raise SlurmUnreachable(str(exc)) from None
+        listing: dict[str, SlurmJob] = {}
+        for line in done.stdout.splitlines():
+            parts = line.split("|")
+            if len(parts) == 5 and parts[1].startswith("jobsup-"):
+                job = SlurmJob(parts[0], parts[1], parts[2], parts[3], parts[4])
+                # a name submitted twice (a daemon that died right after sbatch): newest
+                if parts[1] not in listing or int(job.id) > int(listing[parts[1]].id):
+                    listing[parts[1]] = job
+        self._listing, self._listed_at = listing, now
+        return listing
+
+    def _find(self, attempt: Attempt) -> SlurmJob | None:
+        """The attempt's SLURM job: SlurmUnreachable when the controller does not
+        answer; None when SLURM knows no such job (not submitted, or forgotten)."""
+        name = job_name(attempt.job_id, attempt.number)
+        listed = self._jobs().get(name)
+        recorded = self.slurm_id(attempt)
+        if listed is not None and (recorded is None or listed.id == recorded):
+            return listed
+        if recorded is None:
+            return None
+        if recorded not in self._finals:  # past MinJobAge: accounting may know it
+            self._finals[recorded] = self._from_sacct(recorded, name)
+        return self._finals[recorded]
+
+    def _final(self, job: SlurmJob) -> SlurmJob:
+        """An ended job with its exit code (scontrol) and who cancelled it (sacct)."""
+        cached = self._finals.get(job.id)
+        if cached is not None:
+            return cached
+        exit_code, sig = None, None
+        try:
+            done = self._run(["scontrol", "show", "job", "-o", job.id])
+            fields = dict(word.split("=", 1) for word in done.stdout.split() if "=" in word)
+            exit_code, sig = parse_exit_code(fields.get("ExitCode", ""))
+        except (OSError, subprocess.SubprocessError, ValueError):
+            pass
+        accounted = self._from_sacct(job.id, job.name) if job.state == "CANCELLED" else None
+        final = SlurmJob(job.id, job.name, job.state, job.reason, job.nodes,
+                         accounted.cancelled_by if accounted else None, exit_code, sig)
+        self._finals[job.id] = final
+        return final
+
+    def _from_sacct(self, slurm_id: str, name: str) -> SlurmJob | None:
+        """The job as accounting recorded it; None without accounting (sacct fails)."""
+        try:
+            done = self._run(["sacct", "--noheader", "--parsable2", "--allocations",
+                              f"--jobs={slurm_id}", "--format=JobID,State,ExitCode,NodeList"])
+        except (OSError, subprocess.SubprocessError):
+            return None
+        for line in done.stdout.splitlines() if done.returncode == 0 else []:
+            parts = line.split("|")
+            if len(parts) == 4 and parts[0] == slurm_id:
+                state, _, by = parts[1].partition(" by ")
+                exit_code, sig = parse_exit_code(parts[2])
+                return SlurmJob(slurm_id, name, state.strip(), "", parts[3],
+                                by.strip() or None, exit_code, sig)
+        return None
+
+    def slurm_id(self, attempt: Attempt) -> str | None:
+        data = read_json(attempt.dir / SLURM_FILE)
+        value = data.get("job_id") if isinstance(data, dict) else None
+        return value if isinstance(value, str) and value.isdigit() else None
+
+    # -- Backend ----------------------------------------------------------------------
+    def start(self, job_id: str, number: int, spec: JobSpec, *, cwd: str,
+              stop_grace_s: float) -> Attempt:
+        adir = write_launch(self.jobs_dir, job_id, number, spec, cwd=cwd,
+                            stop_grace_s=stop_grace_s, argv=worker_argv(spec),
+                            inherit_env=["SLURM_"],
+                            observe=observe_request(spec, self.publish_interval_s))
+        script = adir / BATCH_SCRIPT
+        script.write_text(
+            "#!/bin/sh\n# the job's jobsup shim, inside the allocation (docs/scale-out.md)\n"
+            f"export PYTHONPATH={shlex.quote(_package_root_on_path())}\n"
+            f"exec {shlex.quote(sys.executable)} -m supervisor.runtime.shim "
+            f"{shlex.quote(str(adir))}\n")
+        name = job_name(job_id, number)
+        try:
+            done = self._run(sbatch_argv(spec, adir, name))
+        except subprocess.SubprocessError as exc:
+            self._give_up(adir)
+            raise LaunchDeferred(f"SLURM did not take the job (sbatch: {exc})") from None
+        if done.returncode != 0:
+            error = done.stderr.strip()
+            if any(words in error for words in TRANSIENT_ERRORS):
+                self._give_up(adir)
+                raise LaunchDeferred(f"SLURM did not take the job ({error})")
+            raise OSError(f"sbatch refused the job: {error}")
+        slurm_id = done.stdout.strip().split(";")[0]
+        atomic_write_json(adir / SLURM_FILE, {"job_id": slurm_id, "name": name})
+        self._listing = None
+        log.info("job %s: attempt %d submitted to SLURM as job %s", job_id, number, slurm_id)
+        return Attempt(job_id, number, adir)
+
+    @staticmethod
+    def _give_up(adir: Path) -> None:
+        """Claim an attempt whose submission failed for the daemon: had SLURM taken the
+        job after all (sbatch timed out after the controller accepted it), its shim
+        finds the claim taken and starts nothing; the next attempt runs the job."""
+        try:
+            create_json_exclusive(adir / files.CLAIM, files.Claim(by="daemon",
+                                                                 pid=os.getpid()))
+        except OSError as exc:
+            log.warning("cannot claim %s (%s)", adir, exc)
+
+    def attempt(self, job_id: str, number: int, shim_pid: int | None,
+                shim_create_time: float | None, shim_start_ticks: int | None) -> Attempt:
+        return Attempt(job_id, number, attempt_dir(self.jobs_dir, job_id, number))
+
+    def shim_state(self, attempt: Attempt) -> ShimState:
+        """RUNNING while SLURM lists the job as pending, running, completing or
+        suspended, or cannot be asked; GONE once it lists a final state or none."""
+        try:
+            job = self._find(attempt)
+        except SlurmUnreachable as exc:
+            if self._unreachable != str(exc):
+                log.warning("squeue failed (%s); SLURM jobs count as running until it "
+                            "answers", exc)
+            self._unreachable = str(exc)
+            return ShimState.RUNNING
+        self._unreachable = None
+        return ShimState.RUNNING if job is not None and job.active else ShimState.GONE
+
+    def status_note(self, attempt: Attempt) -> str | None:
+        if self._unreachable is not None:
+            return f"SLURM does not answer ({self._unreachable})"
+        try:
+            job = self._find(attempt)
+        except SlurmUnreachable:
+            return None
+        if job is None:
+            return None
+        if job.state == "PENDING":
+            why = PENDING_REASONS.get(job.reason, "")
+            return (f"queued in SLURM (job {job.id}): {job.reason}"
+                    + (f", {why}" if why else ""))
+        if job.state in ("RUNNING", "COMPLETING"):
+            return f"running in SLURM (job {job.id}) on {job.nodes}"
+        return f"SLURM job {job.id} {job.state.lower()}" + (
+            f" ({job.reason})" if job.reason not in ("", "None") else "")
+
+    def read_worker(self, attempt: Attempt) -> WorkerInfo | None:
+        return files.read_worker(attempt.dir)
+
+    def worker_alive(self, worker: WorkerInfo) -> bool:
+        """Asked only once SLURM lists the job ended: its allocation, and every process
+        in it, is gone (the pid is a compute node's, never looked up here)."""
+        return False
+
+    def _ended(self, attempt: Attempt) -> SlurmJob | None:
+        try:
+            job = self._find(attempt)
+        except SlurmUnreachable:
+            return None
+        if job is None or job.active:
+            return None
+        return self._final(job)
+
+    def read_exit(self, attempt: Attempt) -> ExitStatus | None:
+        """The shim's record, its `stop_requested` true only when jobsup asked (SLURM's
+        time limit and an outside scancel reach the shim as a SIGTERM too); without
+        one, the exit SLURM recorded, once it lists the job ended."""
+        asked = (attempt.dir / STOP_FILE).exists()
+        status = files.read_exit(attempt.dir)
+        if status is not None:
+            return ExitStatus(status.exit_code, status.signal, status.ended_at, asked,
+                              status.killed_after_grace, status.max_rss_bytes,
+                              status.spawn_error, status.oom_kills)
+        job = self._ended(attempt)
+        if job is None:
+            return None
+        return ExitStatus(exit_code=job.exit_code, signal=job.signal, ended_at=time.time(),
+                          stop_requested=asked, killed_after_grace=False, max_rss_bytes=0,
+                          spawn_error=None)
+
+    def scheduler_end(self, attempt: Attempt) -> SchedulerEnd | None:
+        job = self._ended(attempt)
+        if job is None:
+            return None
+        return end_of(job, jobsup_cancelled=(attempt.dir / STOP_FILE).exists(),
+                       shim_recorded=files.read_exit(attempt.dir) is not None)
+
+    def request_stop(self, attempt: Attempt, worker: WorkerInfo | None) -> None:
+        """Record the stop, then SIGTERM to the shim alone (it runs the grace), or a
+        cancel if the job has not started."""
+        atomic_write_json(attempt.dir / STOP_FILE, {"by": "jobsup", "at": time.time()})
+        job = self._find_quietly(attempt)
+        if job is None:
+            return
+        if job.state == "RUNNING":
+            self._scancel(job.id, "--batch", "--signal=TERM")
+        else:
+            self._scancel(job.id)
+
+    def kill(self, attempt: Attempt, worker: WorkerInfo | None) -> None:
+        """The backstop: a plain scancel (SLURM's SIGTERM, KillWait, SIGKILL)."""
+        job = self._find_quietly(attempt)
+        if job is not None:
+            self._scancel(job.id)
+
+    def _find_quietly(self, attempt: Attempt) -> SlurmJob | None:
+        try:
+            self._listing = None
+            job = self._find(attempt)
+        except SlurmUnreachable as exc:
+            log.warning("job %s: cannot find its SLURM job to stop it (%s); the stop is "
+                        "retried by the backstop", attempt.job_id, exc)
+            return None
+        return job if job is not None and job.active else None
+
+    def _scancel(self, slurm_id: str, *options: str) -> None:
+        try:
+            done = self._run(["scancel", *options, slurm_id])
+        except (OSError, subprocess.SubprocessError) as exc:
+            log.warning("scancel %s failed: %s", slurm_id, exc)
+            return
+        if done.returncode != 0:
+            log.warning("scancel %s failed: %s", slurm_id, done.stderr.strip())
+        self._listing = None
+
+    def settle_launch(self, attempt: Attempt) -> LaunchFate:
+        """SLURM knows no job of this attempt and it left no record: claim it (a late
+        shim then starts nothing) and launch again; a shim that claimed it died."""
+        try:
+            attempt.dir.mkdir(parents=True, exist_ok=True)
+            claimed = create_json_exclusive(attempt.dir / files.CLAIM,
+                                            files.Claim(by="daemon", pid=os.getpid()))
+        except OSError as exc:
+            log.warning("job %s: cannot claim attempt %d (%s)", attempt.job_id,
+                        attempt.number, exc)
+            return LaunchFate.WAIT
+        claim = files.read_claim(attempt.dir)
+        if claimed or (claim is not None and claim["by"] == "daemon"):
+            return LaunchFate.ABANDONED
+        return LaunchFate.DEAD
+
+    def resume_shim(self, attempt: Attempt) -> None:
+        """A suspended SLURM job is the scheduler's business (scontrol resume)."""
+
+    def watch(self, attempt: Attempt, worker: WorkerInfo | None) -> None:
+        """No pidfd for a process on another machine: each tick asks squeue."""
+
+    def forget(self, attempt: Attempt) -> None:
+        pass
+
+    def reap(self) -> None:
+        """A new tick: ask squeue afresh."""
+        self._listing = None
+
+    def close(self) -> None:
+        pass
