@@ -9,6 +9,7 @@ two create times of one worker 3 s apart); everything else is real processes and
 
 from __future__ import annotations
 
+import os
 import sys
 import time
 from collections.abc import Iterator
@@ -125,10 +126,18 @@ def test_migrations_match_the_tables_and_go_down_and_up(database_url: str) -> No
     assert diff == [], diff
     cfg = alembic_config(database_url)
     with db.begin() as conn:
+        # rows must survive a downgrade (a copy-and-swap of `jobs` on SQLite, with
+        # foreign keys on, would delete its samples through ON DELETE CASCADE)
+        conn.exec_driver_sql(
+            "INSERT INTO jobs (id, name, spec_json, state, attempt, restarts, created_at) "
+            "VALUES ('j1', 'j', '{}', 'running', 1, 0, 1.0)")
+        conn.exec_driver_sql("INSERT INTO samples (job_id, t) VALUES ('j1', 2.0)")
+    with db.begin() as conn:
         cfg.attributes["connection"] = conn
         command.downgrade(cfg, "0005")
         columns = {column["name"] for column in inspect(conn).get_columns("jobs")}
         assert "shim_start_ticks" not in columns and "shim_create_time" in columns
+        assert conn.exec_driver_sql("SELECT count(*) FROM samples").scalar() == 1
         command.downgrade(cfg, "base")
         assert set(inspect(conn).get_table_names()) <= {"alembic_version"}
     upgrade(db)
@@ -136,3 +145,15 @@ def test_migrations_match_the_tables_and_go_down_and_up(database_url: str) -> No
         assert compare_metadata(MigrationContext.configure(conn), Base.metadata) == []
         assert inspect(conn).get_table_names()
     db.dispose()
+
+
+def test_a_namesake_from_another_boot_is_not_the_process() -> None:
+    """Same pid, same start ticks, but a create time a boot's uptime away: a process of
+    another boot that happened to start at the same tick (the recorded one died with the
+    machine)."""
+    pid = os.getpid()
+    ticks, created = procfs.start_ticks_of(pid), procfs.create_time(pid)
+    assert ticks is not None and created is not None
+    assert procfs.is_same_process(pid, created - 3.0, ticks)  # a clock step: still ours
+    assert procfs.is_same_process(pid, None, ticks)
+    assert not procfs.is_same_process(pid, created - 2 * procfs.OTHER_BOOT_S, ticks)

@@ -311,3 +311,18 @@ def test_a_crash_is_told_with_the_shims_final_figures(make_daemon, tmp_path: Pat
     assert [a["rule"] for a in alerts if a["job_id"] == job["id"]] == ["crashed"]
     lines = lines_of(daemon.data_dir / "jobs" / job["id"] / "attempt-1")
     assert lines[-1]["final"] and lines[-1]["files"] == 4
+
+
+def test_figures_a_job_could_forge_are_kept_in_range() -> None:
+    """observed.jsonl sits in a directory the job can write: a count beyond int4, an
+    integer beyond 64 bits, NaN or negative times must not reach the database (one bad
+    value would fail the tick's single insert of every job's samples)."""
+    line = (b'{"seq": 3, "t": 1000.5, "node": "n1", "files": 3000000000, '
+            b'"bytes_written": 100000000000000000000, "num_procs": -4, '
+            b'"cpu_time_s": NaN, "rss_bytes": 12, "interval_s": Infinity}')
+    parsed = files.parse_observed(line)
+    assert parsed is not None
+    assert (parsed["files"], parsed["bytes_written"], parsed["num_procs"]) == (None, None, 0)
+    assert (parsed["cpu_time_s"], parsed["rss_bytes"], parsed["interval_s"]) == (0.0, 12, 2.0)
+    assert files.parse_observed(b'{"seq": 1, "t": NaN, "node": "n1"}') is None
+    assert files.parse_observed(b'{"seq": 1, "t": -1, "node": "n1"}') is None

@@ -27,6 +27,8 @@ def upgrade() -> None:
 
 
 def downgrade() -> None:
-    with op.batch_alter_table("jobs") as batch:
+    # never a copy-and-swap of `jobs` on SQLite (its DROP TABLE would delete every
+    # sample, alert and event through ON DELETE CASCADE): ALTER TABLE ... DROP COLUMN
+    with op.batch_alter_table("jobs", recreate="never") as batch:
         batch.drop_column("shim_start_ticks")
         batch.drop_column("pid_start_ticks")

@@ -1,5 +1,6 @@
 """Counts that pass 2**31 are 64-bit on PostgreSQL: a worker's and a shim's start ticks
-(after 248 days of uptime at 100 Hz), a sample's items done and total (tokens). SQLite's
+(after 248 days of uptime at 100 Hz), a sample's items done and total (tokens), and the
+samples' ids (never reused: 100 a second pass 2**31 in 248 days) with their sequence. SQLite's
 INTEGER is 64-bit already: nothing changes there (`tables.Count`).
 
 Revision ID: 0007
@@ -18,7 +19,7 @@ branch_labels = None
 depends_on = None
 
 COLUMNS = (("jobs", "pid_start_ticks"), ("jobs", "shim_start_ticks"),
-           ("samples", "items_done"), ("samples", "items_total"))
+           ("samples", "items_done"), ("samples", "items_total"), ("samples", "id"))
 
 
 def upgrade() -> None:
@@ -26,10 +27,12 @@ def upgrade() -> None:
         return
     for table, column in COLUMNS:
         op.alter_column(table, column, type_=sa.BigInteger(), existing_type=sa.Integer())
+    op.execute("ALTER SEQUENCE IF EXISTS samples_id_seq AS bigint")
 
 
 def downgrade() -> None:
     if op.get_bind().dialect.name == "sqlite":
         return
+    op.execute("ALTER SEQUENCE IF EXISTS samples_id_seq AS integer")
     for table, column in COLUMNS:
         op.alter_column(table, column, type_=sa.Integer(), existing_type=sa.BigInteger())

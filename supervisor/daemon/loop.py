@@ -33,6 +33,7 @@ from supervisor.runtime.launcher import (
     attempt_dir,
     log_path,
 )
+from supervisor.runtime.procfs import start_ticks_of
 from supervisor.spec import ExitReason, JobSpec, JobState, stored_spec
 from supervisor.storage import store
 from supervisor.storage.tables import Job, SampleRecord
@@ -279,6 +280,7 @@ class Engine:
             for job in running:
                 if JobState(job.state) is not JobState.RUNNING:
                     self.observer.forget(job.id)
+                    self._shim_observes.pop((job.id, job.attempt), None)
             self.notifier.wake()
             for job in store.jobs_in_states(session, JobState.PENDING):
                 with self.steps.isolated(session, f"job {job.id}"), \
@@ -420,6 +422,11 @@ class Engine:
             self._stop_running(job, attempt, now)
 
         if shim is not ShimState.GONE:
+            if (job.shim_start_ticks is None and attempt.shim_pid is not None
+                    and backend.observes_locally):
+                # a shim started before start ticks were recorded, matched by its create
+                # time this once: from now on by its start ticks (immune to clock steps)
+                job.shim_start_ticks = start_ticks_of(attempt.shim_pid)
             if shim is ShimState.RUNNING:
                 self._shims_seen_alive[job.id] = attempt  # its reading needs no new look
                 note = backend.status_note(attempt)  # a scheduler's queue, and why

@@ -113,6 +113,9 @@ class _JobState:
     """The last file reading used: the figures the view shows."""
     start_error: str | None = None
     """Why no file reading could be started (the workers are closed)."""
+    slow: bool = False
+    """The last file reading outlived its tick's scan budget: the next one gets a
+    thread's batch of its own (`Observer._start_readings`)."""
     logged_error: str | None = None
     """The last observation error logged, so that a lasting one is logged once."""
     tick_at: tuple[float, float] = (0.0, 0.0)
@@ -150,12 +153,14 @@ class _JobState:
                 or mark[2] != previous[2] or mark[3] != previous[3]):
             self.activity_at = now
 
-    def pick_up(self) -> None:
-        """Take the in-flight reading's result if it is done (the newest one wins)."""
+    def pick_up(self, tick: int) -> None:
+        """Take the in-flight reading's result if it is done (the newest one wins); one
+        that outlived the tick that started it marks the job `slow`."""
         inflight = self.inflight
         if inflight is None or not inflight.future.done():
             return
         self.inflight = None
+        self.slow = inflight.tick < tick
         if inflight.future.cancelled():
             self.outcome = RuntimeError("the reading was cancelled")
             return
@@ -228,7 +233,7 @@ class Observer:
         demands: dict[int, list[tuple[str, forecast.JobDiskDemand, int, float]]] = {}
         forecasts: dict[str, forecast.JobForecast] = {}
         for job, state in zip(jobs, states, strict=True):
-            state.pick_up()
+            state.pick_up(self._tick)
             tree = self._shim_tree(state) if job.remote else readings.get(job.job_id)
             backlog: list[SampleRecord] = []
             try:
@@ -326,20 +331,22 @@ class Observer:
                 self._file_side(job), activity_at=job.started_at)
         state.job = job
         state.tick_at = (now, started)
-        state.pick_up()
+        state.pick_up(self._tick)
         return state
 
     def _start_readings(self, states: Sequence[_JobState], now: float, started: float) -> None:
         """A new file reading for every job with none in flight, in batches of at most
         READINGS_PER_BATCH jobs whose last reading was on the same filesystem (a dead
         file server holds only readings that would hang on it anyway); a job not read
-        yet is a batch of its own."""
+        yet, or whose last reading outlived its tick (a huge tree), is a batch of its
+        own, so it holds no other job back."""
         batches: dict[object, list[tuple[_JobState, ObservedJob]]] = {}
         for state in states:
             if state.inflight is not None or state.job is None:
                 continue
             device = state.reading.device if state.reading is not None else None
-            key = device if device is not None else ("job", state.job.job_id)
+            key = (device if device is not None and not state.slow
+                   else ("job", state.job.job_id))
             batches.setdefault(key, []).append((state, state.job))
         for members in batches.values():
             for first in range(0, len(members), READINGS_PER_BATCH):

@@ -22,7 +22,7 @@ Who writes what, in order:
   `observed.jsonl.1` at `Observe.max_bytes` (`runtime/publish.py` writes it,
   `observe/remote.py` reads it).
 
-A process is named by (pid, create time), never by its pid alone (`procfs`). Every file
+A process is named by (pid, start ticks), never by its pid alone (`procfs`). Every file
 lives in a directory the job can write to: the readers here trust no type, and answer
 None for a missing, unreadable or malformed file.
 """
@@ -30,6 +30,7 @@ None for a missing, unreadable or malformed file.
 from __future__ import annotations
 
 import json
+import math
 import os
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -168,7 +169,8 @@ class ObservedGpu(TypedDict):
 class Observed(TypedDict):
     """One line of `observed.jsonl`: the job as its shim saw it at `t`. The tree is the
     shim's descendants (the worker and what it spawned; the shim itself, whose own work
-    includes taking these readings, is left out)."""
+    includes taking these readings, is left out, but `cpu_time_s` counts what the shim
+    reaped: the worker's and adopted orphans' time once they ended)."""
 
     seq: int
     """1, 2, ... per shim: a gap is a reading that could not be written."""
@@ -284,39 +286,61 @@ def read_launch(adir: str | os.PathLike[str]) -> Launch | None:
 
 def parse_observed(line: bytes) -> Observed | None:
     """One line of `observed.jsonl`, None unless it is a JSON object with a sequence
-    number, a time and a node (a torn or foreign line). Fields of the wrong type read
-    as zero or None: the job's node writes this file."""
+    number, a time and a node (a torn or foreign line). Fields of the wrong type or out
+    of range (negative, NaN, beyond what a database column holds) read as zero or None:
+    the job's node writes this file, and one bad figure must not fail the tick's insert
+    of every job's samples."""
     try:
         data = json.loads(line)
     except ValueError:
         return None
     if not isinstance(data, dict):
         return None
-    seq, t, node = _whole(data.get("seq")), _number(data.get("t")), _text(data.get("node"))
+    seq, t, node = _size(data.get("seq")), _finite(data.get("t")), _text(data.get("node"))
     if seq is None or t is None or node is None:
         return None
     devices = data.get("gpu_devices")
     gpus = None if not isinstance(devices, list) else [
-        ObservedGpu(index=_whole(d.get("index")) or 0, name=_text(d.get("name")),
-                    uuid=_text(d.get("uuid")), memory_bytes=_whole(d.get("memory_bytes")) or 0,
-                    used_bytes=_whole(d.get("used_bytes")) or 0,
-                    total_bytes=_whole(d.get("total_bytes")) or 0)
+        ObservedGpu(index=_count(d.get("index")) or 0, name=_text(d.get("name")),
+                    uuid=_text(d.get("uuid")), memory_bytes=_size(d.get("memory_bytes")) or 0,
+                    used_bytes=_size(d.get("used_bytes")) or 0,
+                    total_bytes=_size(d.get("total_bytes")) or 0)
         for d in devices if isinstance(d, dict)]
     return Observed(
-        seq=seq, t=t, node=node[:255], interval_s=_number(data.get("interval_s")) or 2.0,
-        status=_text(data.get("status")), num_procs=_whole(data.get("num_procs")) or 0,
-        num_threads=_whole(data.get("num_threads")) or 0,
-        cpu_time_s=_number(data.get("cpu_time_s")) or 0.0,
-        rss_bytes=_whole(data.get("rss_bytes")) or 0,
-        read_bytes=_whole(data.get("read_bytes")) or 0,
-        write_bytes=_whole(data.get("write_bytes")) or 0,
-        gpu_memory_bytes=_whole(data.get("gpu_memory_bytes")), gpu_devices=gpus,
-        files=_whole(data.get("files")), bytes_written=_whole(data.get("bytes_written")),
-        waiting=_whole(data.get("waiting")) or 0,
-        disk_free_bytes=_whole(data.get("disk_free_bytes")),
-        disk_total_bytes=_whole(data.get("disk_total_bytes")),
-        disk_device=_whole(data.get("disk_device")), final=data.get("final") is True,
+        seq=seq, t=t, node=node[:255], interval_s=_finite(data.get("interval_s")) or 2.0,
+        status=(_text(data.get("status")) or "")[:32] or None,
+        num_procs=_count(data.get("num_procs")) or 0,
+        num_threads=_count(data.get("num_threads")) or 0,
+        cpu_time_s=_finite(data.get("cpu_time_s")) or 0.0,
+        rss_bytes=_size(data.get("rss_bytes")) or 0,
+        read_bytes=_size(data.get("read_bytes")) or 0,
+        write_bytes=_size(data.get("write_bytes")) or 0,
+        gpu_memory_bytes=_size(data.get("gpu_memory_bytes")), gpu_devices=gpus,
+        files=_count(data.get("files")), bytes_written=_size(data.get("bytes_written")),
+        waiting=_count(data.get("waiting")) or 0,
+        disk_free_bytes=_size(data.get("disk_free_bytes")),
+        disk_total_bytes=_size(data.get("disk_total_bytes")),
+        disk_device=_size(data.get("disk_device")), final=data.get("final") is True,
         error=(_text(data.get("error")) or "")[:300] or None)
+
+
+def _count(value: Any) -> int | None:
+    """A count the job's node wrote: an int in [0, 2**31), else None (a database int4)."""
+    whole = _whole(value)
+    return whole if whole is not None and 0 <= whole < 2**31 else None
+
+
+def _size(value: Any) -> int | None:
+    """A byte figure or id the job's node wrote: an int in [0, 2**63), else None."""
+    whole = _whole(value)
+    return whole if whole is not None and 0 <= whole < 2**63 else None
+
+
+def _finite(value: Any) -> float | None:
+    """A time or duration the job's node wrote: a finite number >= 0, else None (NaN
+    would be NULL in a NOT NULL column and fail the tick's whole insert)."""
+    number = _number(value)
+    return number if number is not None and math.isfinite(number) and number >= 0 else None
 
 
 def read_claim(adir: str | os.PathLike[str]) -> Claim | None:

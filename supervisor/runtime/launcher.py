@@ -40,7 +40,7 @@ from supervisor.spec import ExitReason, JobSpec
 log = logging.getLogger(__name__)
 
 SCRUBBED_ENV = ("JOBSUP_TOKEN", "JOBSUP_SLACK_WEBHOOK_URL", "JOBSUP_WEBHOOK_URL",
-                "JOBSUP_DATABASE_URL", "JOBSUP_WEBHOOK_SECRET")
+                "JOBSUP_DATABASE_URL", "JOBSUP_WEBHOOK_SECRET", "PGPASSWORD", "PGPASSFILE")
 """Daemon settings a job must not inherit (secrets)."""
 
 

@@ -36,6 +36,15 @@ start is two ticks (20 ms) or more away is another one. (A pid reused within one
 last holder's start would pass; cycling through pid_max that fast does not happen.)"""
 
 
+OTHER_BOOT_S = 3600.0
+"""Start ticks count from boot, so after a reboot a stranger may hold a recorded pid with
+the same start tick (early boot services start alike each boot). Its create time is then
+off by the previous boot's whole uptime plus the downtime: a process whose create time is
+this far from the recorded one is from another boot. Clock steps and NTP slews move
+create times by seconds; an hour tolerates any of those and catches the reboot of a
+machine that had been up for more than an hour."""
+
+
 class ProcStat(NamedTuple):
     """The fields of /proc/<pid>/stat that jobsup uses (proc(5); the field numbers
     below count from 1, as there). The first five keep their tuple positions."""
@@ -102,10 +111,13 @@ def start_ticks_of(pid: int) -> int | None:
 
 
 def is_started_at(stat: ProcStat, start_ticks: int | None, create_time: float | None) -> bool:
-    """`stat` is of the process recorded with these start ticks (exact), or, for a
-    record without them (written by an older shim), with this create time."""
+    """`stat` is of the process recorded with these start ticks (exact, and within
+    OTHER_BOOT_S of its create time: not a namesake from another boot), or, for a record
+    without them (written by an older shim), with this create time."""
     if start_ticks is not None:
-        return stat.start_ticks == start_ticks
+        return stat.start_ticks == start_ticks and (
+            create_time is None
+            or abs(start_ticks_to_time(stat.start_ticks) - create_time) < OTHER_BOOT_S)
     return create_time is not None and same_create_time(
         start_ticks_to_time(stat.start_ticks), create_time)
 

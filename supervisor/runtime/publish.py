@@ -171,7 +171,7 @@ class Publisher:
         tree.update(
             status=STATUS_NAMES.get(worker.state, worker.state) if worker in procs else None,
             num_procs=len(live), num_threads=sum(p.num_threads for p in live),
-            cpu_time_s=sum(p.cpu_ticks for p in procs) / CLOCK_TICKS,
+            cpu_time_s=sum(p.cpu_ticks for p in procs) / CLOCK_TICKS + self._reaped_cpu_s(),
             rss_bytes=sum(p.rss_pages for p in live) * PAGE_SIZE)
         if self.observe["gpu"]:
             try:
@@ -179,6 +179,16 @@ class Publisher:
             except Exception as exc:  # noqa: BLE001
                 errors.append(f"gpu: {exc}")
         return tree
+
+    def _reaped_cpu_s(self) -> float:
+        """CPU seconds of the processes the shim has reaped (the worker at its end, and
+        the orphans it adopted as subreaper): they leave the tree, their time goes to the
+        shim's cutime/cstime. Counted as the daemon's sampler counts them (it sums the
+        shim's cumulative ticks); the shim's own time is not the job's."""
+        if self.shim_pid != os.getpid():
+            return 0.0
+        times = os.times()
+        return times.children_user + times.children_system
 
     def _gpu_memory(self, pids: set[int]) -> dict[str, Any]:
         from supervisor.observe.gpu import GpuReader

@@ -49,9 +49,12 @@ def engine_url(url: str) -> URL:
 def shown_url(url: str | URL) -> str:
     """The URL for logs and error messages: its password replaced by `***`."""
     try:
-        return make_url(url).render_as_string(hide_password=True)
+        parsed = make_url(url)
     except ArgumentError:  # not a URL at all: show no part of it
         return "(an unparsable database URL)"
+    secret = {key: "***" for key in parsed.query
+              if key.lower() in ("password", "dsn", "passfile", "sslpassword")}
+    return parsed.update_query_dict(secret).render_as_string(hide_password=True)
 
 
 def make_engine(url: str) -> Engine:

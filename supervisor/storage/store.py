@@ -236,8 +236,10 @@ def add_samples(session: Session, samples: Sequence[SampleRecord]) -> None:
 
 
 def is_disk_full(exc: Exception) -> bool:
-    """SQLITE_FULL ("database or disk is full"), or PostgreSQL's disk-full error."""
-    text = str(exc).lower()
+    """SQLITE_FULL ("database or disk is full"), or PostgreSQL's disk-full error. The
+    driver's own message only (`exc.orig`): SQLAlchemy's text adds the statement's
+    parameters, and a reason holding a log line about a full disk is not one."""
+    text = str(getattr(exc, "orig", None) or exc).lower()
     return "database or disk is full" in text or "no space left on device" in text
 
 

@@ -77,7 +77,9 @@ class Sample(Base):
     __tablename__ = "samples"
     __table_args__ = (Index("ix_samples_job_t", "job_id", "t"), Index("ix_samples_t", "t"))
 
-    id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
+    id: Mapped[int] = mapped_column(Count, primary_key=True, autoincrement=True)
+    """bigint on PostgreSQL: ids are never reused, and 100 samples a second pass 2**31
+    in 248 days, downsampling or not (SQLite's rowid is 64-bit)."""
     job_id: Mapped[str] = mapped_column(ForeignKey("jobs.id", ondelete="CASCADE"))
     t: Mapped[float] = mapped_column(Float)
     items_done: Mapped[int | None] = mapped_column(Count)
