@@ -415,6 +415,9 @@ def test_database_urls_name_psycopg_and_never_show_the_password() -> None:
         assert "s3cret" not in shown_url(plain) and ":***@" in shown_url(plain)
     assert str(engine_url("sqlite:////tmp/x.db")) == "sqlite:////tmp/x.db"
     assert shown_url("not a url") == "(an unparsable database URL)"
+    for query in ("password=s3cret", "dsn=host%3Ddb+password%3Ds3cret", "PASSWORD=s3cret"):
+        shown = shown_url(f"postgresql://jobsup@db/jobsup?sslmode=require&{query}")
+        assert "s3cret" not in shown and "sslmode=require" in shown, shown
     with pytest.raises(DatabaseUnavailable) as raised:
         make_engine("postgresql+psycopg2://jobsup:s3cret@db/jobsup")
     assert "s3cret" not in raised.value.message + (raised.value.hint or "")
