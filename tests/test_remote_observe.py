@@ -18,6 +18,7 @@ import pytest
 
 from supervisor.observe.remote import STALE_MIN_S, ShimFeed
 from supervisor.runtime import files
+from supervisor.runtime.procfs import all_stats
 from supervisor.runtime.publish import Publisher
 from tests.helpers import PY, REPO, Daemon, exit_recorded, identity, job_module, wait_for
 
@@ -60,12 +61,17 @@ def test_the_publisher_thread_reads_the_tree_and_the_outputs(tmp_path: Path) -> 
     for i in range(3):
         (out / f"item{i}.bin").write_bytes(b"x" * 100)
     (out / "notes.txt").write_text("not an item")
-    # a worker with a child spinning a quarter of a core: two processes under this one
-    worker = subprocess.Popen(job_module("busy_writer", tmp_path / "unused", 0, 0),
-                              process_group=0)
+    # a worker with a child spinning a quarter of a core: two processes under a parent
+    # standing in for the shim (not this test process: an xdist worker may have other
+    # children, such as its PostgreSQL server, that are not the job's)
+    worker = subprocess.Popen(
+        [PY, "-c", "import subprocess, sys; sys.exit(subprocess.call(sys.argv[1:]))",
+         *job_module("busy_writer", tmp_path / "unused", 0, 0)], process_group=0)
+    worker_pid = wait_for(lambda: [s.pid for s in all_stats() if s.ppid == worker.pid], 10,
+                          what="the worker under its stand-in shim")[0]
     publisher = Publisher(tmp_path, files.Observe(
         interval_s=0.1, output_dir=str(out), pattern="*.bin", gpu=True),
-        shim_pid=os.getpid(), worker_pid=worker.pid, cwd=str(tmp_path))
+        shim_pid=worker.pid, worker_pid=worker_pid, cwd=str(tmp_path))
     try:
         publisher.start()
         wait_for(lambda: any(line["num_procs"] == 2 for line in lines_of(tmp_path)), 10,
