@@ -256,10 +256,12 @@ def tmpfs(path: Path, size: str) -> Iterator[Path]:
 
 
 @contextmanager
-def in_process_engine(data_dir: Path) -> Iterator[tuple[Any, Any]]:
+def in_process_engine(data_dir: Path, clock: Callable[[], float] | None = None,
+                      ) -> Iterator[tuple[Any, Any]]:
     """An `Engine` over a fresh SQLite database in `data_dir`, ticked by the test itself
-    (a 60 s interval: no tick of its own); (engine, sessions). Its observer's threads,
-    its backend and every job it started end with the block."""
+    (a 60 s interval: no tick of its own; `clock` instead of the steady one if given);
+    (engine, sessions). Its observer's threads, its backend and every job it started
+    end with the block."""
     from supervisor.config import Settings
     from supervisor.daemon.loop import Engine
     from supervisor.storage.database import make_engine, make_sessionmaker, upgrade
@@ -269,7 +271,7 @@ def in_process_engine(data_dir: Path) -> Iterator[tuple[Any, Any]]:
     db = make_engine(settings.resolved_database_url)
     upgrade(db)
     sessions = make_sessionmaker(db)
-    engine = Engine(settings, sessions)
+    engine = Engine(settings, sessions, clock=clock) if clock else Engine(settings, sessions)
     try:
         yield engine, sessions
     finally:
@@ -353,3 +355,13 @@ def saved(out: Path) -> dict[str, Any]:
 
     manifest = [json.loads(line) for line in (out / "manifest.jsonl").read_text().splitlines()]
     return {entry["id"]: load_file(out / entry["file"]) for entry in manifest}
+
+
+def job_row(sessions: Any, job_id: str) -> Any:
+    """The job's row, read in a session of its own."""
+    from supervisor.storage.tables import Job
+
+    with sessions() as session:
+        job = session.get(Job, job_id)
+        assert job is not None
+        return job

@@ -25,9 +25,7 @@ from supervisor.runtime.launcher import attempt_dir
 from supervisor.runtime.procfs import create_time
 from supervisor.runtime.shim import CLAIM_FILE
 from supervisor.spec import JobSpec
-from supervisor.storage.database import make_engine, make_sessionmaker, upgrade
-from supervisor.storage.tables import Job
-from tests.helpers import kill_jobs_of, wait_for
+from tests.helpers import in_process_engine, job_row, wait_for
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -42,24 +40,9 @@ class Clock:
 
 @pytest.fixture
 def setup(tmp_path: Path) -> Iterator[tuple[Engine, sessionmaker[Session], Clock, Settings]]:
-    settings = Settings(data_dir=tmp_path / "data", sample_interval=60)
-    settings.jobs_dir.mkdir(parents=True)
-    db = make_engine(settings.resolved_database_url)
-    upgrade(db)
-    sessions = make_sessionmaker(db)
     clock = Clock()
-    engine = Engine(settings, sessions, clock=clock)
-    yield engine, sessions, clock, settings
-    engine.backend.close()
-    kill_jobs_of(settings.data_dir)
-    db.dispose()
-
-
-def job_row(sessions: sessionmaker[Session], job_id: str) -> Job:
-    with sessions() as session:
-        job = session.get(Job, job_id)
-        assert job is not None
-        return job
+    with in_process_engine(tmp_path / "data", clock) as (engine, sessions):
+        yield engine, sessions, clock, engine.settings
 
 
 def submit(sessions: sessionmaker[Session], command: list[str]) -> str:

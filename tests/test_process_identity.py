@@ -29,32 +29,17 @@ from supervisor.observe.sampler import Sampler, TreeTarget
 from supervisor.runtime import files, procfs
 from supervisor.runtime.launcher import ShimState, attempt_dir, worker_group_alive
 from supervisor.spec import JobSpec
-from supervisor.storage.database import alembic_config, make_engine, make_sessionmaker, upgrade
-from supervisor.storage.tables import Base, Job
-from tests.helpers import kill_jobs_of, wait_for
+from supervisor.storage.database import alembic_config, make_engine, upgrade
+from supervisor.storage.tables import Base
+from tests.helpers import in_process_engine, job_row, wait_for
 
 pytestmark = pytest.mark.timeout(60)
 
 
 @pytest.fixture
 def engine(tmp_path: Path) -> Iterator[tuple[Engine, sessionmaker[Session], Settings]]:
-    settings = Settings(data_dir=tmp_path / "data", sample_interval=60)
-    settings.jobs_dir.mkdir(parents=True)
-    db = make_engine(settings.resolved_database_url)
-    upgrade(db)
-    sessions = make_sessionmaker(db)
-    eng = Engine(settings, sessions)
-    yield eng, sessions, settings
-    eng.backend.close()
-    kill_jobs_of(settings.data_dir)
-    db.dispose()
-
-
-def job_row(sessions: sessionmaker[Session], job_id: str) -> Job:
-    with sessions() as session:
-        job = session.get(Job, job_id)
-        assert job is not None
-        return job
+    with in_process_engine(tmp_path / "data") as (eng, sessions):
+        yield eng, sessions, eng.settings
 
 
 def test_a_moved_boot_time_does_not_lose_running_jobs(
