@@ -27,7 +27,14 @@ from typing import Any, Literal
 from pydantic import BaseModel, Field, ValidationError, field_validator, model_validator
 
 from supervisor.errors import InvalidSpec
-from supervisor.spec import MAX_INT64, JobSpec, PositiveSeconds, check_no_nul
+from supervisor.spec import (
+    MAX_INT64,
+    BackendName,
+    JobSpec,
+    PositiveSeconds,
+    SlurmResources,
+    check_no_nul,
+)
 
 SERVE_READY_TIMEOUT_S = 3600
 """How long generation waits for the server's /health (a 1T model loads for long)."""
@@ -39,6 +46,10 @@ pass also runs the draft k times and verifies k+1 tokens, which costs a few tens
 percent over a plain decoding step, so below ~1.3 speculative decoding gains nothing:
 the draft is broken (wrong layers, a misaligned vocabulary, too little training), not
 merely weak."""
+
+
+PipelineStep = Literal["all", "generate", "serve", "extract", "vocab", "train", "evaluate"]
+"""A step of the EAGLE-3 pipeline, or `all` of them (the pipeline's `slurm` keys)."""
 
 
 class Eagle3Pipeline(BaseModel):
@@ -88,6 +99,13 @@ class Eagle3Pipeline(BaseModel):
         default=DEFAULT_MIN_ACCEPTANCE_LENGTH, gt=0, allow_inf_nan=False,
         description="the evaluate step's `low_acceptance` alert threshold (None: off)")
     stall_timeout_s: PositiveSeconds = 1800
+    launcher: BackendName | None = Field(
+        default=None, description="where the steps run: local | slurm (None: each step's "
+                                  "slurm section decides, else the daemon's JOBSUP_BACKEND)")
+    slurm: dict[PipelineStep, SlurmResources] = Field(
+        default_factory=dict,
+        description="what a step asks SLURM for, by step (`all`: every step without its "
+                    "own); a step with a section runs on the slurm backend")
     python: str = Field(default=sys.executable, description="interpreter of the workers")
     env: dict[str, str] = Field(default_factory=dict)
     labels: dict[str, str] = Field(default_factory=dict)
@@ -106,7 +124,25 @@ class Eagle3Pipeline(BaseModel):
             self.backend = "openai"
         if self.backend == "openai" and not (self.serve or self.endpoint):
             raise ValueError("the openai backend needs serve (vllm|stub) or an endpoint")
+        if self.launcher == "local" and self.slurm:
+            raise ValueError("slurm: the steps run on the local launcher; drop the slurm "
+                             "sections or set launcher slurm")
+        for step, section in self.slurm.items():
+            if section.nodes * section.tasks_per_node > 1:
+                raise ValueError(
+                    f"slurm: {step} asks for {section.nodes} node(s) x "
+                    f"{section.tasks_per_node} task(s); the pipeline's workers run as one "
+                    "process per step (extraction spreads over one node's GPUs itself: "
+                    "gpus_per_node with extract_gpus); several nodes are not supported yet")
+        if self.serve and (self.launcher == "slurm" or self.slurm):
+            raise ValueError("serve: a served target listens on 127.0.0.1 of its node, which "
+                             "the generate step on another node cannot reach; run the server "
+                             "on the cluster yourself and give its endpoint")
         return self
+
+    def slurm_for(self, step: PipelineStep) -> SlurmResources | None:
+        """What `step` asks SLURM for: its own section, else `all`'s."""
+        return self.slurm.get(step) or self.slurm.get("all")
 
 
 def count_prompts(path: Path) -> int:
@@ -142,10 +178,11 @@ def eagle3_jobs(p: Eagle3Pipeline, *, resolve: Callable[[int], str]) -> Iterator
     py = [p.python, "-m"]
     labels = {"pipeline": "eagle3", "pipeline_name": p.name, **p.labels}
 
-    def job(step: str, **fields: Any) -> JobSpec:
+    def job(step: PipelineStep, **fields: Any) -> JobSpec:
         try:
             return JobSpec(name=f"{p.name}-{step}", labels={**labels, "step": step},
-                           env=p.env, stall_timeout_s=p.stall_timeout_s, **fields)
+                           env=p.env, stall_timeout_s=p.stall_timeout_s,
+                           backend=p.launcher, slurm=p.slurm_for(step), **fields)
         except ValidationError as exc:  # a parameter valid here but not in a job spec
             errors = exc.errors()
             field = str(errors[0]["loc"][0]) if errors and errors[0]["loc"] else None

@@ -160,3 +160,60 @@ def test_a_prompts_file_that_is_not_utf8_is_refused_naming_the_field(tmp_path: P
     with pytest.raises(InvalidSpec) as caught:
         count_prompts(bad)
     assert caught.value.field == "prompts" and "not UTF-8" in caught.value.message
+
+
+def test_steps_go_to_slurm_with_their_own_resources(tiny_model: Path, tmp_path: Path) -> None:
+    """`launcher` and per-step `slurm` sections reach every step's job spec: a step's own
+    section wins over `all`'s; what cannot work is refused before any job exists."""
+    from supervisor.errors import InvalidSpec
+    from supervisor.pipeline import Eagle3Pipeline, eagle3_jobs
+
+    request = Eagle3Pipeline.model_validate(body(
+        tiny_model, tmp_path / "run", launcher="slurm", slurm={
+            "all": {"partition": "cpu", "time": "2:00:00"},
+            "extract": {"partition": "gpu", "gpus_per_node": 8, "time": "4:00:00"},
+            "train": {"partition": "gpu", "gpus_per_node": 1}}))
+    specs = {spec.labels["step"]: spec for spec in
+             eagle3_jobs(request, resolve=lambda i: f"job{i:04d}")}
+    assert list(specs) == ["generate", "extract", "vocab", "train", "evaluate"]
+    assert {spec.backend for spec in specs.values()} == {"slurm"}
+    extract, train, vocab = specs["extract"].slurm, specs["train"].slurm, specs["vocab"].slurm
+    assert extract is not None and (extract.partition, extract.nodes, extract.gpus_per_node,
+                                    extract.time) == ("gpu", 1, 8, "4:00:00")
+    assert train is not None and (train.partition, train.gpus_per_node, train.time) == (
+        "gpu", 1, None)  # its own section, not merged with all's
+    assert vocab is not None and (vocab.partition, vocab.time) == ("cpu", "2:00:00")
+
+    # no launcher: a step with a section runs on slurm, the others where the daemon says
+    mixed = Eagle3Pipeline.model_validate(body(
+        tiny_model, tmp_path / "run", slurm={"extract": {"gpus_per_node": 8}}))
+    steps = {s.labels["step"]: s for s in eagle3_jobs(mixed, resolve=lambda i: f"j{i}")}
+    assert steps["extract"].backend_or("local") == "slurm"
+    assert steps["train"].backend is None and steps["train"].slurm is None
+
+    for bad, word in [
+        ({"launcher": "local", "slurm": {"all": {"partition": "gpu"}}}, "local launcher"),
+        ({"launcher": "slurm", "serve": "stub"}, "endpoint"),
+        ({"slurm": {"preprocess": {"partition": "gpu"}}}, "preprocess"),
+        ({"slurm": {"extract": {"nodes": 0}}}, "nodes"),
+        ({"slurm": {"extract": {"nodes": 2, "gpus_per_node": 8}}}, "several nodes"),
+    ]:
+        with pytest.raises((ValueError, InvalidSpec)) as caught:
+            Eagle3Pipeline.model_validate(body(tiny_model, tmp_path / "run", **bad))
+        assert word in str(caught.value), (bad, str(caught.value))
+
+
+def test_cli_slurm_options_name_a_step(tmp_path: Path) -> None:
+    import subprocess
+
+    from supervisor.client.pipeline_cli import step_sections
+
+    assert step_sections(["all:partition=gpu", "extract:nodes=2", "extract:extra=--exclusive",
+                          "extract:extra=--constraint=h200"]) == {
+        "all": {"partition": "gpu"},
+        "extract": {"nodes": "2", "extra": ["--exclusive", "--constraint=h200"]}}
+    wrong = subprocess.run(
+        [sys.executable, "-m", "supervisor", "pipeline", "run", "eagle3", "--model", "m",
+         "--prompts", "p", "--out", str(tmp_path), "--slurm", "partition=gpu",
+         "--url", "http://127.0.0.1:9"], capture_output=True, text=True, timeout=60)
+    assert wrong.returncode == 2 and "STEP:KEY=VALUE" in wrong.stderr, wrong.stderr

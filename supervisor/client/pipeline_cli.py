@@ -9,7 +9,8 @@ from typing import Annotated, Any
 import typer
 
 from supervisor.client.options import DEFAULT_URL, Url, client
-from supervisor.client.output import console, fail, warn
+from supervisor.client.output import console, fail, usage_error, warn
+from supervisor.client.submit_cli import slurm_section
 from supervisor.client.tui import follow_jobs
 from supervisor.errors import JobsupError
 from supervisor.pipeline import DEFAULT_MIN_ACCEPTANCE_LENGTH
@@ -56,6 +57,13 @@ def pipeline_run(
     min_acceptance_length: Annotated[float, typer.Option(
         help="low_acceptance alert below this many tokens per target pass (0: off).")
     ] = DEFAULT_MIN_ACCEPTANCE_LENGTH,
+    launcher: Annotated[str | None, typer.Option(
+        help="Where the steps run: local | slurm (default: the daemon's JOBSUP_BACKEND, "
+             "or slurm for a step given --slurm).")] = None,
+    slurm: Annotated[list[str] | None, typer.Option(
+        help="STEP:KEY=VALUE, what a step asks SLURM for (repeatable): STEP one of all, "
+             "generate, extract, vocab, train, evaluate; KEY as in `jobsup submit --slurm`, "
+             "e.g. all:partition=gpu extract:nodes=4 extract:gpus_per_node=8.")] = None,
     follow: Annotated[bool, typer.Option(help="Watch until every step has ended.")] = False,
     url: Url = DEFAULT_URL,
 ) -> None:
@@ -70,7 +78,8 @@ def pipeline_run(
         "extract_gpus": extract_gpus, "gpus_per_model": gpus_per_model,
         "init": str(init.resolve()) if init else None, "eval_prompts": eval_prompts,
         "eval_max_new_tokens": eval_max_new_tokens,
-        "min_acceptance_length": min_acceptance_length or None}
+        "min_acceptance_length": min_acceptance_length or None, "launcher": launcher,
+        "slurm": step_sections(slurm or [])}
     try:
         c = client(url)
         jobs = c.post("/api/v1/pipelines/eagle3", json=body)
@@ -83,6 +92,22 @@ def pipeline_run(
             raise typer.Exit(0 if ok else 1)
     except JobsupError as exc:
         fail(exc)
+
+
+PIPELINE_STEPS = ("all", "generate", "serve", "extract", "vocab", "train", "evaluate")
+
+
+def step_sections(items: list[str]) -> dict[str, dict[str, Any]]:
+    """`--slurm STEP:KEY=VALUE` options as the pipeline's `slurm` sections by step."""
+    by_step: dict[str, list[str]] = {}
+    for item in items:
+        step, sep, setting = item.partition(":")
+        if not sep or step not in PIPELINE_STEPS:
+            usage_error(f"--slurm: {item!r} is not STEP:KEY=VALUE with STEP one of "
+                        f"{', '.join(PIPELINE_STEPS)}",
+                        hint="e.g. --slurm all:partition=gpu --slurm extract:gpus_per_node=8")
+        by_step.setdefault(step, []).append(setting)
+    return {step: slurm_section(settings) for step, settings in by_step.items()}
 
 
 def demo(
