@@ -63,7 +63,7 @@ def pipeline_run(
     slurm: Annotated[list[str] | None, typer.Option(
         help="STEP:KEY=VALUE, what a step asks SLURM for (repeatable): STEP one of all, "
              "generate, extract, vocab, train, evaluate; KEY as in `jobsup submit --slurm`, "
-             "e.g. all:partition=gpu extract:nodes=4 extract:gpus_per_node=8.")] = None,
+             "e.g. all:partition=gpu extract:gpus_per_node=8 (one node per step).")] = None,
     follow: Annotated[bool, typer.Option(help="Watch until every step has ended.")] = False,
     url: Url = DEFAULT_URL,
 ) -> None:
