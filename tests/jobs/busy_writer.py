@@ -8,7 +8,9 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-import time
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import item_writer  # noqa: E402 - the sibling job: the same items, written the same way
 
 SPIN = """
 import time
@@ -21,16 +23,9 @@ while True:
 
 
 def main() -> None:
-    out, n, delay = sys.argv[1], int(sys.argv[2]), float(sys.argv[3])
+    out, n, delay = sys.argv[1:4]
     subprocess.Popen([sys.executable, "-c", SPIN])
-    os.makedirs(out, exist_ok=True)
-    for i in range(n):
-        time.sleep(delay)
-        tmp = os.path.join(out, f".item{i}.tmp")
-        with open(tmp, "wb") as f:
-            f.write(b"x" * 1000)
-        os.replace(tmp, os.path.join(out, f"item{i:04d}.bin"))
-    time.sleep(3600)
+    item_writer.main([out, n, delay, "files", "3600"])  # the items, then the hang
 
 
 if __name__ == "__main__":
