@@ -423,6 +423,9 @@ class Resources(BaseModel):
         default=None, description="the host whose shim took these readings (a job on "
                                   "another node, or any under JOBSUP_OBSERVE=shim); null "
                                   "when the daemon reads the job's processes itself")
+    scheduler_job_id: str | None = Field(
+        default=None, description="the cluster scheduler's id of the running attempt (the "
+                                  "SLURM job id of a `slurm` job); null for a local job")
 
 
 class AlertOut(BaseModel):

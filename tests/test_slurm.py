@@ -161,6 +161,7 @@ def test_a_stop_runs_the_jobs_grace_inside_the_allocation(daemon: Daemon, cluste
     seen = wait_for(lambda: (r := daemon.job(job["id"])["resources"])["num_procs"] >= 1
                     and r, 15, what="the shim's readings")
     assert seen["node"] == cluster.host and seen["rss_bytes"] > 0
+    assert seen["scheduler_job_id"] == slurm_id(daemon, job)
     daemon.http.post(f"/api/v1/jobs/{job['id']}/stop")
     done = daemon.wait_state(job["id"], "stopped", "failed", "lost", timeout=15)
     assert (done["state"], done["exit_reason"]) == ("stopped", "stopped")

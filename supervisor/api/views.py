@@ -74,7 +74,8 @@ def resources_model(r: ResourceRecord) -> Resources:
                      device_total_bytes=d.device_total_bytes) for d in r.gpu_devices]
     return Resources(status=r.status, num_procs=r.num_procs, num_threads=r.num_threads,
                      cpu_percent=r.cpu_percent, rss_bytes=r.rss_bytes, read_bytes=r.read_bytes,
-                     gpu_memory_bytes=r.gpu_memory_bytes, gpu_devices=devices, node=r.node)
+                     gpu_memory_bytes=r.gpu_memory_bytes, gpu_devices=devices, node=r.node,
+                     scheduler_job_id=r.scheduler_job_id)
 
 
 def sample_out(row: Sample) -> SampleOut:

@@ -164,6 +164,8 @@ def show(job_id: JobId, as_json: Json = False, url: Url = DEFAULT_URL) -> None:
     ]
     if job["resources"].get("node"):  # read by its shim there (docs/scale-out.md)
         rows.append(("node", job["resources"]["node"]))
+    if job["resources"].get("scheduler_job_id"):
+        rows.append(("SLURM job", job["resources"]["scheduler_job_id"]))
     if not is_terminal():  # the terminal shows these in the job's table row below
         rows += [("progress", "-" if done is None else f"{done}/{total}" if total else str(done)),
                  ("rate", rate_text(f["rate_items_per_s"])), ("eta", format_duration(f["eta_s"]))]

@@ -354,7 +354,8 @@ class Engine:
         backend = self.backend_for(job)
         if not backend.observes_locally:  # its shim publishes its readings
             return ObservedJob(job.id, stored_spec(job.spec_json), job.attempt,
-                               -1, None, None, job.started_at, None, remote=True)
+                               -1, None, None, job.started_at, None, remote=True,
+                               scheduler_job_id=backend.scheduler_job_id(attempt))
         if attempt.shim_pid is not None and (self._shims_seen_alive.get(job.id) is attempt
                                              or backend.shim_alive(attempt)):
             root, root_time, root_ticks = (attempt.shim_pid, attempt.shim_create_time,

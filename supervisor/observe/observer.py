@@ -448,7 +448,8 @@ class Observer:
             status=tree.status, num_procs=tree.num_procs, num_threads=tree.num_threads,
             cpu_percent=round(tree.cpu_percent, 1), rss_bytes=tree.rss_bytes,
             read_bytes=tree.read_bytes, gpu_memory_bytes=tree.gpu_memory_bytes,
-            gpu_devices=gpu_shares(tree.gpu_devices), node=state.node)
+            gpu_devices=gpu_shares(tree.gpu_devices), node=state.node,
+            scheduler_job_id=job.scheduler_job_id)
         view = JobView(progress=progress, forecast=job_forecast, resources=resources,
                        cpu_time_s=tree.cpu_time_s, read_bytes=tree.read_bytes,
                        disk_device=device, first_item_at=state.first_item_at,

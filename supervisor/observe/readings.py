@@ -37,6 +37,8 @@ class ObservedJob:
     """Its shim publishes its readings (`observed.jsonl`), which the observer reads
     instead of /proc and the output directory: a job on another node
     (`Backend.observes_locally` False), or any job under `JOBSUP_OBSERVE=shim`."""
+    scheduler_job_id: str | None = None
+    """The cluster scheduler's id of the attempt (a SLURM job id), None for a local job."""
 
 
 class Scanner(Protocol):

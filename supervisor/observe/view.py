@@ -72,6 +72,8 @@ class ResourceRecord:
     node: str | None = None
     """The host whose shim took these readings (a remote job); None when the daemon
     reads the job's processes itself."""
+    scheduler_job_id: str | None = None
+    """The cluster scheduler's id of the attempt (a SLURM job id)."""
 
 
 NO_FORECAST = forecast.JobForecast(

@@ -186,6 +186,10 @@ class Backend(ABC):
         """The attempt of a stored job (the shim's identity from the attempt's files
         when the database does not have it)."""
 
+    def scheduler_job_id(self, attempt: Attempt) -> str | None:
+        """The cluster scheduler's id of the attempt (a SLURM job id); None here."""
+        return None
+
     @abstractmethod
     def read_worker(self, attempt: Attempt) -> WorkerInfo | None:
         """The worker the shim started, None before it started one."""

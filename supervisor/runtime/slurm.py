@@ -106,6 +106,8 @@ class SlurmBackend(Backend):
         self._failed_at = 0.0
         self._finals: dict[str, SlurmJob | None] = {}
         """Final states looked up one by one (scontrol, sacct), kept: they never change."""
+        self._ids: dict[Path, str] = {}
+        """SLURM job ids by attempt dir (`scheduler_job_id`), until the attempt ends."""
 
     # -- the scheduler's tools --------------------------------------------------------
     def _run(self, argv: list[str]) -> subprocess.CompletedProcess[str]:
@@ -193,6 +195,15 @@ class SlurmBackend(Backend):
         data = read_json(attempt.dir / SLURM_FILE)
         value = data.get("job_id") if isinstance(data, dict) else None
         return value if isinstance(value, str) and value.isdigit() else None
+
+    def scheduler_job_id(self, attempt: Attempt) -> str | None:
+        """The attempt's SLURM job id, read from `slurm.json` once it is there."""
+        known = self._ids.get(attempt.dir)
+        if known is None:
+            known = self.slurm_id(attempt)
+            if known is not None:
+                self._ids[attempt.dir] = known
+        return known
 
     # -- Backend ----------------------------------------------------------------------
     def start(self, job_id: str, number: int, spec: JobSpec, *, cwd: str,
@@ -374,7 +385,7 @@ class SlurmBackend(Backend):
         """No pidfd for a process on another machine: each tick asks squeue."""
 
     def forget(self, attempt: Attempt) -> None:
-        pass
+        self._ids.pop(attempt.dir, None)
 
     def reap(self) -> None:
         """A new tick: ask squeue afresh."""
