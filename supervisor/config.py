@@ -69,6 +69,13 @@ class Settings(BaseSettings):
     Jobs of a backend whose shims run elsewhere (SLURM) are always observed by their
     shims."""
 
+    output_watch: Literal["inotify", "list"] = "inotify"
+    """How the daemon learns what changed in a job's output directory: `inotify` (the
+    kernel names the changed files; a tick's cost follows the changes, not the size of
+    the directories) on local filesystems, listing elsewhere (NFS, Lustre, FUSE: writes
+    of other machines raise no event); `list`: stat every directory each tick and list
+    those that changed, everywhere (docs/architecture.md)."""
+
     restart_backoff_s: float = Field(default=1.0, ge=0)
     """First delay before an `on-failure` restart; doubles with every restart."""
 

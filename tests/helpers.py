@@ -365,3 +365,25 @@ def job_row(sessions: Any, job_id: str) -> Any:
         job = session.get(Job, job_id)
         assert job is not None
         return job
+
+
+# -- output trees (the scanner tests) ------------------------------------------------
+LATER = time.time() + 3600.0  # far enough ahead that every file has settled
+
+
+def write(path: Path, size: int) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_bytes(b"x" * size)
+
+
+def make_shards(root: Path, dirs: int, per_dir: int, suffix: str = ".safetensors") -> int:
+    """rows_0-N/item_K<suffix>, item K of size K % 7; returns the total bytes."""
+    total = 0
+    for shard in range(dirs):
+        shard_dir = root / f"rows_{shard * per_dir}-{(shard + 1) * per_dir}"
+        shard_dir.mkdir(parents=True)
+        for index in range(per_dir):
+            size = index % 7
+            (shard_dir / f"item_{index}{suffix}").write_bytes(b"x" * size)
+            total += size
+    return total

@@ -14,26 +14,7 @@ import pytest
 
 from supervisor.observe.outputs import OutputScanner, ScanResult
 from supervisor.observe.patterns import MAX_PATTERN_CHARS, GlobMatcher, check_pattern
-
-LATER = time.time() + 3600.0  # far enough ahead that every file has settled
-
-
-def write(path: Path, size: int) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_bytes(b"x" * size)
-
-
-def make_shards(root: Path, dirs: int, per_dir: int, suffix: str = ".safetensors") -> int:
-    """rows_0-N/item_K<suffix>, item K of size K % 7; returns the total bytes."""
-    total = 0
-    for shard in range(dirs):
-        shard_dir = root / f"rows_{shard * per_dir}-{(shard + 1) * per_dir}"
-        shard_dir.mkdir(parents=True)
-        for index in range(per_dir):
-            size = index % 7
-            (shard_dir / f"item_{index}{suffix}").write_bytes(b"x" * size)
-            total += size
-    return total
+from tests.helpers import LATER, make_shards, write
 
 
 def wait_for_new_timestamp() -> None:

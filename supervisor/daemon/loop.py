@@ -101,7 +101,8 @@ class Engine:
         """Jobs `stop_jobs` asked to stop (not those a user had stopped already)."""
         # a tick waits for the jobs' file readings at most 1 s, less with short ticks
         self.observer = Observer(settings.jobs_dir,
-                                 scan_budget_s=min(SCAN_BUDGET_S, settings.sample_interval / 2))
+                                 scan_budget_s=min(SCAN_BUDGET_S, settings.sample_interval / 2),
+                                 watch_outputs=settings.output_watch == "inotify")
         self._next_compact_at = 0.0
         self._compacted_until: dict[float, float] | None = None
         """Per sample tier, the cutoff of the last downsampling pass (None: none yet in

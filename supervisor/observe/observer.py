@@ -30,6 +30,7 @@ from functools import partial
 from pathlib import Path
 
 from supervisor.observe import forecast
+from supervisor.observe.dirwatch import DirWatcher
 from supervisor.observe.forecaster import JobForecaster
 from supervisor.observe.readings import (
     FileReading,
@@ -198,13 +199,18 @@ def _final_progress(shown: ProgressRecord, job: ObservedJob,
 class Observer:
     def __init__(self, jobs_dir: Path, sampler: Sampler | None = None, *,
                  scan_budget_s: float = SCAN_BUDGET_S, workers: int = FILE_WORKERS,
-                 make_scanner: ScannerFactory | None = None):
+                 make_scanner: ScannerFactory | None = None, watch_outputs: bool = True):
         """`scan_budget_s`: the longest a tick waits for the jobs' file readings.
-        `make_scanner`: builds a job's output scanner; default `OutputScanner`."""
+        `make_scanner`: builds a job's output scanner; default `OutputScanner`, with
+        inotify watches on output directories of local filesystems if `watch_outputs`
+        (`dirwatch`; else they are statted each tick and listed when they change)."""
         self.jobs_dir = jobs_dir
         self.sampler = sampler or Sampler()
         self.scan_budget_s = scan_budget_s
-        self.make_scanner: ScannerFactory = make_scanner or output_scanner
+        self.dir_watcher = (DirWatcher.open() if make_scanner is None and watch_outputs
+                            else None)
+        self.make_scanner: ScannerFactory = make_scanner or partial(
+            output_scanner, watcher=self.dir_watcher)
         self._workers = FilePool(workers)
         self._state: dict[str, _JobState] = {}
         self._ending: dict[str, _Ending] = {}
@@ -298,11 +304,14 @@ class Observer:
                     self._final_reading(state))
             except RuntimeError:  # closed: the last figures stay
                 final = None
+                state.files.close()
             if final is not None:
                 self._ending[job_id] = _Ending(final, state.job)
                 if progress is not None:
                     progress = replace(progress,
                                        observation_error="final output scan still running")
+        elif state is not None:
+            state.files.close()  # no reading of its own left: its watches go now
         if view is not None and progress is not None:
             views = dict(self.views)
             views[job_id] = JobView(progress=progress, disk_device=view.disk_device)
@@ -313,6 +322,8 @@ class Observer:
         to finish in their (daemon) threads; nothing waits for them."""
         self._workers.close()
         self._ending.clear()
+        if self.dir_watcher is not None:
+            self.dir_watcher.close()
 
     def last_progress_at(self, job_id: str) -> float | None:
         state = self._state.get(job_id)
@@ -524,7 +535,11 @@ class Observer:
         def read() -> FileReading:
             if running is not None:
                 concurrent.futures.wait([running])
-            return files.read(job, tick_now + (time.monotonic() - tick_started), final=True)
+            try:
+                return files.read(job, tick_now + (time.monotonic() - tick_started),
+                                  final=True)
+            finally:
+                files.close()  # the job's last reading: its watches go
 
         return read
 

@@ -61,6 +61,7 @@ import stat
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
+from supervisor.observe.dirwatch import Changes, DirWatcher
 from supervisor.observe.patterns import DEFAULT_PATTERN, GlobMatcher
 
 logger = logging.getLogger(__name__)
@@ -103,10 +104,32 @@ class _DirState:
     """Names to stat again -> when (ns since the epoch, on the scan's clock)."""
     bytes_total: int = 0  # sum of the sizes in files, in bytes
     newest_mtime_ns: int | None = None
+    wd: int | None = None
+    """Its inotify watch (`dirwatch`), or None: then it is statted each scan."""
+    changed: set[str] = field(default_factory=set)
+    """Names the watch reported changed since the last scan."""
 
     def refresh_totals(self) -> None:
         self.bytes_total = sum(entry[0] for entry in self.files.values())
         self.newest_mtime_ns = max((entry[1] for entry in self.files.values()), default=None)
+
+    def put_file(self, name: str, current: _FileState) -> None:
+        """Add or update one file, totals kept (O(1), no pass over the directory)."""
+        self.drop_file(name)
+        self.files[name] = current
+        self.bytes_total += current[0]
+        if self.newest_mtime_ns is None or current[1] > self.newest_mtime_ns:
+            self.newest_mtime_ns = current[1]
+
+    def drop_file(self, name: str) -> _FileState | None:
+        """Remove one file, totals kept; what was known of it."""
+        old = self.files.pop(name, None)
+        if old is not None:
+            self.bytes_total -= old[0]
+            if old[1] == self.newest_mtime_ns:  # the newest went: find the next (rare)
+                self.newest_mtime_ns = max((entry[1] for entry in self.files.values()),
+                                           default=None)
+        return old
 
 
 @dataclass
@@ -135,12 +158,15 @@ class OutputScanner:
         settle_s: float = 10.0,
         dir_recheck_s: float = 2.0,
         active_recheck_s: float = 2.0,
+        watcher: DirWatcher | None = None,
     ) -> None:
         """``settle_s``: a file whose mtime is older than this, and whose size and mtime
         did not change since the previous stat, is settled and not statted again.
         ``dir_recheck_s``: a directory changed less than this before ``now`` is listed
         again next scan, to cover coarse timestamps (see the module docstring).
-        ``active_recheck_s``: how soon a file found new or changed is statted again."""
+        ``active_recheck_s``: how soon a file found new or changed is statted again.
+        ``watcher``: where given, directories on local filesystems are watched (inotify)
+        instead of statted each scan and re-listed on change; `close` ends the watches."""
         self.root = root
         self._root_prefix = root.rstrip("/") + "/"
         self.matcher = GlobMatcher(pattern)
@@ -148,6 +174,8 @@ class OutputScanner:
         self.dir_recheck_s = dir_recheck_s
         self.active_recheck_s = active_recheck_s
         self._dirs: dict[str, _DirState] = {}  # by path relative to root, "" for the root
+        self.watcher = watcher
+        self._by_wd: dict[int, str] = {}  # watch -> the directory relative to root
 
     def scan(self, now: float, *, final: bool = False) -> ScanResult:
         """Bring the state up to date with the disk and return the totals. `final`:
@@ -158,16 +186,88 @@ class OutputScanner:
         """
         cost = _Cost()
         listed: set[str] = set()
+        if self.watcher is not None and not final:
+            self._take_changes(self.watcher.changes(self))
         pending = [""]
         while pending:
             relative_dir = pending.pop()
-            state = self._visit(relative_dir, now, cost, listed)
+            state = self._dirs.get(relative_dir)
+            if state is not None and state.wd is not None and not state.recheck and not final:
+                self._apply_changes(relative_dir, state, now, cost)  # watched: no stat
+            else:  # a `final` scan trusts no watch: the writer is done, one look at all
+                state = self._visit(relative_dir, now, cost, listed)
             if state is not None:
                 pending.extend(state.subdirs.values())
         for relative_dir, state in self._dirs.items():
             if state.unsettled and (final or relative_dir not in listed):
                 self._restat_unsettled(relative_dir, state, now, cost, final=final)
         return self._result(cost)
+
+    def close(self) -> None:
+        """The job is done with: its directories' watches go."""
+        if self.watcher is not None:
+            self.watcher.leave(self)
+        for state in self._dirs.values():
+            state.wd = None
+        self._by_wd.clear()
+
+    def _take_changes(self, changes: Changes) -> None:
+        """Mark what the watches reported: names to look at, directories to stat and
+        list again (changed themselves, gone, or every one after an overflow)."""
+        for wd in changes.itself:
+            relative_dir = self._by_wd.get(wd)
+            if relative_dir is not None:
+                self._unwatch(self._dirs[relative_dir])  # a fresh watch when listed
+                self._dirs[relative_dir].recheck = True
+        if changes.overflow:
+            for state in self._dirs.values():
+                state.recheck = True
+        for wd, names in changes.names.items():
+            relative_dir = self._by_wd.get(wd)
+            if relative_dir is not None:
+                self._dirs[relative_dir].changed |= names
+
+    def _apply_changes(self, relative_dir: str, state: _DirState, now: float,
+                       cost: _Cost) -> None:
+        """Look again at each name the watch reported in a watched directory."""
+        if not state.changed:
+            return
+        names, state.changed = state.changed, set()
+        for name in names:
+            known = state.drop_file(name)
+            state.unsettled.pop(name, None)
+            subdir = state.subdirs.pop(name, None)
+            if subdir is not None:
+                self._forget(subdir)
+            self._take_name(relative_dir, name, known, state, now, cost)
+
+    def _take_name(self, relative_dir: str, name: str, known: _FileState | None,
+                   state: _DirState, now: float, cost: _Cost) -> None:
+        """`_take_entry` for a name a watch reported (no directory entry in hand)."""
+        if is_temp_name(name):
+            return
+        relative_path = _join(relative_dir, name)
+        path = self._path(relative_path)
+        try:
+            entry_stat = os.lstat(path)
+        except OSError:  # gone (deleted, moved away): nothing to take
+            return
+        if stat.S_ISDIR(entry_stat.st_mode):
+            if self.matcher.may_descend(relative_path):
+                state.subdirs[name] = relative_path
+            return
+        if not (stat.S_ISREG(entry_stat.st_mode) or stat.S_ISLNK(entry_stat.st_mode)) \
+                or not self.matcher.matches(relative_path):
+            return
+        same = known is not None and known[2] == entry_stat.st_ino  # written in place
+        self._stat_file(path, name, known if same else None, state, now, cost)
+
+    def _unwatch(self, state: _DirState) -> None:
+        if state.wd is not None:
+            self._by_wd.pop(state.wd, None)
+            if self.watcher is not None:
+                self.watcher.unwatch(state.wd, self)
+            state.wd = None
 
     def _path(self, relative_path: str) -> str:
         return self._root_prefix + relative_path if relative_path else self.root
@@ -205,16 +305,22 @@ class OutputScanner:
     ) -> _DirState:
         """List a directory, keeping what is known of entries that did not change."""
         cost.dirs_listed += 1
+        path = self._path(relative_dir)
+        wd = old.wd if old is not None else None
+        if wd is None and self.watcher is not None:  # watch first: nothing falls between
+            wd = self.watcher.watch(path, dir_stat.st_dev, self)
+            if wd is not None:
+                self._by_wd[wd] = relative_dir
         recent_ns = int((now - self.dir_recheck_s) * 1e9)
         state = _DirState(
             inode=dir_stat.st_ino,
             ctime_ns=dir_stat.st_ctime_ns,
-            recheck=dir_stat.st_ctime_ns >= recent_ns,
+            recheck=wd is None and dir_stat.st_ctime_ns >= recent_ns,  # coarse timestamps
+            wd=wd,
         )
         old_files = old.files if old is not None else {}
         old_unsettled = old.unsettled if old is not None else {}
         now_ns = int(now * 1e9)
-        path = self._path(relative_dir)
         try:
             with os.scandir(path) as entries:
                 for entry in entries:
@@ -277,18 +383,16 @@ class OutputScanner:
         try:
             file_stat = os.stat(path)
         except OSError:  # deleted between listing and stat: not an item any more
-            state.files.pop(name, None)
-            state.unsettled.pop(name, None)
-            return
-        if not stat.S_ISREG(file_stat.st_mode):
-            state.files.pop(name, None)
+            file_stat = None
+        if file_stat is None or not stat.S_ISREG(file_stat.st_mode):
+            state.drop_file(name)
             state.unsettled.pop(name, None)
             return
         current = (file_stat.st_size, file_stat.st_mtime_ns, file_stat.st_ino)
         moved = known is None or known[:2] != current[:2]  # new, or its size or mtime moved
         settles_at_ns = file_stat.st_mtime_ns + int(self.settle_s * 1e9)
         now_ns = int(now * 1e9)
-        state.files[name] = current
+        state.put_file(name, current)
         if known is not None and not moved and settles_at_ns <= now_ns:
             state.unsettled.pop(name, None)  # settled: unchanged since a stat, and old
         elif known is None and settles_at_ns <= now_ns:
@@ -311,12 +415,12 @@ class OutputScanner:
             known = state.files.get(name)
             path = self._path(_join(relative_dir, name))
             self._stat_file(path, name, known, state, now, cost)
-        state.refresh_totals()
 
     def _forget(self, relative_dir: str) -> None:
         """Drop a directory and everything known below it."""
         state = self._dirs.pop(relative_dir, None)
         if state is not None:
+            self._unwatch(state)
             self._forget_all(state.subdirs.values())
 
     def _forget_all(self, relative_dirs: Iterable[str]) -> None:

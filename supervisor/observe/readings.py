@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Protocol
 
 from supervisor.observe import progress_file
+from supervisor.observe.dirwatch import DirWatcher
 from supervisor.observe.outputs import OutputScanner, ScanResult
 from supervisor.observe.view import disk_free
 from supervisor.runtime.launcher import log_path, progress_path
@@ -45,6 +46,8 @@ class Scanner(Protocol):
     """What the observer needs of an output scanner (`OutputScanner`)."""
 
     def scan(self, now: float, *, final: bool = False) -> ScanResult: ...
+
+    def close(self) -> None: ...
 
 
 ScannerFactory = Callable[[str, str], Scanner]
@@ -100,6 +103,11 @@ class FileSide:
         return FileReading(now, files, bytes_written, bool(spec.output_dir), reported,
                            source, free_bytes, device, waiting)
 
+    def close(self) -> None:
+        """The job is done with: its scanner's directory watches go."""
+        if self.scanner is not None:
+            self.scanner.close()
+
     def progress(self, job: ObservedJob) -> tuple[progress_file.Reported | None, str | None]:
         """(what the job reports, "progress_file" or "log"), (None, None) if nothing."""
         reported = progress_file.from_progress_file(progress_path(self.jobs_dir, job.job_id))
@@ -109,8 +117,8 @@ class FileSide:
         return reported, "log" if reported is not None else None
 
 
-def output_scanner(root: str, pattern: str) -> Scanner:
-    return OutputScanner(root, pattern)
+def output_scanner(root: str, pattern: str, watcher: DirWatcher | None = None) -> Scanner:
+    return OutputScanner(root, pattern, watcher=watcher)
 
 
 def items_from(spec: JobSpec, reading: FileReading
