@@ -47,6 +47,9 @@ class FailingScanner:
     def scan(self, now: float, *, final: bool = False) -> ScanResult:
         raise RuntimeError(f"cannot read {self.root}: disk on fire")
 
+    def close(self) -> None:
+        pass
+
 
 class BlockingScanner:
     """A scan that takes as long as the test says (the first scan of a huge tree, a
@@ -72,6 +75,9 @@ class BlockingScanner:
         finally:
             BlockingScanner._running.release()
 
+    def close(self) -> None:
+        self.real.close()
+
     @classmethod
     def reset(cls) -> None:
         cls.release = threading.Event()
@@ -79,9 +85,12 @@ class BlockingScanner:
 
 
 def scanners(special: dict[str, type]) -> Callable[[str, str], Any]:
-    """A scanner factory: the class given for these output dirs, the real one otherwise."""
-    def make(root: str, pattern: str = "**/*") -> Any:
-        return special.get(root, OutputScanner)(root, pattern)
+    """A scanner factory: the class given for these output dirs, the real one (with the
+    observer's directory watches) otherwise."""
+    def make(root: str, pattern: str = "**/*", watcher: Any = None) -> Any:
+        if root in special:
+            return special[root](root, pattern)
+        return OutputScanner(root, pattern, watcher=watcher)
     return make
 
 
@@ -257,8 +266,9 @@ from pathlib import Path
 from supervisor.observe import observer as observer_module
 from supervisor.spec import JobSpec
 class Stuck:
-    def __init__(self, root, pattern): pass
+    def __init__(self, root, pattern, watcher=None): pass
     def scan(self, now, *, final=False): threading.Event().wait()
+    def close(self): pass
 from supervisor.observe import readings
 readings.OutputScanner = Stuck
 observer = observer_module.Observer(Path({str(tmp_path)!r}))

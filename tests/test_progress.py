@@ -19,11 +19,18 @@ from __future__ import annotations
 
 import json
 import math
+import random
 from pathlib import Path
 
 import pytest
 
-from supervisor.observe.progress_file import LOG_TAIL_BYTES, Reported, from_log, from_progress_file
+from supervisor.observe.progress_file import (
+    LOG_TAIL_BYTES,
+    LogReader,
+    Reported,
+    from_log,
+    from_progress_file,
+)
 from supervisor.runtime.fileio import atomic_write_json
 
 pytestmark = pytest.mark.timeout(10)
@@ -311,3 +318,35 @@ def test_window_starting_at_a_line_start_keeps_that_line(tmp_path: Path) -> None
     data = b"head\n" + line + (b"x" * 63 + b"\n") * (body_len // 64) + b"z" * (body_len % 64)
     assert len(data) - LOG_TAIL_BYTES == len(b"head\n")
     assert from_log(write_log(tmp_path / "log", data)) == Reported(4500, 5000)
+
+
+def test_a_log_followed_tick_after_tick_reads_as_a_fresh_look(tmp_path: Path) -> None:
+    """`LogReader` parses only what was appended; after every append (whole lines, a line
+    cut in the middle, tqdm redraws with no newline, more than the window at once) and
+    after the log is cut or replaced, it answers what a fresh `from_log` answers."""
+    rng = random.Random(15)
+    pieces = [b"step %d/500\n", b"wrote item_%d.txt\n", b"rank 0/8 ready %d\n",
+              b"\r 40%%|####      | %d/100 [00:01<00:02]", b"\rshards: 100%%|#| 4/4 [00:%02d]\n",
+              b"epoch [%d/90]", b"\n", b"x" * 300 + b" %d\n", b"| 99999999999999999999999/5 [%d",
+              b"\r|##| 7/7 [00:%02d]"]
+    path = tmp_path / "output.log"
+    path.write_bytes(b"")
+    reader = LogReader()
+    reads = largest = 0
+    for round_ in range(400):
+        if round_ % 97 == 96:  # rotated: a new file under the name
+            path.unlink()
+            path.write_bytes(b"fresh start\n")
+        elif round_ % 131 == 130:  # cut in place
+            path.write_bytes(path.read_bytes()[: rng.randint(0, 100)])
+        else:
+            count = 500 if round_ % 50 == 25 else rng.choice([1, 1, 2, 5, 3])  # 500: ~20 KiB
+            with path.open("ab") as handle:
+                for _ in range(count):
+                    piece = rng.choice(pieces)
+                    handle.write(piece % rng.randint(0, 120) if b"%" in piece else piece)
+        assert reader.read(path) == from_log(path), (round_, path.read_bytes()[-300:])
+        reads += 1
+        largest = max(largest, path.stat().st_size)
+    assert largest > LOG_TAIL_BYTES  # the window was left behind
+    assert reads == 400

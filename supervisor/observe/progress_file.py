@@ -90,38 +90,102 @@ def from_progress_file(path: str | os.PathLike[str]) -> Reported | None:
 def from_log(path: str | os.PathLike[str]) -> Reported | None:
     """The last tqdm bar in the log's tail (a finished one only if no counted line
     follows it), else the last bare `n/total` that names a counter (`step 40/100`;
-    never `rank 0/8 ready`). tqdm redraws
-    with `\\r`, so the tail is split on both `\\r` and `\\n` and searched from the end.
-    A line cut by the window's start is dropped: the end of `4500/5000` is not
-    `500/5000`."""
-    try:
-        with open_regular(path) as (fd, size):  # never a FIFO, device, or past `size`
-            start = max(0, size - LOG_TAIL_BYTES)
-            first = max(0, start - 1)  # one byte more: is the window's first line whole?
-            tail = read_at(fd, first, size - first)
-    except OSError:
-        return None
-    lines = re.split(rb"[\r\n]", tail)
-    if start > 0:
-        lines = lines[1:]  # the cut line, or b"" when the byte before was a line break
-    # the last tqdm bar with a storable count wins over every bare count, unless it is
-    # finished (n == total: the checkpoint shards loaded) and a counted line came after
-    # it (`step 40/1000` of the training that followed); else the last bare count next
-    # to a counter word
-    plain_found: Reported | None = None
-    for line in reversed(lines):
-        match = TQDM_RE.search(line)
-        if match:
-            done = _count(match.group(1))
-            total = None if match.group(2) == b"?" else _count(match.group(2))
-            if done is None or (total is None and match.group(2) != b"?"):
-                continue  # beyond what can be stored: not a count
-            if plain_found is not None and total is not None and done == total:
-                return plain_found
-            return Reported(done, total or None)
-        if plain_found is None:
-            plain_found = _plain_count(line)
-    return plain_found
+    never `rank 0/8 ready`). tqdm redraws with `\\r`, so the tail is split on both
+    `\\r` and `\\n`. A line cut by the window's start is dropped: the end of
+    `4500/5000` is not `500/5000`. One look; `LogReader` follows a log tick after tick."""
+    return LogReader().read(path)
+
+
+class LogReader:
+    """`from_log` for one job's log, read again every tick: only what was appended
+    since the last read is parsed (a log of bare lines meant searching all 16 KiB of
+    the tail, ~800 lines, every tick: #15). The lines are folded front to back: a
+    valid tqdm bar replaces the bar and clears the count after it; a counted line
+    replaces the count. The answer equals `from_log`'s on the same window: the log
+    is read whole again when it was replaced or cut, when more than the window was
+    appended, or when the bar or count kept has left the window."""
+
+    def __init__(self) -> None:
+        self._reset(None)
+
+    def _reset(self, inode: int | None) -> None:
+        self._inode = inode
+        self._consumed = 0  # offset after the last line break folded in
+        self._bar: Reported | None = None  # the last valid tqdm bar
+        self._bar_finished = False
+        self._bar_at = -1  # offset of its line
+        self._plain: Reported | None = None  # the last counted line after that bar
+        self._plain_at = -1
+
+    def read(self, path: str | os.PathLike[str]) -> Reported | None:
+        try:
+            with open_regular(path) as (fd, size):  # never a FIFO, device, or past `size`
+                inode = os.fstat(fd).st_ino
+                window = max(0, size - LOG_TAIL_BYTES)
+                if (inode != self._inode or not window <= self._consumed <= size
+                        or 0 <= self._bar_at < window or 0 <= self._plain_at < window):
+                    self._reset(inode)
+                    first = max(0, window - 1)  # one byte more: is the first line whole?
+                    base, data = first, read_at(fd, first, size - first)
+                    if window > 0:  # drop the cut line (b"" if the byte before is a break)
+                        cut = _first_break(data)
+                        if cut < 0:  # one cut line all through: nothing whole yet
+                            return None
+                        base, data = first + cut + 1, data[cut + 1:]
+                else:
+                    base, data = self._consumed, read_at(fd, self._consumed,
+                                                         size - self._consumed)
+        except OSError:
+            return None
+        end = _last_break(data)
+        if end >= 0:
+            at = base
+            for line in re.split(rb"[\r\n]", data[:end]):
+                self._fold(line, at)
+                at += len(line) + 1
+            self._consumed = base + end + 1
+        bar, finished, plain = self._bar, self._bar_finished, self._plain
+        partial = data[end + 1:]  # a line still being written (tqdm's redraws): not kept
+        if partial:
+            kind, found, done_all = _classify(partial)
+            if kind == "bar":
+                bar, finished, plain = found, done_all, None
+            elif found is not None:
+                plain = found
+        if bar is not None and not (plain is not None and finished):
+            return bar
+        return plain
+
+    def _fold(self, line: bytes, at: int) -> None:
+        kind, found, finished = _classify(line)
+        if kind == "bar":
+            self._bar, self._bar_finished, self._bar_at = found, finished, at
+            self._plain, self._plain_at = None, -1
+        elif found is not None:
+            self._plain, self._plain_at = found, at
+
+
+def _first_break(data: bytes) -> int:
+    found = [index for index in (data.find(b"\n"), data.find(b"\r")) if index >= 0]
+    return min(found, default=-1)
+
+
+def _last_break(data: bytes) -> int:
+    return max(data.rfind(b"\n"), data.rfind(b"\r"))
+
+
+def _classify(line: bytes) -> tuple[str, Reported | None, bool]:
+    """("bar", the bar, whether n == total) for a tqdm bar with a storable count;
+    ("skip", None, False) for a bar whose count cannot be stored (not a count either);
+    ("plain", the line's bare count or None, False) for any other line."""
+    match = TQDM_RE.search(line)
+    if match:
+        done = _count(match.group(1))
+        total = None if match.group(2) == b"?" else _count(match.group(2))
+        if done is None or (total is None and match.group(2) != b"?"):
+            return "skip", None, False  # beyond what can be stored: not a count
+        return "bar", Reported(done, total or None), total is not None and done == total
+    return "plain", _plain_count(line), False
 
 
 def _plain_count(line: bytes) -> Reported | None:

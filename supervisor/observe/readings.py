@@ -85,6 +85,7 @@ class FileSide:
         self.jobs_dir = jobs_dir
         self.make_scanner = make_scanner
         self.scanner: Scanner | None = None
+        self.log = progress_file.LogReader()  # the log's progress, read as it grows
 
     def read(self, job: ObservedJob, now: float, *, final: bool = False) -> FileReading:
         """`final`: the job has ended; every output file still settling is statted."""
@@ -113,7 +114,7 @@ class FileSide:
         reported = progress_file.from_progress_file(progress_path(self.jobs_dir, job.job_id))
         if reported is not None:
             return reported, "progress_file"
-        reported = progress_file.from_log(log_path(self.jobs_dir, job.job_id, job.attempt))
+        reported = self.log.read(log_path(self.jobs_dir, job.job_id, job.attempt))
         return reported, "log" if reported is not None else None
 
 
