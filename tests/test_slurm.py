@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import os
 import subprocess
+import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -144,6 +145,47 @@ def test_a_pending_job_shows_the_schedulers_reason_and_stops(daemon: Daemon,
     done = daemon.wait_state(job["id"], "stopped", "failed", "lost", timeout=15)
     assert (done["state"], done["exit_reason"]) == ("stopped", "stopped")
     assert cluster.state_of(sid)["JobState"] == "CANCELLED"
+
+
+def test_time_in_the_queue_is_no_stall_and_the_run_gets_the_whole_window(
+        daemon: Daemon, cluster: SlurmCluster) -> None:
+    """Held in SLURM's queue (`--hold`) for twice its 3 s stall window: no alert. Once
+    released, its stall clock starts at its start: a quiet second before its first item
+    and its items are no stall (counted from the submission, they would be), its rate is
+    its run's alone, and the hang after its last item fires `stalled`."""
+    job = daemon.submit(python_job(
+        "import json, os, time\n"
+        "print('up', flush=True); time.sleep(1)\n"
+        "path = os.environ['JOBSUP_PROGRESS_FILE']\n"
+        "for i in range(1, 11):\n"
+        "    open(path + '.tmp', 'w').write(json.dumps({'done': i, 'total': 1000}))\n"
+        "    os.replace(path + '.tmp', path); time.sleep(0.2)\n"
+        "time.sleep(600)"), name="held", stall_timeout_s=3,
+        slurm={"extra": ["--hold"]})
+    sid = slurm_id(daemon, job)
+    wait_for(lambda: "JobHeldUser" in (daemon.job(job["id"])["reason"] or ""), 15,
+             what="the job held in the queue")
+    queued_until = time.monotonic() + 6
+    while time.monotonic() < queued_until:
+        held = daemon.job(job["id"])
+        assert held["alerts"] == [], held
+        time.sleep(0.2)
+    assert "queued in SLURM" in held["reason"] and held["forecast"]["eta_s"] is None
+    cluster.run("scontrol", "release", sid)
+
+    def ten_items() -> dict[str, Any] | None:
+        running = daemon.job(job["id"])
+        assert running["alerts"] == [], running  # within its window since its start
+        return running if running["progress"]["items_done"] == 10 else None
+
+    running = wait_for(ten_items, 40, what="its ten items")
+    rate = running["forecast"]["rate_items_per_s"]
+    assert rate is not None and rate > 2.0, running["forecast"]  # ~5/s; the queue not in it
+    stalled = wait_for(lambda: daemon.job(job["id"])["alerts"], 15, what="the stall")
+    assert [a["rule"] for a in stalled] == ["stalled"]
+    assert "no new item" in stalled[0]["message"] and "at 10 items" in stalled[0]["message"]
+    daemon.http.post(f"/api/v1/jobs/{job['id']}/stop")
+    daemon.wait_state(job["id"], "stopped", "failed", "lost", timeout=20)
 
 
 def test_a_stop_runs_the_jobs_grace_inside_the_allocation(daemon: Daemon, cluster: SlurmCluster,
