@@ -121,6 +121,10 @@ class Engine:
                                  webhook_secret=secret.get_secret_value() if secret else None,
                                  wall=time.time)
         self.alerting = AlertRecorder(settings, self.observer, self.notifier)
+        self.may_tick: Callable[[], bool] = lambda: True
+        """Asked before each tick of the loop: False skips it (`app.py`: the daemon's
+        lock on its PostgreSQL database is not confirmed, or was lost to another daemon:
+        no job is launched, judged or stopped without it)."""
         self.on_tick: Callable[[float], None] = lambda _seconds: None
         """Called with each tick's duration in seconds (the metrics histogram)."""
         self.last_tick_at: float | None = None
@@ -241,18 +245,26 @@ class Engine:
             if self._should_exit.is_set():
                 return
             self._wake.clear()
-            started = time.monotonic()
-            try:
-                self.tick()
-            except Exception:  # one bad tick must not end supervision
-                log.exception("tick failed")
-            self.last_tick_at = time.monotonic()
-            self.on_tick(time.monotonic() - started)
+            if self._may_tick():
+                started = time.monotonic()
+                try:
+                    self.tick()
+                except Exception:  # one bad tick must not end supervision
+                    log.exception("tick failed")
+                self.last_tick_at = time.monotonic()
+                self.on_tick(time.monotonic() - started)
             now = time.monotonic()
             if now >= next_tick:  # scheduled tick done: next one, without drift
                 next_tick += interval
                 if next_tick <= now:
                     next_tick = now + interval
+
+    def _may_tick(self) -> bool:
+        try:
+            return self.may_tick()
+        except Exception:  # unsure whether it may act: it does not, and asks again
+            log.exception("cannot tell whether a tick may run; skipped")
+            return False
 
     # -- one tick ---------------------------------------------------------------------
     def tick(self) -> None:
