@@ -21,10 +21,11 @@ from typing import Any
 import pytest
 from pydantic import ValidationError
 
+from supervisor.runtime import files
 from supervisor.runtime.fileio import read_json
 from supervisor.runtime.launcher import attempt_dir
 from supervisor.runtime.rank import rank_environment
-from supervisor.runtime.slurm import SLURM_FILE
+from supervisor.runtime.slurm import SLURM_FILE, SlurmBackend
 from supervisor.runtime.slurm_jobs import SlurmJob, end_of, sbatch_argv
 from supervisor.spec import ExitReason, JobSpec
 from tests.helpers import PY, Daemon, python_job, wait_for
@@ -186,6 +187,35 @@ def test_time_in_the_queue_is_no_stall_and_the_run_gets_the_whole_window(
     assert "no new item" in stalled[0]["message"] and "at 10 items" in stalled[0]["message"]
     daemon.http.post(f"/api/v1/jobs/{job['id']}/stop")
     daemon.wait_state(job["id"], "stopped", "failed", "lost", timeout=20)
+
+
+def test_the_backend_says_when_a_queued_job_began_running(cluster: SlurmCluster,
+                                                          tmp_path: Path) -> None:
+    """`SlurmBackend.queued` and `running_since`, against the cluster: held, the job is
+    queued and has no start; released, its start is its worker's (`worker.json`, on the
+    daemon's clock: here 100 s ahead of the system's), also for a backend that never saw
+    it queued (a daemon restarted meanwhile)."""
+    backend = SlurmBackend(tmp_path / "jobs")
+    spec = JobSpec.model_validate({"name": "held", "command": [PY, "-c", "import time; "
+                                                               "time.sleep(600)"],
+                                   "slurm": {"extra": ["--hold"]}})
+    attempt = backend.start("queued1", 1, spec, cwd=str(tmp_path), stop_grace_s=5)
+    sid = backend.slurm_id(attempt)
+    assert sid is not None
+    try:
+        assert wait_for(lambda: backend.reap() or backend.queued(attempt), 15,
+                        what="the job queued")
+        assert backend.running_since(attempt, time.time()) is None
+        cluster.run("scontrol", "release", sid)
+        worker = wait_for(lambda: files.read_worker(attempt.dir), 30, what="its worker")
+        backend.reap()
+        restarted = SlurmBackend(tmp_path / "jobs")
+        for seen_by in (backend, restarted):
+            assert not seen_by.queued(attempt)
+            since = seen_by.running_since(attempt, time.time() + 100)
+            assert since is not None and abs(since - (worker.started_at + 100)) < 1.0
+    finally:
+        cluster.run("scancel", sid, check=False)
 
 
 def test_a_stop_runs_the_jobs_grace_inside_the_allocation(daemon: Daemon, cluster: SlurmCluster,
