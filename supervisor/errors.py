@@ -42,6 +42,11 @@ class DaemonAlreadyRunning(JobsupError):
     """Another daemon holds the lock of this data dir."""
 
 
+class DatabaseTaken(JobsupError):
+    """This daemon's lock on its PostgreSQL database was lost (its connection ended) and
+    another daemon holds it now: this one stops, its jobs are the other's."""
+
+
 class UnsafeBind(JobsupError):
     """A non-loopback bind without a token."""
 

@@ -71,6 +71,25 @@ def test_a_job_not_yet_started_is_not_stalled() -> None:
 
 # -- stalled, after the first item ----------------------------------------------------------
 
+def test_a_job_in_a_schedulers_queue_is_never_stalled() -> None:
+    """A SLURM job PENDING for hours, its startup timeout long past: no stall."""
+    job = facts(queued=True, startup_timeout_s=60.0, activity_at=None)
+    assert alert_rules.stall_message(job, T0 + 5 * 3600) is None
+    assert rules(job, T0 + 5 * 3600) == {}
+
+
+def test_a_job_that_left_the_queue_gets_the_whole_window_from_its_run() -> None:
+    ran = T0 + 3600  # an hour in the queue
+    job = facts(running_since=ran, activity_at=None)
+    assert alert_rules.stall_message(job, ran + 599) is None
+    message = alert_rules.stall_message(job, ran + 601)
+    assert message is not None and "no activity" in message and "10m" in message
+    timed = facts(running_since=ran, startup_timeout_s=900.0, activity_at=ran + 890)
+    assert alert_rules.stall_message(timed, ran + 899) is None
+    message = alert_rules.stall_message(timed, ran + 901)
+    assert message is not None and "no first item 15m" in message
+
+
 def test_no_new_item_for_longer_than_stall_timeout_is_stalled() -> None:
     job = facts(first_item_at=T0 + 1500, last_progress_at=T0 + 2000, items_done=40,
                 activity_at=T0 + 2700)  # busy, but no item: still stalled

@@ -3,13 +3,18 @@
 from __future__ import annotations
 
 import json
+import os
+import signal
 import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
+from sqlalchemy import text
 
+from supervisor.storage.database import DAEMON_LOCK_KEY, make_engine
 from tests.helpers import Daemon, exit_recorded, job_module, python_job, wait_for
 
 pytestmark = [pytest.mark.slow, pytest.mark.both_databases]
@@ -103,3 +108,69 @@ def test_second_daemon_on_the_same_postgresql_database_refuses(make_daemon) -> N
     first.kill()  # its connection, and with it the lock, goes with the process
     second.start()
     assert second.job(job["id"])["state"] in ("running", "lost")
+
+
+def _on_database(url: str, sql: str) -> Any:
+    """One statement on a connection of the test's own; its first column's value."""
+    engine = make_engine(url)
+    try:
+        with engine.connect() as conn:
+            value = conn.scalar(text(sql))
+            conn.commit()
+            return value
+    finally:
+        engine.dispose()
+
+
+LOCK_HOLDER = ("SELECT pid FROM pg_locks WHERE locktype = 'advisory' AND granted AND "
+               f"objid::bigint = {DAEMON_LOCK_KEY & 0xFFFFFFFF}")
+
+
+def _terminate_lock_holder(url: str) -> int:
+    """What an admin (or a dropped connection) does to the daemon's lock: its session
+    ends; the pid of that session."""
+    pid = _on_database(url, LOCK_HOLDER)
+    assert pid is not None, "no session holds the daemon's lock"
+    assert _on_database(url, f"SELECT pg_terminate_backend({int(pid)})")
+    return int(pid)
+
+
+@pytest.mark.parametrize("database_kind", ["postgresql"], indirect=True)
+def test_a_dropped_lock_session_is_taken_again(make_daemon) -> None:
+    """`pg_terminate_backend` on the lock's session: the next tick takes the lock again
+    on a new connection, and the daemon goes on supervising."""
+    daemon: Daemon = make_daemon()
+    url = daemon.env["JOBSUP_DATABASE_URL"]
+    ended = _terminate_lock_holder(url)
+    wait_for(lambda: "took it again" in daemon.log(), 10, what="the lock taken again")
+    assert "terminating connection due to administrator command" in daemon.log()
+    holder = wait_for(lambda: _on_database(url, LOCK_HOLDER), 5, what="the lock held")
+    assert holder != ended
+    job = daemon.submit(python_job("print('after')"))
+    assert daemon.wait_state(job["id"], "succeeded", "failed", "lost")["state"] == "succeeded"
+    assert daemon.proc is not None and daemon.proc.poll() is None
+    assert daemon.http.get("/healthz").status_code == 200
+
+
+@pytest.mark.parametrize("database_kind", ["postgresql"], indirect=True)
+def test_a_daemon_whose_lock_another_took_stops(make_daemon) -> None:
+    """The first daemon frozen (SIGSTOP: a paused VM, a partition) while its lock's
+    session is ended and a second daemon starts on the database: thawed, the first finds
+    the lock taken, runs no tick and exits 1 saying why; the second goes on."""
+    first: Daemon = make_daemon()
+    url = first.env["JOBSUP_DATABASE_URL"]
+    assert first.proc is not None
+    os.kill(first.proc.pid, signal.SIGSTOP)
+    try:
+        _terminate_lock_holder(url)
+        second: Daemon = make_daemon(env={"JOBSUP_DATABASE_URL": url})
+    finally:
+        os.kill(first.proc.pid, signal.SIGCONT)
+    assert first.proc.wait(20) == 1
+    shown = url.split("@")[-1]
+    assert (f"error: another jobsup daemon took the database postgresql+psycopg://postgres@"
+            f"{shown} while this daemon's lock on it was lost (its connection ended: "
+            "terminating connection due to administrator command)") in first.log()
+    assert "Traceback" not in first.log()
+    job = second.submit(python_job("print('second')"))
+    assert second.wait_state(job["id"], "succeeded", "failed", "lost")["state"] == "succeeded"

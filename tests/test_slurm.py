@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import os
 import subprocess
+import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -20,10 +21,11 @@ from typing import Any
 import pytest
 from pydantic import ValidationError
 
+from supervisor.runtime import files
 from supervisor.runtime.fileio import read_json
 from supervisor.runtime.launcher import attempt_dir
 from supervisor.runtime.rank import rank_environment
-from supervisor.runtime.slurm import SLURM_FILE
+from supervisor.runtime.slurm import SLURM_FILE, SlurmBackend
 from supervisor.runtime.slurm_jobs import SlurmJob, end_of, sbatch_argv
 from supervisor.spec import ExitReason, JobSpec
 from tests.helpers import PY, Daemon, python_job, wait_for
@@ -144,6 +146,76 @@ def test_a_pending_job_shows_the_schedulers_reason_and_stops(daemon: Daemon,
     done = daemon.wait_state(job["id"], "stopped", "failed", "lost", timeout=15)
     assert (done["state"], done["exit_reason"]) == ("stopped", "stopped")
     assert cluster.state_of(sid)["JobState"] == "CANCELLED"
+
+
+def test_time_in_the_queue_is_no_stall_and_the_run_gets_the_whole_window(
+        daemon: Daemon, cluster: SlurmCluster) -> None:
+    """Held in SLURM's queue (`--hold`) for twice its 3 s stall window: no alert. Once
+    released, its stall clock starts at its start: a quiet second before its first item
+    and its items are no stall (counted from the submission, they would be), its rate is
+    its run's alone, and the hang after its last item fires `stalled`."""
+    job = daemon.submit(python_job(
+        "import json, os, time\n"
+        "print('up', flush=True); time.sleep(1)\n"
+        "path = os.environ['JOBSUP_PROGRESS_FILE']\n"
+        "for i in range(1, 11):\n"
+        "    open(path + '.tmp', 'w').write(json.dumps({'done': i, 'total': 1000}))\n"
+        "    os.replace(path + '.tmp', path); time.sleep(0.2)\n"
+        "time.sleep(600)"), name="held", stall_timeout_s=3,
+        slurm={"extra": ["--hold"]})
+    sid = slurm_id(daemon, job)
+    wait_for(lambda: "JobHeldUser" in (daemon.job(job["id"])["reason"] or ""), 15,
+             what="the job held in the queue")
+    queued_until = time.monotonic() + 6
+    while time.monotonic() < queued_until:
+        held = daemon.job(job["id"])
+        assert held["alerts"] == [], held
+        time.sleep(0.2)
+    assert "queued in SLURM" in held["reason"] and held["forecast"]["eta_s"] is None
+    cluster.run("scontrol", "release", sid)
+
+    def ten_items() -> dict[str, Any] | None:
+        running = daemon.job(job["id"])
+        assert running["alerts"] == [], running  # within its window since its start
+        return running if running["progress"]["items_done"] == 10 else None
+
+    running = wait_for(ten_items, 40, what="its ten items")
+    rate = running["forecast"]["rate_items_per_s"]
+    assert rate is not None and rate > 2.0, running["forecast"]  # ~5/s; the queue not in it
+    stalled = wait_for(lambda: daemon.job(job["id"])["alerts"], 15, what="the stall")
+    assert [a["rule"] for a in stalled] == ["stalled"]
+    assert "no new item" in stalled[0]["message"] and "at 10 items" in stalled[0]["message"]
+    daemon.http.post(f"/api/v1/jobs/{job['id']}/stop")
+    daemon.wait_state(job["id"], "stopped", "failed", "lost", timeout=20)
+
+
+def test_the_backend_says_when_a_queued_job_began_running(cluster: SlurmCluster,
+                                                          tmp_path: Path) -> None:
+    """`SlurmBackend.queued` and `running_since`, against the cluster: held, the job is
+    queued and has no start; released, its start is its worker's (`worker.json`, on the
+    daemon's clock: here 100 s ahead of the system's), also for a backend that never saw
+    it queued (a daemon restarted meanwhile)."""
+    backend = SlurmBackend(tmp_path / "jobs")
+    spec = JobSpec.model_validate({"name": "held", "command": [PY, "-c", "import time; "
+                                                               "time.sleep(600)"],
+                                   "slurm": {"extra": ["--hold"]}})
+    attempt = backend.start("queued1", 1, spec, cwd=str(tmp_path), stop_grace_s=5)
+    sid = backend.slurm_id(attempt)
+    assert sid is not None
+    try:
+        assert wait_for(lambda: backend.reap() or backend.queued(attempt), 15,
+                        what="the job queued")
+        assert backend.running_since(attempt, time.time()) is None
+        cluster.run("scontrol", "release", sid)
+        worker = wait_for(lambda: files.read_worker(attempt.dir), 30, what="its worker")
+        backend.reap()
+        restarted = SlurmBackend(tmp_path / "jobs")
+        for seen_by in (backend, restarted):
+            assert not seen_by.queued(attempt)
+            since = seen_by.running_since(attempt, time.time() + 100)
+            assert since is not None and abs(since - (worker.started_at + 100)) < 1.0
+    finally:
+        cluster.run("scancel", sid, check=False)
 
 
 def test_a_stop_runs_the_jobs_grace_inside_the_allocation(daemon: Daemon, cluster: SlurmCluster,

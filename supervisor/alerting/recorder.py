@@ -177,6 +177,8 @@ class AlertRecorder:
             gpu_memory_fraction=view.gpu_memory_fraction if view else None,
             metrics=progress.metrics if progress else {},
             min_acceptance_length=spec.min_acceptance_length,
+            queued=view.queued if view else False,
+            running_since=view.running_since if view else None,
         )
 
     def _enqueue(self, session: Session, kind: str, job: Job, alert: Alert | None,

@@ -12,6 +12,10 @@ activity at all
 (CPU time, read bytes and GPU memory all flat) for `stall_timeout_s`, or when it passes
 `startup_timeout_s`. After the first item it is stalled when no new item arrives for
 `stall_timeout_s`.
+Both clocks start when the job began running on a node: its launch, or for a job that
+waited in a cluster scheduler's queue (a SLURM job PENDING, `queued`), when it left the
+queue (`running_since`). A queued job is never stalled: hours in the queue are no stall,
+and a job that has just left it gets the whole window.
 
 `low_acceptance` is for jobs that measure an EAGLE-3 draft (`workers.evaluate`): the
 job's reported metric `acceptance_length` (tokens per target pass, the bonus token
@@ -111,6 +115,11 @@ class JobFacts:
     metrics: Mapping[str, float] = field(default_factory=dict)
     """The job's latest reported metrics (its progress file)."""
     min_acceptance_length: float | None = None
+    queued: bool = False
+    """Launched, waiting in a cluster scheduler's queue: not running on a node yet."""
+    running_since: float | None = None
+    """When it left that queue and began running; None while queued, and for a job that
+    never waited in one (`started_at`, its launch, is its start)."""
 
 
 @dataclass(frozen=True)
@@ -178,15 +187,17 @@ def evaluate(job: JobFacts, *, now: float, settings: AlertSettings) -> list[Firi
 
 
 def stall_message(job: JobFacts, now: float) -> str | None:
-    """Why a running job counts as stalled, or None (see the module docstring)."""
-    if job.started_at is None:
+    """Why a running job counts as stalled, or None (see the module docstring): its
+    clocks count from when it began running on a node, never its time in a queue."""
+    if job.started_at is None or job.queued:
         return None
+    begun = max(job.running_since or job.started_at, job.started_at)
     if job.first_item_at is None:
-        if job.startup_timeout_s is not None and now - job.started_at > job.startup_timeout_s:
-            return (f"{job.name}: no first item {format_duration(now - job.started_at)} "
+        if job.startup_timeout_s is not None and now - begun > job.startup_timeout_s:
+            return (f"{job.name}: no first item {format_duration(now - begun)} "
                     "after start "
                     f"(startup timeout {format_duration(job.startup_timeout_s)})")
-        quiet_since = max(job.activity_at or job.started_at, job.started_at)
+        quiet_since = max(job.activity_at or begun, begun)
         if now - quiet_since > job.stall_timeout_s:
             return (f"{job.name}: no activity (CPU, reads, GPU memory flat) for "
                     f"{format_duration(now - quiet_since)} before its first item")

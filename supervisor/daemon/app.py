@@ -10,6 +10,7 @@ import ipaddress
 import logging
 import os
 import socket
+import sys
 import time
 from collections.abc import AsyncIterator, Callable, Iterator
 from contextlib import asynccontextmanager, contextmanager
@@ -18,14 +19,15 @@ from typing import IO
 
 import uvicorn
 from fastapi import FastAPI
+from uvicorn.config import STARTUP_FAILURE
 
 from supervisor.api.metrics import JobsCollector, build_registry
 from supervisor.api.routes import TickTimes, create_app
 from supervisor.config import Settings
 from supervisor.daemon.loop import Engine
 from supervisor.daemon.recovery import open_database
-from supervisor.errors import DaemonAlreadyRunning, UnsafeBind
-from supervisor.storage.database import database_lock, make_sessionmaker
+from supervisor.errors import DaemonAlreadyRunning, DatabaseTaken, UnsafeBind
+from supervisor.storage.database import DatabaseLock, database_lock, make_sessionmaker
 
 log = logging.getLogger(__name__)
 
@@ -103,11 +105,40 @@ class TickWatch:
         return None if times is None else time.time() - times.age_s
 
 
-def build_app(settings: Settings) -> FastAPI:
-    """The app with its engine started and stopped by the app's lifespan."""
+class LockGuard:
+    """The engine's `may_tick`: a tick runs only while the daemon's lock on its database
+    is confirmed (`DatabaseLock.confirm`: taken again if its connection dropped). Lost to
+    another daemon, this daemon stops acting at once (no tick runs again) and the server
+    is asked to exit; `serve` then fails with the error (exit code 1). Its jobs keep
+    running under the other daemon: they are not stopped, not even with
+    `--stop-jobs-on-exit` (docs/reliability.md)."""
+
+    def __init__(self, lock: DatabaseLock):
+        self.lock = lock
+        self.lost: DatabaseTaken | None = None
+        self.exit: Callable[[], None] = lambda: None
+        """Asks the HTTP server to exit (`serve` sets it)."""
+
+    def __call__(self) -> bool:
+        if self.lost is not None:
+            return False
+        try:
+            return self.lock.confirm()
+        except DatabaseTaken as exc:
+            self.lost = exc
+            log.error("%s; exiting", exc.message)
+            self.exit()
+            return False
+
+
+def build_app(settings: Settings, guard: LockGuard | None = None) -> FastAPI:
+    """The app with its engine started and stopped by the app's lifespan; `guard`: the
+    database lock the engine's ticks need (None: none, for a caller that holds none)."""
     db_engine = open_database(settings)  # checked, upgraded, rebuilt if it was lost
     sessions = make_sessionmaker(db_engine, jobs_dir=settings.jobs_dir)
     engine = Engine(settings, sessions)
+    if guard is not None:
+        engine.may_tick = guard
 
     @asynccontextmanager
     async def lifespan(_app: FastAPI) -> AsyncIterator[None]:
@@ -118,7 +149,8 @@ def build_app(settings: Settings) -> FastAPI:
             yield
         finally:
             try:
-                if settings.stop_jobs_on_exit:  # the HTTP server is closed by now
+                # the HTTP server is closed by now; a lost database's jobs are another's
+                if settings.stop_jobs_on_exit and (guard is None or guard.lost is None):
                     await asyncio.to_thread(engine.stop_jobs)
             finally:
                 engine.stop()
@@ -144,7 +176,19 @@ def build_app(settings: Settings) -> FastAPI:
 def serve(settings: Settings) -> None:
     check_bind(settings)
     settings.jobs_dir.mkdir(parents=True, exist_ok=True)
-    with data_dir_lock(settings.data_dir), database_lock(settings.resolved_database_url):
-        app = build_app(settings)
-        uvicorn.run(app, host=settings.host, port=settings.port, log_level="warning",
-                    access_log=False)
+    with data_dir_lock(settings.data_dir), \
+            database_lock(settings.resolved_database_url) as lock:
+        guard = LockGuard(lock)
+        app = build_app(settings, guard)
+        server = uvicorn.Server(uvicorn.Config(app, host=settings.host, port=settings.port,
+                                               log_level="warning", access_log=False))
+
+        def stop_serving() -> None:
+            server.should_exit = True
+
+        guard.exit = stop_serving
+        server.run()
+        if guard.lost is not None:
+            raise guard.lost
+        if not server.started:  # as uvicorn.run: the port could not be bound
+            sys.exit(STARTUP_FAILURE)

@@ -122,6 +122,10 @@ class Engine:
                                  webhook_secret=secret.get_secret_value() if secret else None,
                                  wall=time.time)
         self.alerting = AlertRecorder(settings, self.observer, self.notifier)
+        self.may_tick: Callable[[], bool] = lambda: True
+        """Asked before each tick of the loop: False skips it (`app.py`: the daemon's
+        lock on its PostgreSQL database is not confirmed, or was lost to another daemon:
+        no job is launched, judged or stopped without it)."""
         self.on_tick: Callable[[float], None] = lambda _seconds: None
         """Called with each tick's duration in seconds (the metrics histogram)."""
         self.last_tick_at: float | None = None
@@ -230,7 +234,7 @@ class Engine:
                 attempt, backend = self._attempt(job), self.backend_for(job)
                 backend.watch(attempt, backend.read_worker(attempt))
                 rows = store.samples(session, job.id, since=job.started_at or 0, limit=100_000)
-                self.observer.load_history(self._observed(job, attempt), rows)
+                self.observer.load_history(self._observed(job, attempt, self.clock()), rows)
         self.tick()
 
     def _run(self) -> None:
@@ -242,18 +246,26 @@ class Engine:
             if self._should_exit.is_set():
                 return
             self._wake.clear()
-            started = time.monotonic()
-            try:
-                self.tick()
-            except Exception:  # one bad tick must not end supervision
-                log.exception("tick failed")
-            self.last_tick_at = time.monotonic()
-            self.on_tick(time.monotonic() - started)
+            if self._may_tick():
+                started = time.monotonic()
+                try:
+                    self.tick()
+                except Exception:  # one bad tick must not end supervision
+                    log.exception("tick failed")
+                self.last_tick_at = time.monotonic()
+                self.on_tick(time.monotonic() - started)
             now = time.monotonic()
             if now >= next_tick:  # scheduled tick done: next one, without drift
                 next_tick += interval
                 if next_tick <= now:
                     next_tick = now + interval
+
+    def _may_tick(self) -> bool:
+        try:
+            return self.may_tick()
+        except Exception:  # unsure whether it may act: it does not, and asks again
+            log.exception("cannot tell whether a tick may run; skipped")
+            return False
 
     # -- one tick ---------------------------------------------------------------------
     def tick(self) -> None:
@@ -274,7 +286,7 @@ class Engine:
             with self.steps.isolated(session, "observation"):
                 # jobs that ended this tick get one last reading: their final output counts
                 observed = [self._observed(job, self._shims_seen_alive.get(job.id)
-                                           or self._attempt(job)) for job in running]
+                                           or self._attempt(job), now) for job in running]
                 self._store_samples(session, running, self.observer.observe(observed, now))
             with self.steps.isolated(session, "alerts"):
                 self._alert(session, running, now)
@@ -347,16 +359,20 @@ class Engine:
             self._unsaved_samples = pending[-UNSAVED_SAMPLES_MAX:]
             self._finals_unsaved = finals
 
-    def _observed(self, job: Job, attempt: Attempt) -> ObservedJob:
+    def _observed(self, job: Job, attempt: Attempt, now: float) -> ObservedJob:
         """The sampler's view of a job: its tree is rooted at the shim (which is the
         subreaper of everything the job spawns), or at the worker if the shim is gone. A
         job whose processes are on other machines (a SLURM job) has no tree here: its
-        pids are not looked up in this machine's /proc."""
+        pids are not looked up in this machine's /proc; it may wait in its scheduler's
+        queue, and its run starts when it leaves it (the alert rules' clocks)."""
         backend = self.backend_for(job)
         if not backend.observes_locally:  # its shim publishes its readings
+            queued = backend.queued(attempt)
             return ObservedJob(job.id, stored_spec(job.spec_json), job.attempt,
                                -1, None, None, job.started_at, None, remote=True,
-                               scheduler_job_id=backend.scheduler_job_id(attempt))
+                               scheduler_job_id=backend.scheduler_job_id(attempt),
+                               queued=queued, running_since=None if queued
+                               else backend.running_since(attempt, now))
         if attempt.shim_pid is not None and (self._shims_seen_alive.get(job.id) is attempt
                                              or backend.shim_alive(attempt)):
             root, root_time, root_ticks = (attempt.shim_pid, attempt.shim_create_time,

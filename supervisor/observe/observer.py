@@ -465,7 +465,8 @@ class Observer:
                        cpu_time_s=tree.cpu_time_s, read_bytes=tree.read_bytes,
                        disk_device=device, first_item_at=state.first_item_at,
                        activity_at=state.activity_at,
-                       gpu_memory_fraction=tree.gpu_memory_fraction)
+                       gpu_memory_fraction=tree.gpu_memory_fraction,
+                       queued=job.queued, running_since=job.running_since)
         if progress.observation_error is not None:
             return view, None, job_forecast
         sample = SampleRecord(
@@ -508,10 +509,12 @@ class Observer:
         return f"{what} not started: {state.start_error or 'unknown'}"
 
     def _stale_view(self, job: ObservedJob, error: str) -> JobView:
-        """The job's previous view, saying why it is not fresh."""
+        """The job's previous view, saying why it is not fresh (its place in a queue is
+        the scheduler's word, fresh)."""
         previous = self.views.get(job.job_id) or JobView(
             progress=ProgressRecord(items_total=job.spec.expected_items))
-        return previous.failing(error)
+        return replace(previous.failing(error), queued=job.queued,
+                       running_since=job.running_since)
 
     @staticmethod
     def _log_error(job_id: str, state: _JobState, message: str,

@@ -40,6 +40,11 @@ class ObservedJob:
     (`Backend.observes_locally` False), or any job under `JOBSUP_OBSERVE=shim`."""
     scheduler_job_id: str | None = None
     """The cluster scheduler's id of the attempt (a SLURM job id), None for a local job."""
+    queued: bool = False
+    """It waits in the cluster scheduler's queue (`Backend.queued`)."""
+    running_since: float | None = None
+    """When it left that queue and began running on its node (`Backend.running_since`);
+    None while queued, and for a job that never waited in one."""
 
 
 class Scanner(Protocol):

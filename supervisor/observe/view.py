@@ -96,6 +96,11 @@ class JobView:
     activity_at: float | None = None
     """Last time CPU time, read bytes, bytes written or GPU memory moved."""
     gpu_memory_fraction: float | None = None
+    queued: bool = False
+    """Waiting in a cluster scheduler's queue (a SLURM job PENDING): not running yet."""
+    running_since: float | None = None
+    """When it left that queue and began running on its node; None while queued, and
+    for a job that never waited in one (its start is its launch)."""
 
     def failing(self, error: str) -> JobView:
         """This view, its figures kept, saying why they are not fresh."""

@@ -179,6 +179,19 @@ class Backend(ABC):
         `reason`; None when there is nothing to add."""
         return None
 
+    def queued(self, attempt: Attempt) -> bool:
+        """The attempt waits in a cluster scheduler's queue: launched, not yet running on
+        a node, so it can neither work nor stall (`running_since`). Never here: a local
+        attempt runs from its launch."""
+        return False
+
+    def running_since(self, attempt: Attempt, now: float) -> float | None:
+        """When an attempt that left a scheduler's queue began running on its node, on
+        the daemon's clock (`now` is its reading): where its stall and startup clocks
+        start. None while it is `queued`, and on a backend without a queue (the attempt's
+        launch, its `started_at`, is its start)."""
+        return None
+
     observes_locally: bool = True
     """The daemon can read its jobs' /proc, NVML and output files (they run here). A
     backend whose shims run on other nodes sets it False, asks them to publish their

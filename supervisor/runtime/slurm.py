@@ -108,6 +108,11 @@ class SlurmBackend(Backend):
         """Final states looked up one by one (scontrol, sacct), kept: they never change."""
         self._ids: dict[Path, str] = {}
         """SLURM job ids by attempt dir (`scheduler_job_id`), until the attempt ends."""
+        self._queued: dict[Path, bool] = {}
+        """Per attempt dir, whether squeue last listed it queued (`queued`; kept while
+        SLURM does not answer)."""
+        self._running_since: dict[Path, float] = {}
+        """Per attempt dir that left the queue, when it began running (`running_since`)."""
 
     # -- the scheduler's tools --------------------------------------------------------
     def _run(self, argv: list[str]) -> subprocess.CompletedProcess[str]:
@@ -206,6 +211,34 @@ class SlurmBackend(Backend):
         return known
 
     # -- Backend ----------------------------------------------------------------------
+    def queued(self, attempt: Attempt) -> bool:
+        """SLURM lists the job PENDING (or CONFIGURING: its nodes being readied); while
+        SLURM does not answer, what it last said (not queued if it never did). Queued
+        again after it ran (a requeue) is a new wait: its run starts anew after it."""
+        try:
+            job = self._find(attempt)
+        except SlurmUnreachable:
+            return self._queued.get(attempt.dir, False)
+        queued = job is not None and job.queued
+        self._queued[attempt.dir] = queued
+        if queued:
+            self._running_since.pop(attempt.dir, None)
+        return queued
+
+    def running_since(self, attempt: Attempt, now: float) -> float | None:
+        """When the worker started on its node (`worker.json`'s time, moved onto the
+        daemon's clock by the current offset between the two, as the shim's readings
+        are; never later than `now`), else when the daemon first saw the job out of the
+        queue: the first look after the queue, or after a daemon restart."""
+        if self._queued.get(attempt.dir, False):
+            return None
+        since = self._running_since.get(attempt.dir)
+        if since is None:
+            worker = files.read_worker(attempt.dir)
+            since = now if worker is None else min(now, worker.started_at - (time.time() - now))
+            self._running_since[attempt.dir] = since
+        return since
+
     def start(self, job_id: str, number: int, spec: JobSpec, *, cwd: str,
               stop_grace_s: float) -> Attempt:
         adir = write_launch(self.jobs_dir, job_id, number, spec, cwd=cwd,
@@ -386,6 +419,8 @@ class SlurmBackend(Backend):
 
     def forget(self, attempt: Attempt) -> None:
         self._ids.pop(attempt.dir, None)
+        self._queued.pop(attempt.dir, None)
+        self._running_since.pop(attempt.dir, None)
 
     def reap(self) -> None:
         """A new tick: ask squeue afresh."""

@@ -22,6 +22,10 @@ ACTIVE_STATES = frozenset({
 })
 """SLURM states in which the allocation may still hold the job's processes."""
 
+QUEUED_STATES = frozenset({"PENDING", "CONFIGURING"})
+"""SLURM states before the job's batch script runs: waiting in the queue, or its nodes
+still being readied (booted, configured). Its time there is no time it could work."""
+
 PENDING_REASONS = {
     "Resources": "waiting for resources",
     "Priority": "waiting behind jobs of higher priority",
@@ -58,6 +62,10 @@ class SlurmJob:
     @property
     def active(self) -> bool:
         return self.state in ACTIVE_STATES
+
+    @property
+    def queued(self) -> bool:
+        return self.state in QUEUED_STATES
 
 
 def job_name(job_id: str, number: int) -> str:

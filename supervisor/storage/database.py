@@ -12,11 +12,11 @@ from typing import Any
 
 from alembic import command
 from alembic.config import Config
-from sqlalchemy import URL, Engine, create_engine, event, make_url, text
-from sqlalchemy.exc import ArgumentError, NoSuchModuleError, OperationalError
+from sqlalchemy import URL, Connection, Engine, create_engine, event, make_url, text
+from sqlalchemy.exc import ArgumentError, DBAPIError, NoSuchModuleError, OperationalError
 from sqlalchemy.orm import Session, SessionTransaction, sessionmaker
 
-from supervisor.errors import DaemonAlreadyRunning, DatabaseUnavailable
+from supervisor.errors import DaemonAlreadyRunning, DatabaseTaken, DatabaseUnavailable
 
 log = logging.getLogger(__name__)
 
@@ -147,7 +147,7 @@ def set_session(dbapi_conn: Any, statement: str) -> None:
 def unavailable(url: str | URL, exc: OperationalError) -> DatabaseUnavailable:
     """A connection that could not be made (refused, no such database or role, a wrong
     password), for the user: the URL without its password, the driver's first line."""
-    reason = str(exc.orig).strip().splitlines()[0] if exc.orig else str(exc)
+    reason = _first_line(exc)
     return DatabaseUnavailable(
         f"cannot connect to the database {shown_url(url)}: {reason}",
         hint="start the database server, or fix JOBSUP_DATABASE_URL (the database and its "
@@ -157,35 +157,131 @@ def unavailable(url: str | URL, exc: OperationalError) -> DatabaseUnavailable:
 DAEMON_LOCK_KEY = 0x6A6F62737570
 """The PostgreSQL advisory lock a daemon holds on its database ("jobsup" in ASCII)."""
 
+_LOCK_HELD = text(
+    "SELECT EXISTS (SELECT 1 FROM pg_locks WHERE locktype = 'advisory' AND granted"
+    " AND pid = pg_backend_pid() AND classid::bigint = :high AND objid::bigint = :low"
+    " AND objsubid = 1)")
+"""Whether this session holds `DAEMON_LOCK_KEY` (a bigint key shows in `pg_locks` as
+its high and low 32 bits, `objsubid` 1)."""
+_LOCK_KEY_PARTS = {"high": DAEMON_LOCK_KEY >> 32, "low": DAEMON_LOCK_KEY & 0xFFFFFFFF}
+
+
+class DatabaseLock:
+    """This daemon's hold on its database. A second daemon on the same PostgreSQL
+    database (from another data dir or machine) would launch the same pending jobs and
+    call the first one's jobs lost: it is refused, as a second daemon on one data dir is
+    (`daemon.lock`). The lock is PostgreSQL's session advisory lock on a connection of
+    its own, released by the server when that session ends: the daemon died, or the
+    connection dropped (a network cut, a server restart, an admin's
+    `pg_terminate_backend`). The daemon asks `confirm()` before each tick, so it never
+    acts for longer than a tick on a lock it lost. SQLite's default file is covered by
+    the data dir's lock: nothing to do, `confirm()` is always true."""
+
+    def __init__(self, url: str):
+        self.url = url
+        self._engine = None if make_url(url).get_backend_name() == "sqlite" else make_engine(url)
+        self._conn: Connection | None = None
+        self._lost: str | None = None
+        """How the lock was lost, until it is taken again."""
+        self._unreachable = False
+        """The lock could not be taken again (logged once while it lasts)."""
+
+    def acquire(self) -> None:
+        """Take the lock: DaemonAlreadyRunning while another daemon holds it,
+        DatabaseUnavailable when the server cannot be reached."""
+        if self._engine is None:
+            return
+        try:
+            conn = self._engine.connect()
+        except OperationalError as exc:
+            raise unavailable(self.url, exc) from None
+        if not self._take(conn):
+            conn.close()
+            raise DaemonAlreadyRunning(
+                f"another jobsup daemon uses the database {shown_url(self.url)}",
+                hint="use that daemon, stop it first, or give this one a database of "
+                     "its own (JOBSUP_DATABASE_URL)")
+        self._conn = conn
+
+    def confirm(self) -> bool:
+        """Whether this daemon still holds the database: one query on the lock's
+        connection. If its session is gone, the lock is taken again on a new connection
+        (logged as a warning): True. False while the server cannot be reached to do so
+        (asked again at the next call). DatabaseTaken when another daemon holds the lock
+        now: this daemon must stop acting."""
+        if self._engine is None:
+            return True
+        if self._conn is not None:
+            try:
+                held = bool(self._conn.scalar(_LOCK_HELD, _LOCK_KEY_PARTS))
+                self._conn.rollback()
+                if held:
+                    return True
+                self._lost = "its session no longer holds it"
+            except DBAPIError as exc:
+                self._lost = f"its connection ended: {_first_line(exc)}"
+            self._close()
+        conn = None
+        try:
+            conn = self._engine.connect()
+            taken = self._take(conn)
+        except DBAPIError as exc:
+            if conn is not None:
+                with contextlib.suppress(DBAPIError):
+                    conn.close()
+            if not self._unreachable:
+                log.error("lost the lock on the database %s (%s) and cannot take it again "
+                          "(%s): no tick runs until it is taken", shown_url(self.url),
+                          self._lost, _first_line(exc))
+            self._unreachable = True
+            return False
+        if not taken:
+            conn.close()
+            raise DatabaseTaken(
+                f"another jobsup daemon took the database {shown_url(self.url)} while this "
+                f"daemon's lock on it was lost ({self._lost}); this daemon stops: the "
+                "jobs are the other daemon's now (they keep running)",
+                hint="keep one daemon per database: stop one of them, or give each a "
+                     "database of its own (JOBSUP_DATABASE_URL)")
+        log.warning("lost the lock on the database %s (%s); took it again",
+                    shown_url(self.url), self._lost)
+        self._conn, self._lost, self._unreachable = conn, None, False
+        return True
+
+    def release(self) -> None:
+        """Close the lock's connection (the server releases the lock) and the engine."""
+        self._close()
+        if self._engine is not None:
+            self._engine.dispose()
+
+    @staticmethod
+    def _take(conn: Connection) -> bool:
+        taken = bool(conn.scalar(text("SELECT pg_try_advisory_lock(:key)"),
+                                 {"key": DAEMON_LOCK_KEY}))
+        conn.commit()  # the lock outlives the transaction; the connection stays open
+        return taken
+
+    def _close(self) -> None:
+        conn, self._conn = self._conn, None
+        if conn is not None:
+            with contextlib.suppress(DBAPIError):
+                conn.close()
+
+
+def _first_line(exc: DBAPIError) -> str:
+    text_ = str(exc.orig).strip() if exc.orig else str(exc)
+    return text_.splitlines()[0] if text_ else type(exc).__name__
+
 
 @contextlib.contextmanager
-def database_lock(url: str) -> Iterator[None]:
-    """Hold the database for this daemon while the block runs. A second daemon on the
-    same PostgreSQL database (from another data dir or machine) would launch the same
-    pending jobs and call the first one's jobs lost: it is refused, as a second daemon
-    on one data dir is (`daemon.lock`). The lock is PostgreSQL's session advisory lock on
-    a connection of its own, released by the server when the daemon dies. SQLite's
-    default file is covered by the data dir's lock: nothing to do."""
-    if make_url(url).get_backend_name() == "sqlite":
-        yield
-        return
-    engine = make_engine(url)
+def database_lock(url: str) -> Iterator[DatabaseLock]:
+    """Hold the database for this daemon while the block runs (`DatabaseLock`)."""
+    lock = DatabaseLock(url)
     try:
-        try:
-            conn = engine.connect()
-        except OperationalError as exc:
-            raise unavailable(url, exc) from None
-        with conn:
-            if not conn.scalar(text("SELECT pg_try_advisory_lock(:key)"),
-                               {"key": DAEMON_LOCK_KEY}):
-                raise DaemonAlreadyRunning(
-                    f"another jobsup daemon uses the database {shown_url(url)}",
-                    hint="use that daemon, stop it first, or give this one a database of "
-                         "its own (JOBSUP_DATABASE_URL)")
-            conn.commit()  # the lock outlives the transaction; the connection stays open
-            yield
+        lock.acquire()
+        yield lock
     finally:
-        engine.dispose()
+        lock.release()
 
 
 UNCOMMITTED_JOB_RECORDS = "jobsup.uncommitted_job_records"
