@@ -38,15 +38,18 @@ budget, so there is none):
   listed again on the next scan even if its ctime did not move; ``now`` must be the wall
   clock (``time.time()``) for that to hold.
 
-Cost: O(directories) stats per scan, plus one listing per changed directory (O(entries)
-in it) plus one stat per new file or unsettled one that is due. A huge flat directory
-(1M files in one directory) is one stat per scan while idle, but every new file re-lists
-all of it; shard
-outputs into directories of a few thousand files. Even the O(directories) stats could be
-avoided with inotify/fanotify, which do not see writes made by other NFS/Lustre clients;
-at ~7 us per directory (3-5 ms per scan for 1M files in 500 shards, against ~4 s for
-``du``) it is not worth it below ~100k directories. Memory: ~220 bytes per matching file.
-The first scan stats every file and costs about twice ``du`` (~9 s for 1M files).
+Cost, listing: O(directories) stats per scan, plus one listing per changed directory
+(O(entries) in it: ~0.75 us per entry in the kernel on ext4) plus one stat per new file
+or unsettled one that is due; the first scan stats every file (about twice ``du``).
+
+With a ``DirWatcher`` (``dirwatch.py``; the daemon's default, on local filesystems only)
+every directory is watched from its first listing: a scan reads the kernel's events and
+looks only at the names they report, with no stat of the directories and no re-listing
+(a 5,000-entry directory gaining a file: 0.06 ms per scan instead of 5 ms), and an
+in-place rewrite is seen through its writer's close. An overflowed event queue, or a
+directory that changed itself (moved, deleted, its mode), is listed again; a ``final``
+scan trusts no watch. Memory: ~220 bytes per matching file, ~1 KB of kernel memory per
+watched directory.
 
 Temp files are never items: names ending ``.tmp``, ``.partial``, ``.part`` or
 ``.incomplete``, dotfiles, and anything inside a dot-directory. Symlinked directories are
