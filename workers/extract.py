@@ -261,7 +261,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:  # a task of a multi-task launch (srun, torchrun), unless a parent made us a rank
         task = launcher_task(os.environ) if args.rank is None else None
     except LaunchError as exc:
-        fail(f"{exc}; hint: unset WORLD_SIZE to run alone")
+        fail(f"{exc}\nhint: unset WORLD_SIZE to run alone")
+    if task is not None and args.check_batch_invariance is not None:
+        fail(f"--check-batch-invariance runs in one process, not as task {task.rank} of "
+             f"WORLD_SIZE={task.world_size}\nhint: run it as a job of one task")
     prefix = (f"rank {args.rank} " if args.rank is not None
               else f"task {task.rank} " if task is not None else "")
     setup_logging(args.verbose, prefix=prefix)
