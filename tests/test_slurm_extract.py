@@ -2,8 +2,9 @@
 test cluster, `tests/slurm_cluster.py`), through a real daemon: srun starts
 `workers.extract` once per task through the rank wrapper, each task takes its shard
 from RANK / WORLD_SIZE, and the job ends with every sample written once, one manifest
-and summary, and its progress at the total. A rank killed mid-run fails the job, named.
-Then the whole tiny EAGLE-3 pipeline with its extract step on two tasks."""
+and summary, and its progress at the total. A rank killed mid-run fails the job, named;
+with a restart policy the next attempt finishes the rest. Then the whole tiny EAGLE-3
+pipeline with its extract step on two tasks."""
 
 from __future__ import annotations
 
@@ -44,6 +45,15 @@ def extraction(model: Path, data: Path, out: Path, *extra: str) -> dict:
             "slurm": {"tasks_per_node": 2}}
 
 
+def rank_process(out: Path, rank: int) -> psutil.Process | None:
+    """The extraction process running `rank` into `out` (the cluster is this machine)."""
+    for proc in psutil.process_iter(["cmdline"]):
+        argv = proc.info["cmdline"] or []
+        if str(out) in argv and "--rank" in argv and argv[argv.index("--rank") + 1] == str(rank):
+            return proc
+    return None
+
+
 def manifest_indexes(out: Path) -> list[int]:
     lines = (out / "manifest.jsonl").read_text().splitlines()
     return [json.loads(line)["index"] for line in lines]
@@ -78,14 +88,7 @@ def test_a_killed_rank_fails_the_job_naming_it(daemon: Daemon, tiny_model: Path,
     job = daemon.submit(name="extract-fail", **extraction(tiny_model, data, out,
                                                           "--batch-tokens", "64"))
 
-    def rank_one() -> psutil.Process | None:
-        for proc in psutil.process_iter(["cmdline"]):
-            argv = proc.info["cmdline"] or []
-            if str(out) in argv and "--rank" in argv and argv[argv.index("--rank") + 1] == "1":
-                return proc
-        return None
-
-    rank = wait_for(rank_one, 120, interval=0.2, what="rank 1 of the SLURM job")
+    rank = wait_for(lambda: rank_process(out, 1), 120, interval=0.2, what="rank 1")
     wait_for(lambda: len(list(out.glob("rows_*/*.safetensors"))) >= 4, 120, what="some output")
     os.kill(rank.pid, signal.SIGKILL)
     done = daemon.wait_state(job["id"], "succeeded", "failed", "lost", timeout=60)
@@ -95,6 +98,30 @@ def test_a_killed_rank_fails_the_job_naming_it(daemon: Daemon, tiny_model: Path,
     # task 1 and the node, comes after it)
     assert done["reason"].endswith("rank 1 (cpu) failed first: killed by signal 9"), done
     assert "rank 1 (cpu) failed (killed by signal 9)" in log
+
+
+def test_a_restarted_attempt_finishes_what_the_killed_one_left(daemon: Daemon,
+                                                                tiny_model: Path,
+                                                                tmp_path: Path) -> None:
+    """Rank 1 killed mid-run, the job restarted (on-failure): attempt 2's tasks skip
+    what attempt 1 wrote and fold the manifests it left; every sample ends written and
+    listed once. (Summaries an earlier attempt left not counting is
+    test_extract_tasks.py's test_only_this_launchs_summaries_count.)"""
+    data = make_conversations(tmp_path / "conv.jsonl", copies=4)  # 128 samples
+    out = tmp_path / "hidden"
+    job = daemon.submit(name="extract-again", restart_policy="on-failure", max_restarts=1,
+                        **extraction(tiny_model, data, out, "--batch-tokens", "64"))
+    rank = wait_for(lambda: rank_process(out, 1), 120, interval=0.2, what="rank 1")
+    wait_for(lambda: len(list(out.glob("rows_*/*.safetensors"))) >= 4, 120, what="some output")
+    os.kill(rank.pid, signal.SIGKILL)
+    done = daemon.wait_state(job["id"], "succeeded", "failed", "lost", timeout=300)
+    log = daemon.logs(job["id"], tail=400)
+    assert (done["state"], done["attempt"]) == ("succeeded", 2), (done["reason"], log)
+    assert manifest_indexes(out) == list(range(128))
+    summary = json.loads((out / "extract_summary.json").read_text())
+    assert summary["total"] == 128 and summary["written"] + summary["done_before"] == 128
+    assert summary["done_before"] >= 3  # attempt 1's files were kept, not written again
+    assert not list((out / ".ranks").glob("manifest.rank*.jsonl"))
 
 
 def test_the_pipeline_extracts_on_two_tasks(daemon: Daemon, tiny_model: Path,
