@@ -128,12 +128,14 @@ class Eagle3Pipeline(BaseModel):
             raise ValueError("slurm: the steps run on the local launcher; drop the slurm "
                              "sections or set launcher slurm")
         for step, section in self.slurm.items():
-            if section.nodes * section.tasks_per_node > 1:
+            if section.nodes * section.tasks_per_node > 1 and step != "extract":
                 raise ValueError(
                     f"slurm: {step} asks for {section.nodes} node(s) x "
-                    f"{section.tasks_per_node} task(s); the pipeline's workers run as one "
-                    "process per step (extraction spreads over one node's GPUs itself: "
-                    "gpus_per_node with extract_gpus); several nodes are not supported yet")
+                    f"{section.tasks_per_node} task(s); only the extract step runs as "
+                    "several tasks (workers.extract shares the samples out by RANK and "
+                    "WORLD_SIZE); generate, vocab, train and evaluate are one process "
+                    "each, so several would repeat the same work side by side. Give "
+                    "extract its own section for several nodes and keep `all` at one task")
         if self.serve and (self.launcher == "slurm" or self.slurm):
             raise ValueError("serve: a served target listens on 127.0.0.1 of its node, which "
                              "the generate step on another node cannot reach; run the server "

@@ -191,12 +191,22 @@ def test_steps_go_to_slurm_with_their_own_resources(tiny_model: Path, tmp_path: 
     assert steps["extract"].backend_or("local") == "slurm"
     assert steps["train"].backend is None and steps["train"].slurm is None
 
+    # extraction over several nodes: one task per node, each over its node's GPUs
+    several = Eagle3Pipeline.model_validate(body(
+        tiny_model, tmp_path / "run", extract_gpus="all",
+        slurm={"extract": {"nodes": 4, "gpus_per_node": 8}}))
+    steps = {s.labels["step"]: s for s in eagle3_jobs(several, resolve=lambda i: f"j{i}")}
+    extract = steps["extract"]
+    assert extract.slurm is not None and extract.slurm.ranks == 4
+    assert extract.command[extract.command.index("--gpus") + 1] == "all"
+
     for bad, word in [
         ({"launcher": "local", "slurm": {"all": {"partition": "gpu"}}}, "local launcher"),
         ({"launcher": "slurm", "serve": "stub"}, "endpoint"),
         ({"slurm": {"preprocess": {"partition": "gpu"}}}, "preprocess"),
         ({"slurm": {"extract": {"nodes": 0}}}, "nodes"),
-        ({"slurm": {"extract": {"nodes": 2, "gpus_per_node": 8}}}, "several nodes"),
+        ({"slurm": {"train": {"nodes": 2, "gpus_per_node": 8}}}, "only the extract step"),
+        ({"slurm": {"all": {"tasks_per_node": 2}}}, "keep `all` at one task"),
     ]:
         with pytest.raises((ValueError, InvalidSpec)) as caught:
             Eagle3Pipeline.model_validate(body(tiny_model, tmp_path / "run", **bad))

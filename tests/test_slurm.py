@@ -11,7 +11,6 @@ is checked by the module's last test, while the others run."""
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import time
 from collections.abc import Callable, Iterator
@@ -29,29 +28,9 @@ from supervisor.runtime.slurm import SLURM_FILE, SlurmBackend
 from supervisor.runtime.slurm_jobs import SlurmJob, end_of, sbatch_argv
 from supervisor.spec import ExitReason, JobSpec
 from tests.helpers import PY, Daemon, python_job, wait_for
-from tests.slurm_cluster import SlurmCluster, missing_tools
+from tests.slurm_cluster import SlurmCluster
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(150)]
-
-
-@pytest.fixture(scope="module")
-def cluster() -> Iterator[SlurmCluster]:
-    missing = missing_tools()
-    if missing:
-        pytest.fail(f"SLURM is not installed here (no {', '.join(missing)}): install Debian's "
-                    "slurm-wlm and munge (./dev.sh test does: apt-get install slurm-wlm munge)",
-                    pytrace=False)
-    slurm = SlurmCluster().start()
-    saved = os.environ.get("SLURM_CONF")
-    os.environ["SLURM_CONF"] = str(slurm.conf)  # the daemons the tests start inherit it
-    try:
-        yield slurm
-    finally:
-        if saved is None:
-            os.environ.pop("SLURM_CONF", None)
-        else:
-            os.environ["SLURM_CONF"] = saved
-        slurm.stop()
 
 
 @pytest.fixture(scope="module")
@@ -257,7 +236,8 @@ def test_a_two_rank_job_with_one_failing_rank_names_it(daemon: Daemon,
                                                         cluster: SlurmCluster) -> None:
     job = daemon.submit(python_job(
         "import os, sys, time\n"
-        "keys = ('RANK', 'WORLD_SIZE', 'LOCAL_RANK', 'MASTER_ADDR', 'MASTER_PORT')\n"
+        "keys = ('RANK', 'WORLD_SIZE', 'LOCAL_RANK', 'MASTER_ADDR', 'MASTER_PORT', "
+        "'JOBSUP_JOB_ID')\n"
         "print(' '.join(f'{k}={os.environ[k]}' for k in keys), flush=True)\n"
         "if os.environ['RANK'] == '1':\n"
         "    time.sleep(1); sys.exit(3)\n"
@@ -272,7 +252,7 @@ def test_a_two_rank_job_with_one_failing_rank_names_it(daemon: Daemon,
     port = 20000 + int(slurm_id(daemon, job)) % 20000
     for rank in (0, 1):
         assert (f"RANK={rank} WORLD_SIZE=2 LOCAL_RANK={rank} MASTER_ADDR={cluster.host} "
-                f"MASTER_PORT={port}") in log
+                f"MASTER_PORT={port} JOBSUP_JOB_ID={job['id']}") in log  # the job's env too
 
 
 @pytest.mark.parametrize("database_lost", [False, True], ids=["restart", "database-lost"])

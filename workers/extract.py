@@ -22,9 +22,18 @@ run evicts the whole page cache. `--writeback range` starts each file's writebac
 once and waits for it a few files later (bench/writeback.py compares the three).
 
 Several GPUs: `--gpus N` runs one process per GPU, each taking every N-th sample into
-the same tree and manifest (workers/ranks.py); `--gpus-per-model K` splits the model's
-layers over K GPUs for a target larger than one (workers/split.py), N/K copies with
-`--gpus N`.
+the same tree (workers/ranks.py); `--gpus-per-model K` splits the model's layers over K
+GPUs for a target larger than one (workers/split.py), N/K copies with `--gpus N`.
+
+Several nodes: started once per task by a launcher that sets RANK and WORLD_SIZE (srun
+under jobsup's `slurm` backend, torchrun), task t of T with L local ranks (`--gpus`,
+`--ranks`; else 1, on GPU LOCAL_RANK) runs ranks t*L.. of T*L: each sample extracted once.
+The tree must be on a filesystem all nodes share, and no two processes append to one
+file (appends from several NFS clients are not safe): each rank keeps its manifest,
+summary and progress under `.ranks/`; the task of rank 0 sums the progress into the
+job's, and once every rank of this launch has finished, folds the rest into
+`manifest.jsonl` and `extract_summary.json` (in the producer, not in each consumer:
+train, vocab, export and evaluate keep reading one complete manifest).
 
 Batch invariance: `--check-batch-invariance N` re-runs N of the samples alone and
 compares them with the same samples inside their packed batches (per-layer relative
@@ -45,6 +54,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import sys
 import time
 from collections.abc import Iterator, Sequence
@@ -65,6 +75,7 @@ from workers.common import (
     tokenize_conversation,
     write_json,
 )
+from workers.extract_parent import run_parent
 from workers.extractor import Extractor, Sample, Stats, capture_layers
 from workers.hidden_files import (
     DEFAULT_WRITEBACK,
@@ -72,10 +83,11 @@ from workers.hidden_files import (
     WRITEBACK_MODES,
     DiskFull,
     existing_indexes,
-    merge_summaries,
+    rank_manifest,
+    rank_summary,
     restore_manifest,
 )
-from workers.ranks import rank_argv, run_ranks
+from workers.ranks import LaunchError, in_shard, launcher_task, run_identity
 from workers.split import parse_devices
 from workers.target import Target, TargetError, load_target, load_tokenizer
 
@@ -246,22 +258,28 @@ def rank_devices(args: argparse.Namespace) -> list[str]:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
-    setup_logging(args.verbose, prefix=f"rank {args.rank} " if args.rank is not None else "")
+    try:  # a task of a multi-task launch (srun, torchrun), unless a parent made us a rank
+        task = launcher_task(os.environ) if args.rank is None else None
+    except LaunchError as exc:
+        fail(f"{exc}\nhint: unset WORLD_SIZE to run alone")
+    if task is not None and args.check_batch_invariance is not None:
+        fail(f"--check-batch-invariance runs in one process, not as task {task.rank} of "
+             f"WORLD_SIZE={task.world_size}\nhint: run it as a job of one task")
+    prefix = (f"rank {args.rank} " if args.rank is not None
+              else f"task {task.rank} " if task is not None else "")
+    setup_logging(args.verbose, prefix=prefix)
     require_file(args.model, "model")
     require_file(args.data, "data file")
     if args.device.startswith("cuda") and not torch.cuda.is_available():
         fail("--device cuda but no CUDA device is available (use --device cpu)")
     check_prenorm_setting(args.out, args.keep_prenorm_last)
     args.out.mkdir(parents=True, exist_ok=True)
+    if task is not None and args.device == "cuda" and torch.cuda.device_count() > 1:
+        local = int(os.environ.get("LOCAL_RANK", "0") or 0)  # tasks sharing a node's GPUs
+        args.device = f"cuda:{local % torch.cuda.device_count()}"
     devices = rank_devices(args)
-    if len(devices) > 1:  # the parent of the ranks: settle the manifest, then fan out
-        restore_manifest(args.out)
-        own = rank_argv(sys.argv[1:] if argv is None else argv,
-                        drop=("--gpus", "--gpus-per-model", "--ranks", "--device"))
-        code = run_ranks("workers.extract", own, devices=devices,
-                         state_dir=args.out / ".ranks")
-        merge_summaries(args.out, len(devices))
-        return code
+    if len(devices) > 1 or task is not None:
+        return run_parent(args, sys.argv[1:] if argv is None else argv, devices, task)
     args.device = devices[0]
     first = torch.device(parse_devices(args.device)[0])
     if first.type == "cuda" and first.index is not None:
@@ -275,7 +293,8 @@ def main(argv: Sequence[str] | None = None) -> int:
              target.num_layers, target.hidden_size, capture_layers(target.num_layers))
 
     stats = Stats()
-    done = restore_manifest(args.out) if args.rank is None else existing_indexes(args.out)
+    done = (restore_manifest(args.out) if args.rank is None
+            else existing_indexes(args.out, (args.rank, args.world_size)))
     samples = list(load_samples(args.data, tokenizer, max_length=args.max_length,
                                 on_too_long=args.on_too_long, stats=stats, limit=args.limit))
     if args.check_batch_invariance is not None:  # the diagnostic instead of the extraction
@@ -289,7 +308,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         log.info("%s\nreport: %s", format_report(report), path)
         return 0
     if args.rank is not None:  # this rank's shard: every world_size-th sample
-        samples = [s for s in samples if s.index % args.world_size == args.rank]
+        samples = [s for s in samples if in_shard(s.index, args.rank, args.world_size)]
     stats.total = len(samples)
     todo = [s for s in samples if s.index not in done]
     stats.done_before = stats.total - len(todo)
@@ -298,22 +317,25 @@ def main(argv: Sequence[str] | None = None) -> int:
         write_config(args, target)
     log.info("%d samples: %d already done, %d to extract", stats.total, stats.done_before,
              len(todo))
+    manifest = None if args.rank is None else rank_manifest(args.out, args.rank)
+    if manifest is not None:
+        manifest.parent.mkdir(exist_ok=True)
     extractor = Extractor(target, args.out, batch_tokens=args.batch_tokens,
                           writers=args.writers, queue_depth=args.queue_depth,
                           overlap=not args.no_overlap, writeback=args.writeback,
-                          progress=progress,
-                          stats=stats, keep_prenorm=args.keep_prenorm_last)
+                          progress=progress, stats=stats, keep_prenorm=args.keep_prenorm_last,
+                          manifest=manifest)
     summary_name = ("extract_summary.json" if args.rank is None
-                    else f".ranks/extract_summary.rank{args.rank}.json")
+                    else str(rank_summary(args.out, args.rank).relative_to(args.out)))
     try:
         extractor.run(todo)
     except DiskFull as exc:
-        write_summary(args.out, stats, summary_name)
+        write_summary(args.out, stats, summary_name, args.rank, args.world_size)
         print(f"error: {exc}; {stats.done_before + stats.written} of {stats.total} samples "
               f"done. Free space and rerun the same command to resume.", file=sys.stderr)
         return EXIT_DISK_FULL
     extractor._report(force=True)
-    write_summary(args.out, stats, summary_name)
+    write_summary(args.out, stats, summary_name, args.rank, args.world_size)
     elapsed = time.monotonic() - extractor.started
     log.info("done: %d written (%.1f GB, %.0f tokens/s), %d already there, %d NaN/Inf "
              "skipped, %d too long skipped, %d truncated, %d malformed lines",
@@ -329,9 +351,10 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 def check_prenorm_setting(out: Path, keep: bool) -> None:
     """A resumed extraction keeps its --keep-prenorm-last setting: files with and
-    without the pre-norm state in one tree would fail an export half-way."""
+    without the pre-norm state in one tree would fail an export half-way. Any sample
+    file counts (each rank of a large run checks: opening every file is for the resume)."""
     config = out / "extract_config.json"
-    if not config.is_file() or not existing_indexes(out):
+    if not config.is_file() or next(out.glob("rows_*/*.safetensors"), None) is None:
         return
     try:
         before = bool(json.loads(config.read_text(encoding="utf-8")).get("keep_prenorm_last"))
@@ -351,8 +374,13 @@ def write_config(args: argparse.Namespace, target: Target) -> None:
     (args.out / "extract_config.json").write_text(json.dumps(config, indent=2) + "\n")
 
 
-def write_summary(out: Path, stats: Stats, name: str = "extract_summary.json") -> None:
-    summary = {"total": stats.total, "done_before": stats.done_before,
+def write_summary(out: Path, stats: Stats, name: str = "extract_summary.json",
+                  rank: int | None = None, world_size: int = 1) -> None:
+    """The run's counts; a rank's also say which rank of how many, in which launch
+    (`ranks_finished` waits for them)."""
+    identity = {} if rank is None else {"rank": rank, "world_size": world_size,
+                                        "run": run_identity(os.environ)}
+    summary = {**identity, "total": stats.total, "done_before": stats.done_before,
                "written": stats.written, "bytes_written": stats.bytes_written,
                "nonfinite_skipped": stats.nonfinite,
                "too_long_skipped": stats.too_long_skipped, "truncated": stats.truncated,

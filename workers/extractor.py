@@ -127,7 +127,8 @@ class Extractor:
     def __init__(self, target: Target, out: Path, *, batch_tokens: int = 16384,
                  writers: int = 4, queue_depth: int = 3, overlap: bool = True,
                  writeback: str = DEFAULT_WRITEBACK, progress: ProgressReporter | None = None,
-                 stats: Stats | None = None, keep_prenorm: bool = False):
+                 stats: Stats | None = None, keep_prenorm: bool = False,
+                 manifest: Path | None = None):
         # also store the last layer's output before the final norm (PRENORM_KEY): what
         # vLLM's speculators train on; +1/4 disk. Carried next to the normed final state
         # as one [.., 2H] tensor through the copy and write path.
@@ -141,6 +142,8 @@ class Extractor:
         self.device = self.base.norm.weight.device
         self.dtype = target.dtype
         self.out = out
+        # one writer per manifest file: a rank appends to its own (hidden_files)
+        self.manifest = manifest if manifest is not None else out / "manifest.jsonl"
         self.batch_tokens = batch_tokens
         self.overlap = overlap and self.device.type == "cuda"
         # one of WRITEBACK_MODES; "range" keeps up to one file per writer thread in flight
@@ -285,7 +288,7 @@ class Extractor:
         path = sample_path(self.out, sample.index)
         write_atomically(path, parts, writeback=self.writeback)
         with self.manifest_lock:
-            append_manifest(self.out, {
+            append_manifest(self.manifest, {
                 "index": sample.index, "id": sample.id,
                 "file": str(path.relative_to(self.out)), "seq_len": length,
                 "bytes": size, "loss_tokens": int(sum(sample.loss_mask))})

@@ -3,7 +3,17 @@
 each file goes to the disk (fsync, sync_file_range, or the kernel's choice) and what a
 crash can leave behind in each case is `Writeback`'s. Used by the extraction worker
 and its data-parallel ranks; the trainer takes the torn-line repair for its own JSONL
-file."""
+file.
+
+Ranks never append to `manifest.jsonl`: each has its own (`.ranks/manifest.rankR.jsonl`),
+folded into `manifest.jsonl` by `restore_manifest` once no rank runs (the parent of the
+ranks, before and after them; with several tasks, the task of rank 0 after every rank
+finished). Appends from several nodes to one file are not safe on NFS (O_APPEND is
+emulated by each client: two nodes' lines can overwrite each other), one writer per
+file is; and a consumer keeps reading one whole `manifest.jsonl`. The fold rewrites it
+(temp file, rename), so a crash leaves the old manifest or the new one. Each rank's
+summary (`.ranks/extract_summary.rankR.json`) names its world size and launch (`run`):
+`ranks_finished` tells this launch's finished ranks from an earlier attempt's."""
 
 from __future__ import annotations
 
@@ -22,12 +32,18 @@ from typing import Any
 import torch
 from safetensors import safe_open
 
-from workers.common import read_jsonl, write_json
+from workers.common import read_jsonl, replace_file, write_json
 
 log = logging.getLogger(__name__)
 
 SHARD_SIZE = 2000
 """Samples per sub-directory: no directory holds 100k entries."""
+
+RANKS_DIR = ".ranks"
+"""The ranks' own files in the output tree: manifests, summaries, progress."""
+
+SUMMARY_KEYS = ("rank", "world_size", "run")
+"""A rank's summary's identity: not summed by `merge_summaries`."""
 
 PRENORM_KEY = "hidden_state_prenorm"
 """[S, H]: the last decoder layer's output BEFORE the final norm, stored only by
@@ -216,8 +232,17 @@ def write_atomically(path: Path, parts: Sequence[memoryview | bytes], *,
         raise
 
 
-def append_manifest(out: Path, entry: dict[str, Any]) -> None:
-    with open(out / "manifest.jsonl", "a", encoding="utf-8") as f:
+def rank_manifest(out: Path, rank: int) -> Path:
+    """Rank `rank`'s own manifest, which only it appends to."""
+    return out / RANKS_DIR / f"manifest.rank{rank}.jsonl"
+
+
+def rank_summary(out: Path, rank: int) -> Path:
+    return out / RANKS_DIR / f"extract_summary.rank{rank}.json"
+
+
+def append_manifest(manifest: Path, entry: dict[str, Any]) -> None:
+    with open(manifest, "a", encoding="utf-8") as f:
         f.write(json.dumps(entry) + "\n")
 
 
@@ -249,16 +274,19 @@ def is_whole(path: Path) -> bool:
         return False
 
 
-def existing_indexes(out: Path) -> set[int]:
-    """Indexes whose file exists whole (a rank's view; the parent settled the
-    manifest). A short file is not counted: the resume writes it again, renamed over
-    it; a missing one (a rename lost in a crash) is written again too."""
+def existing_indexes(out: Path, shard: tuple[int, int] | None = None) -> set[int]:
+    """Indexes whose file exists whole; with `shard` (rank, world size), only that
+    rank's (index % world == rank): the others' files are not opened. A short file is
+    not counted: the resume writes it again, renamed over it; a missing one (a rename
+    lost in a crash) is written again too."""
     found = set()
     for path in out.glob("rows_*/*.safetensors"):
         if not path.name.startswith("."):
             try:
                 index = int(path.stem)
             except ValueError:
+                continue
+            if shard is not None and index % shard[1] != shard[0]:
                 continue
             if is_whole(path):
                 found.add(index)
@@ -269,35 +297,71 @@ def existing_indexes(out: Path) -> set[int]:
 
 
 def restore_manifest(out: Path) -> set[int]:
-    """Indexes whose file exists; manifest lines missing for existing files (a crash
-    between rename and append) are added back."""
-    listed: set[int] = set()
+    """Indexes whose file exists. Settles `manifest.jsonl` while no rank runs: the
+    ranks' own manifests are folded into it (and removed), and lines missing for
+    existing files (a crash between rename and append) are added back; one line per
+    index (the newest), in index order when it is rewritten."""
     manifest = out / "manifest.jsonl"
-    truncate_torn_line(manifest)
-    if manifest.exists():
-        for _, entry in read_jsonl(manifest, required=("index",)):
-            listed.add(int(entry["index"]))
+    rank_files = sorted((out / RANKS_DIR).glob("manifest.rank*.jsonl"))
+    entries: dict[int, dict[str, Any]] = {}
+    for path in (manifest, *rank_files):
+        truncate_torn_line(path)
+        if path.exists():
+            for _, entry in read_jsonl(path, required=("index",)):
+                entries[int(entry["index"])] = entry
     present = existing_indexes(out)
-    for index in sorted(present - listed):
+    missing = sorted(present - entries.keys())
+    if not missing and not rank_files:
+        return present
+    for index in missing:
         path = sample_path(out, index)
         with safe_open(path, framework="pt") as f:
             meta = f.metadata() or {}
             length = f.get_slice("input_ids").get_shape()[0]
             loss = int(f.get_tensor("loss_mask").sum())
-        append_manifest(out, {"index": index, "id": meta.get("id", ""),
-                              "file": str(path.relative_to(out)), "seq_len": length,
-                              "bytes": path.stat().st_size, "loss_tokens": loss})
+        entries[index] = {"index": index, "id": meta.get("id", ""),
+                          "file": str(path.relative_to(out)), "seq_len": length,
+                          "bytes": path.stat().st_size, "loss_tokens": loss}
+    lines = "".join(json.dumps(entries[index]) + "\n" for index in sorted(entries))
+    replace_file(manifest, lines.encode("utf-8"), fsync=True)
+    for path in rank_files:  # folded: a crash before this folds them again, no harm
+        path.unlink(missing_ok=True)
+    if rank_files:
+        log.info("manifest: %d samples, %d ranks' manifests folded in", len(entries),
+                 len(rank_files))
     return present
+
+
+def ranks_finished(out: Path, world_size: int, run: str) -> bool:
+    """Every rank of `world_size` wrote its summary in launch `run` (an earlier
+    attempt's summaries do not count). ValueError where one of this launch counts
+    another world size: the tasks disagree on their local ranks, so the shards would
+    not cover the samples."""
+    for rank in range(world_size):
+        try:
+            summary = json.loads(rank_summary(out, rank).read_text(encoding="utf-8"))
+        except (OSError, ValueError):
+            return False
+        if not isinstance(summary, dict) or summary.get("run") != run:
+            return False
+        if summary.get("world_size") != world_size:
+            raise ValueError(
+                f"rank {rank} ran as one of {summary.get('world_size')} ranks, this task "
+                f"as one of {world_size}: every task must start the same number of local "
+                "ranks (give --gpus N, not all, where nodes differ)")
+    return True
 
 
 def merge_summaries(out: Path, world_size: int) -> None:
     """One extract_summary.json from the ranks' own: counts summed, lists joined."""
     merged: dict[str, Any] = {}
     for rank in range(world_size):
-        path = out / ".ranks" / f"extract_summary.rank{rank}.json"
+        path = rank_summary(out, rank)
         if not path.exists():
             continue
         for key, value in json.loads(path.read_text()).items():
+            if key in SUMMARY_KEYS:
+                continue
             if isinstance(value, list):
                 merged[key] = sorted({*merged.get(key, []), *value}, key=str)
             else:

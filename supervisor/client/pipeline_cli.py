@@ -42,7 +42,8 @@ def pipeline_run(
     epochs: Annotated[int, typer.Option(help="Training epochs.")] = 1,
     device: Annotated[str | None, typer.Option(help="cuda | cpu (default: cuda if any).")] = None,
     extract_gpus: Annotated[str | None, typer.Option(
-        help="Extraction on several GPUs: N | all (one process per GPU).")] = None,
+        help="Extraction on several GPUs: N | all (one process per GPU, on each node of "
+             "a several-node extract step).")] = None,
     gpus_per_model: Annotated[int, typer.Option(
         help="Split the target over K GPUs during extraction (larger than one GPU).")] = 1,
     dtype: Annotated[str, typer.Option(
@@ -63,7 +64,8 @@ def pipeline_run(
     slurm: Annotated[list[str] | None, typer.Option(
         help="STEP:KEY=VALUE, what a step asks SLURM for (repeatable): STEP one of all, "
              "generate, extract, vocab, train, evaluate; KEY as in `jobsup submit --slurm`, "
-             "e.g. all:partition=gpu extract:gpus_per_node=8 (one node per step).")] = None,
+             "e.g. all:partition=gpu extract:nodes=4 extract:gpus_per_node=8 (only "
+             "extract runs on several nodes or tasks).")] = None,
     follow: Annotated[bool, typer.Option(help="Watch until every step has ended.")] = False,
     url: Url = DEFAULT_URL,
 ) -> None:

@@ -91,11 +91,14 @@ def worker_argv(spec: JobSpec) -> list[str]:
     """What the shim starts: the command itself, or for several ranks srun running it
     once per rank through `rank.py` (the torchrun variables; by path, so a rank needs
     no PYTHONPATH). `--kill-on-bad-exit`: one failing rank ends the others, and srun's
-    log line names it (`srun: error: NODE: task N: Exited with exit code C`)."""
+    log line names it (`srun: error: NODE: task N: Exited with exit code C`).
+    `--export=ALL`: the ranks get the job's environment (its `env`, JOBSUP_*), which
+    srun would otherwise drop, following the SLURM_EXPORT_ENV=NONE that sbatch's
+    `--export=NONE` leaves in the allocation."""
     if spec.slurm is None or spec.slurm.ranks == 1:
         return spec.command
-    return ["srun", "--kill-on-bad-exit=1", sys.executable, rank.__file__, "--",
-            *spec.command]
+    return ["srun", "--kill-on-bad-exit=1", "--export=ALL", sys.executable, rank.__file__,
+            "--", *spec.command]
 
 
 def parse_exit_code(text: str) -> tuple[int | None, int | None]:
