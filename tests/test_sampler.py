@@ -364,13 +364,14 @@ _hook_installed = False
 
 
 def _audit(event: str, args: tuple[Any, ...]) -> None:
-    if _audited is not None and event in ("os.listdir", "open") and isinstance(args[0], str):
+    if _audited is not None and event in ("os.listdir", "os.scandir", "open") \
+            and isinstance(args[0], str):
         _audited.append((event, args[0]))
 
 
 def record_file_access() -> list[tuple[str, str]]:
-    """Start recording os.listdir and open through an audit hook (hooks cannot be removed,
-    so one is installed once and records only while `_audited` is a list)."""
+    """Start recording os.listdir, os.scandir and open through an audit hook (hooks cannot
+    be removed, so one is installed once and records only while `_audited` is a list)."""
     global _audited, _hook_installed
     if not _hook_installed:
         sys.addaudithook(_audit)
@@ -407,7 +408,7 @@ def test_ten_targets_share_one_proc_pass(make_tree: Callable[..., JobTree]) -> N
     assert [readings[f"{role}0"].num_procs for role in ("alloc", "burn", "write", "sh")] \
         == [1, 1, 1, 3]
     assert_empty(readings["gone"])
-    listed = [path for event, path in accesses if event == "os.listdir"]
+    listed = [path for event, path in accesses if event in ("os.listdir", "os.scandir")]
     assert listed == ["/proc"]  # one directory pass for all ten jobs
     root_stat = f"/proc/{trees[0].root}/stat"
     assert [path for _, path in accesses].count(root_stat) == 1  # each stat read once
@@ -440,3 +441,43 @@ def test_proc_root_is_used_for_every_read(make_tree: Callable[..., JobTree],
                                                   time.time())["w"]
     assert reading.num_procs == 1 and reading.status == "sleeping"
     assert reading.write_bytes >= WRITE_BYTES
+
+
+def test_strangers_are_read_once_and_a_root_among_them_rereads_all(
+        make_tree: Callable[..., JobTree]) -> None:
+    """The pass reads a process that is no job's once, then skips it (its /proc entry's
+    inode unchanged), while every process of a job's tree is read each time; a process
+    set aside as a stranger that becomes a job's root (a job known one tick late) makes
+    the next pass read everything, so its tree is whole."""
+    tree = make_tree()
+    sampler = Sampler()
+    target = tree.target()
+    sampler.sample([target], time.time())
+    read_first = sampler.processes.reads
+    accesses = record_file_access()
+    try:
+        again = sampler.sample([target], time.time())["job"]
+    finally:
+        stop_recording()
+    stats_read = {path for _, path in accesses if path.endswith("/stat")}
+    members = {f"/proc/{proc.pid}/stat" for proc in tree.psutil_tree()}
+    assert members <= stats_read  # the job's processes: every pass
+    assert "/proc/1/stat" not in stats_read and f"/proc/{os.getpid()}/stat" not in stats_read
+    assert sampler.processes.reads < read_first
+    assert again.num_procs == 7
+
+    late = make_tree("late")
+    sampler.sample([target], time.time())  # late's processes: read once, strangers now
+    assert f"/proc/{late.root}/stat" not in {
+        path for _, path in record_and_sample(sampler, [target])}
+    readings = sampler.sample([target, late.target("late")], time.time())
+    assert readings["late"].num_procs == 7 and readings["job"].num_procs == 7
+
+
+def record_and_sample(sampler: Sampler, targets: list[TreeTarget]) -> list[tuple[str, str]]:
+    accesses = record_file_access()
+    try:
+        sampler.sample(targets, time.time())
+    finally:
+        stop_recording()
+    return accesses

@@ -2,13 +2,15 @@
 
 The process part is one pass over /proc for all jobs (a ppid map built once per tick),
 not one `children(recursive=True)` walk per job, which re-reads every /proc/*/stat for
-each job. Readings are frozen snapshots; a process that vanishes mid-read is skipped,
-and a missing GPU gives None, never an exception.
+each job; and the pass skips the processes it found to be no job's (`ProcessScan`).
+Readings are frozen snapshots; a process that vanishes mid-read is skipped, and a
+missing GPU gives None, never an exception.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+import os
+from collections.abc import Collection, Iterable, Sequence
 from dataclasses import dataclass, field
 
 from supervisor.observe.gpu import GpuDevice, GpuReader
@@ -19,6 +21,7 @@ from supervisor.runtime.procfs import (
     all_stats,
     is_started_at,
     read_small,
+    read_stat,
 )
 
 STATUS_NAMES = {"R": "running", "S": "sleeping", "D": "disk-sleep", "Z": "zombie",
@@ -37,9 +40,12 @@ class ProcessTable:
     def read(cls, proc_root: str = "/proc") -> ProcessTable:
         table = cls()
         for stat in all_stats(proc_root):  # one listing; a process gone meanwhile skipped
-            table.procs[stat.pid] = stat
-            table.children.setdefault(stat.ppid, []).append(stat.pid)
+            table.add(stat)
         return table
+
+    def add(self, stat: ProcStat) -> None:
+        self.procs[stat.pid] = stat
+        self.children.setdefault(stat.ppid, []).append(stat.pid)
 
     def tree(self, root: int) -> list[ProcStat]:
         """`root` and all its descendants present in the table."""
@@ -54,6 +60,49 @@ class ProcessTable:
             out.append(stat)
             stack.extend(self.children.get(pid, ()))
         return out
+
+
+NO_INODE = 1
+"""The inode /proc's listing gives an entry it could not instantiate: no identity."""
+
+
+class ProcessScan:
+    """The process table tick after tick, without re-reading the strangers: processes
+    found last time in no job's tree. A process never joins a tree it was not born in
+    (an orphan goes to its nearest subreaper ancestor: the shim, or init), so a stranger
+    stays one for life. Its life is told by the inode of its /proc entry in the listing:
+    each process gets a new one, so a pid reused by a new process is read again. Only
+    the roots asked for count: when a root is a stranger (a job's shim read before its
+    job was known), the whole table is read again. On a machine with more processes
+    than its jobs have (a shared node), most of the pass's reads are spared."""
+
+    def __init__(self, proc_root: str = "/proc") -> None:
+        self.proc_root = proc_root
+        self._strangers: dict[int, int] = {}  # pid -> inode of /proc/<pid>
+        self.reads = 0  # /proc/<pid>/stat reads in the last pass (tests, benchmarks)
+
+    def read(self, roots: Collection[int]) -> ProcessTable:
+        with os.scandir(self.proc_root) as entries:
+            listing = {int(entry.name): entry.inode() for entry in entries
+                       if entry.name.isdigit()}
+        strangers = self._strangers
+        if any(strangers.get(root, NO_INODE) == listing.get(root) for root in roots):
+            strangers = {}
+        table = ProcessTable()
+        skipped: dict[int, int] = {}
+        for pid, inode in listing.items():
+            if inode != NO_INODE and strangers.get(pid) == inode:
+                skipped[pid] = inode
+                continue
+            stat = read_stat(pid, self.proc_root)
+            if stat is not None:
+                table.add(stat)
+        self.reads = len(table.procs)
+        members = {stat.pid for root in roots for stat in table.tree(root)}
+        skipped.update((pid, listing[pid]) for pid in table.procs
+                       if pid not in members and listing[pid] != NO_INODE)
+        self._strangers = skipped
+        return table
 
 
 def read_io_bytes(pid: int, proc_root: str = "/proc") -> tuple[int, int] | None:
@@ -127,12 +176,13 @@ class Sampler:
     def __init__(self, gpu: GpuReader | None = None, proc_root: str = "/proc"):
         self.gpu = gpu if gpu is not None else GpuReader()
         self.proc_root = proc_root
+        self.processes = ProcessScan(proc_root)
         self._cpu_marks: dict[str, _CpuMark] = {}
 
     def sample(self, targets: Sequence[TreeTarget], now: float) -> dict[str, TreeReading]:
         if not targets:
             return {}
-        table = ProcessTable.read(self.proc_root)
+        table = self.processes.read([target.root_pid for target in targets])
         gpu_by_pid = self.gpu.memory_by_pid(now)
         readings = {}
         for target in targets:

@@ -37,6 +37,7 @@ from supervisor.runtime import files
 if TYPE_CHECKING:
     from supervisor.observe.gpu import GpuReader
     from supervisor.observe.outputs import OutputScanner
+    from supervisor.observe.sampler import ProcessScan
 
 FINAL_READING_WAIT_S = 5.0
 """How long the shim waits, once the worker ended, for the last reading (the final output
@@ -64,6 +65,7 @@ class Publisher:
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="jobsup-publish", daemon=True)
         self._scanner: OutputScanner | None = None
+        self._processes: ProcessScan | None = None
         self._gpu: GpuReader | None = None
         self._warned: str | None = None
 
@@ -148,15 +150,18 @@ class Publisher:
         return cast(files.Observed, reading)
 
     def _tree(self, errors: list[str]) -> dict[str, Any]:
-        """The shim's descendants in one /proc pass (the daemon's `ProcessTable`)."""
-        from supervisor.observe.sampler import STATUS_NAMES, ProcessTable, read_io_bytes
+        """The shim's descendants in one /proc pass (the daemon's `ProcessScan`: the node's
+        other processes are read once, not every interval)."""
+        from supervisor.observe.sampler import STATUS_NAMES, ProcessScan, read_io_bytes
         from supervisor.runtime.procfs import CLOCK_TICKS, PAGE_SIZE
 
         tree: dict[str, Any] = dict(status=None, num_procs=0, num_threads=0, cpu_time_s=0.0,
                                     rss_bytes=0, read_bytes=0, write_bytes=0,
                                     gpu_memory_bytes=None, gpu_devices=None)
         try:
-            table = ProcessTable.read()
+            if self._processes is None:
+                self._processes = ProcessScan()
+            table = self._processes.read([self.shim_pid])
             procs = [p for p in table.tree(self.shim_pid) if p.pid != self.shim_pid]
         except Exception as exc:  # noqa: BLE001 - a reading never ends the shim
             errors.append(f"processes: {exc}")
