@@ -7,6 +7,7 @@ from __future__ import annotations
 import os
 import random
 import shutil
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -189,3 +190,26 @@ def test_only_local_filesystems_are_watched() -> None:
         assert kernel_watches(watcher) == 0
     finally:
         watcher.close()
+
+
+def test_a_closed_file_is_statted_once_an_open_one_until_its_close(
+        tmp_path: Path, watcher: DirWatcher) -> None:
+    """Listing cannot tell a finished file from one still being written, so it stats a
+    new file again until its mtime is `settle_s` old (3 stats for one file). A watch can:
+    a file closed after writing (or renamed in) is statted once, and its next change
+    raises another event; one still open is statted as it grows, until its close."""
+    scanner = OutputScanner(str(tmp_path), settle_s=10.0, dir_recheck_s=0.0,
+                            active_recheck_s=2.0, watcher=watcher)
+    scanner.scan(LATER)
+    write(tmp_path / "done.bin", 10)  # created, written, closed
+    with (tmp_path / "open.bin").open("wb") as handle:
+        handle.write(b"x" * 5)
+        handle.flush()
+        now = time.time()
+        first = scanner.scan(now)
+        assert (first.files, first.bytes, first.files_statted) == (2, 15, 2)
+        assert [scanner.scan(now + s).files_statted for s in (1, 2.5, 5)] == [0, 1, 0]
+        handle.write(b"y" * 20)
+    closed = scanner.scan(now + 6)  # the close: statted, settled
+    assert (closed.bytes, closed.files_statted, closed.waiting) == (35, 1, 0)
+    assert scanner.scan(now + 60).files_statted == 0

@@ -50,6 +50,13 @@ IN_CLOEXEC = os.O_CLOEXEC
 WATCH_MASK = (  # not IN_MODIFY (an event per write()): IN_CLOSE_WRITE instead
     IN_ATTRIB | IN_CLOSE_WRITE | IN_MOVED_FROM | IN_MOVED_TO | IN_CREATE | IN_DELETE
     | IN_DELETE_SELF | IN_MOVE_SELF | IN_ONLYDIR | IN_DONT_FOLLOW | IN_EXCL_UNLINK)
+def still_open(mask: int) -> bool:
+    """A name's events say it may still be open for writing: created, and no close after
+    writing seen yet. Anything else (closed, renamed in, its attributes changed) is a
+    file whose next change raises another event: its stat is its size until then."""
+    return bool(mask & IN_CREATE) and not mask & IN_CLOSE_WRITE
+
+
 SELF_EVENTS = IN_ATTRIB | IN_DELETE_SELF | IN_MOVE_SELF | IN_IGNORED
 """Events about the watched directory itself (no name): stat and list it again."""
 
@@ -84,8 +91,9 @@ def local_devices(mountinfo: str) -> dict[int, bool]:
 class Changes:
     """What one subscriber's watched directories went through since its last look."""
 
-    names: dict[int, set[str]] = field(default_factory=dict)
-    """Watch descriptor -> names in that directory that changed (look at each again)."""
+    names: dict[int, dict[str, int]] = field(default_factory=dict)
+    """Watch descriptor -> names in that directory that changed (look at each again) ->
+    the events seen for each, OR-ed (`IN_CREATE`, `IN_CLOSE_WRITE`, ...)."""
     itself: set[int] = field(default_factory=set)
     """Watch descriptors whose directory itself changed, moved, or went away."""
     overflow: bool = False
@@ -213,7 +221,8 @@ class DirWatcher:
                 for subscriber in subscribers:
                     pending = self._pending[subscriber]
                     if name:
-                        pending.names.setdefault(wd, set()).add(name)
+                        names = pending.names.setdefault(wd, {})
+                        names[name] = names.get(name, 0) | mask
                     if mask & SELF_EVENTS and not name:
                         pending.itself.add(wd)
                 if mask & IN_IGNORED:  # the kernel dropped the watch (directory gone)

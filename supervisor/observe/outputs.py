@@ -64,7 +64,7 @@ import stat
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
-from supervisor.observe.dirwatch import Changes, DirWatcher
+from supervisor.observe.dirwatch import Changes, DirWatcher, still_open
 from supervisor.observe.patterns import DEFAULT_PATTERN, GlobMatcher
 
 logger = logging.getLogger(__name__)
@@ -109,8 +109,8 @@ class _DirState:
     newest_mtime_ns: int | None = None
     wd: int | None = None
     """Its inotify watch (`dirwatch`), or None: then it is statted each scan."""
-    changed: set[str] = field(default_factory=set)
-    """Names the watch reported changed since the last scan."""
+    changed: dict[str, int] = field(default_factory=dict)
+    """Names the watch reported changed since the last scan -> their events."""
 
     def refresh_totals(self) -> None:
         self.bytes_total = sum(entry[0] for entry in self.files.values())
@@ -228,25 +228,30 @@ class OutputScanner:
         for wd, names in changes.names.items():
             relative_dir = self._by_wd.get(wd)
             if relative_dir is not None:
-                self._dirs[relative_dir].changed |= names
+                changed = self._dirs[relative_dir].changed
+                for name, mask in names.items():
+                    changed[name] = changed.get(name, 0) | mask
 
     def _apply_changes(self, relative_dir: str, state: _DirState, now: float,
                        cost: _Cost) -> None:
         """Look again at each name the watch reported in a watched directory."""
         if not state.changed:
             return
-        names, state.changed = state.changed, set()
-        for name in names:
+        names, state.changed = state.changed, {}
+        for name, mask in names.items():
             known = state.drop_file(name)
             state.unsettled.pop(name, None)
             subdir = state.subdirs.pop(name, None)
             if subdir is not None:
                 self._forget(subdir)
-            self._take_name(relative_dir, name, known, state, now, cost)
+            self._take_name(relative_dir, name, known, state, now, cost,
+                            settled=not still_open(mask))
 
     def _take_name(self, relative_dir: str, name: str, known: _FileState | None,
-                   state: _DirState, now: float, cost: _Cost) -> None:
-        """`_take_entry` for a name a watch reported (no directory entry in hand)."""
+                   state: _DirState, now: float, cost: _Cost, *, settled: bool) -> None:
+        """`_take_entry` for a name a watch reported (no directory entry in hand);
+        `settled`: no writer holds it open (`dirwatch.still_open`), so it is statted
+        now and not again until its next event."""
         if is_temp_name(name):
             return
         relative_path = _join(relative_dir, name)
@@ -264,6 +269,8 @@ class OutputScanner:
             return
         same = known is not None and known[2] == entry_stat.st_ino  # written in place
         self._stat_file(path, name, known if same else None, state, now, cost)
+        if settled:
+            state.unsettled.pop(name, None)
 
     def _unwatch(self, state: _DirState) -> None:
         if state.wd is not None:
