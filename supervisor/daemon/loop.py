@@ -28,11 +28,11 @@ from supervisor.runtime.launcher import (
     ExitStatus,
     LaunchDeferred,
     LaunchFate,
-    LocalBackend,
     ShimState,
     attempt_dir,
     log_path,
 )
+from supervisor.runtime.local import LocalBackend
 from supervisor.runtime.procfs import start_ticks_of
 from supervisor.spec import ExitReason, JobSpec, JobState, stored_spec
 from supervisor.storage import store
