@@ -34,7 +34,8 @@ def test_the_shim_imports_only_the_standard_library_and_runtime() -> None:
 
 PUBLISHER_READERS = {"supervisor.observe", "supervisor.observe.sampler",
                      "supervisor.observe.gpu", "supervisor.observe.outputs",
-                     "supervisor.observe.patterns", "supervisor.observe.dirwatch"}
+                     "supervisor.observe.outputs_state", "supervisor.observe.patterns",
+                     "supervisor.observe.dirwatch"}
 """The daemon's readers the shim's publisher imports when it takes its first reading
 (`runtime/publish.py`): they must stay standard library only, like the shim."""
 

@@ -1,61 +1,46 @@
 """The loop that ties one tick together: exits -> stops -> starts (then, as they land:
 sample -> store -> forecast -> alert -> notify). No logic of its own beyond ordering
-and the job lifecycle rules that decide which state comes next."""
+and the job lifecycle rules that decide which state comes next. The per-job checks the
+tick runs are `checks.py`'s (`JobChecks`), the engine's parts `engine_base.py`'s; here:
+the loop's thread, the stops before the daemon exits, re-adoption at start, and the tick
+with its samples and alerts."""
 
 from __future__ import annotations
 
-import errno
 import logging
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 
-from sqlalchemy.orm import Session, sessionmaker
+from sqlalchemy.orm import Session
 
-from supervisor.alerting import rules
-from supervisor.alerting.notify import Destination, Notifier
-from supervisor.alerting.recorder import AlertRecorder
-from supervisor.clock import SteadyClock
-from supervisor.config import Settings
-from supervisor.daemon import lifecycle
-from supervisor.observe.observer import SCAN_BUDGET_S, ObservedJob, Observer
+from supervisor.daemon.checks import (
+    LAUNCH_CONFIRM_S,
+    LAUNCH_RETRY_S,
+    LOG_TAIL_LINES,
+    STOP_BACKSTOP_S,
+    JobChecks,
+)
+from supervisor.observe.observer import ObservedJob
 from supervisor.observe.view import progress_json, stored_progress
 from supervisor.runtime import files
-from supervisor.runtime.fileio import tail_lines
 from supervisor.runtime.launcher import (
     Attempt,
-    Backend,
-    ExitStatus,
-    LaunchDeferred,
-    LaunchFate,
-    LocalBackend,
-    ShimState,
     attempt_dir,
-    log_path,
 )
-from supervisor.runtime.procfs import start_ticks_of
-from supervisor.spec import ExitReason, JobSpec, JobState, stored_spec
+from supervisor.spec import JobState, stored_spec
 from supervisor.storage import store
 from supervisor.storage.tables import Job, SampleRecord
-from supervisor.storage.transactions import TickSteps
+
+__all__ = ["COMPACT_EVERY_S", "EXIT_STOP_MARGIN_S", "LAUNCH_CONFIRM_S", "LAUNCH_RETRY_S",
+           "LOG_TAIL_LINES", "PROGRESS_STORE_S", "STOP_BACKSTOP_S", "UNSAVED_SAMPLES_MAX",
+           "Engine"]
 
 log = logging.getLogger(__name__)
-
-LAUNCH_CONFIRM_S = 10.0
-"""A launch recorded in the DB whose shim left no trace after this many seconds is
-settled through the attempt's claim file (`Backend.settle_launch`): launched again if
-the daemon can claim it, else waited for (its shim is starting) or lost."""
-
-STOP_BACKSTOP_S = 5.0
-"""Seconds past a job's stop grace after which the daemon SIGKILLs the job itself."""
 
 EXIT_STOP_MARGIN_S = 5.0
 """`stop_jobs` waits this long past the longest grace plus the backstop before it gives
 up on a job and lets the daemon exit."""
-
-LAUNCH_RETRY_S = 10.0
-"""Seconds before a launch that failed for lack of space in the data dir, or that the
-backend deferred (`LaunchDeferred`), is tried again."""
 
 COMPACT_EVERY_S = 300.0
 """Seconds between two downsampling passes over old samples."""
@@ -68,70 +53,8 @@ PROGRESS_STORE_S = 30.0
 memory; the row serves a daemon restart and the job after its end, when it is written
 at once, and again when its final output reading is in)."""
 
-LOG_TAIL_LINES = 20
-"""Log lines searched for known crash causes."""
 
-
-class Engine:
-    def __init__(self, settings: Settings, sessions: sessionmaker[Session], *,
-                 backend: Backend | None = None, clock: Callable[[], float] | None = None):
-        self.settings = settings
-        self.sessions = sessions
-        self.clock: Callable[[], float] = clock or SteadyClock()
-        """Every timeout and backoff is measured on this clock (see `clock.py`)."""
-        self.backend: Backend = backend or LocalBackend(
-            settings.jobs_dir, on_exit=self.wake,
-            publish_interval_s=settings.sample_interval if settings.observe == "shim" else None)
-        """The `local` backend (or the one a test gives)."""
-        self.backends: dict[str, Backend] = {"local": self.backend}
-        """By name, each made when a job first needs it (`backend_for`)."""
-        self._shim_observes: dict[tuple[str, int], bool] = {}
-        """Per (job, attempt): observed through its shim's readings (`observed.jsonl`)."""
-        self._wake = threading.Event()
-        self._should_exit = threading.Event()
-        self._thread: threading.Thread | None = None
-        self._stop_sent: set[tuple[str, int]] = set()
-        self._shims_seen_alive: dict[str, Attempt] = {}
-        """This tick's running jobs whose shim was alive (and not stopped) when their
-        state was checked: their reading is rooted at the shim without a second look."""
-        self._killed: set[tuple[str, int]] = set()
-        self._exiting = False
-        """Set by `stop_jobs`: no pending job starts."""
-        self._stopped_for_exit: set[str] = set()
-        """Jobs `stop_jobs` asked to stop (not those a user had stopped already)."""
-        # a tick waits for the jobs' file readings at most 1 s, less with short ticks
-        self.observer = Observer(settings.jobs_dir,
-                                 scan_budget_s=min(SCAN_BUDGET_S, settings.sample_interval / 2),
-                                 watch_outputs=settings.output_watch == "inotify")
-        self._next_compact_at = 0.0
-        self._compacted_until: dict[float, float] | None = None
-        """Per sample tier, the cutoff of the last downsampling pass (None: none yet in
-        this daemon; the first pass starts from `store.compaction_resume_point`)."""
-        self.steps = TickSteps()
-        self._unsaved_samples: list[SampleRecord] = []
-        self._progress_stored: dict[str, tuple[float, str | None]] = {}
-        self._finals_unsaved: set[str] = set()
-        """Ended jobs whose final progress a failed write held back."""
-        """When each running job's progress was last written to its row, and the
-        observation error it held."""
-        destinations = [Destination(name, url) for name, url in (
-            ("slack", settings.slack_webhook_url), ("webhook", settings.webhook_url)) if url]
-        secret = settings.webhook_secret
-        self.notifier = Notifier(destinations, sessions, clock=self.clock,
-                                 backoff_max_s=settings.notify_backoff_max_s,
-                                 webhook_secret=secret.get_secret_value() if secret else None,
-                                 wall=time.time)
-        self.alerting = AlertRecorder(settings, self.observer, self.notifier)
-        self.may_tick: Callable[[], bool] = lambda: True
-        """Asked before each tick of the loop: False skips it (`app.py`: the daemon's
-        lock on its PostgreSQL database is not confirmed, or was lost to another daemon:
-        no job is launched, judged or stopped without it)."""
-        self.on_tick: Callable[[float], None] = lambda _seconds: None
-        """Called with each tick's duration in seconds (the metrics histogram)."""
-        self.last_tick_at: float | None = None
-        """`time.monotonic()` when the loop last finished a tick (one that raised too) or
-        started; None before `start()`. A tick blocked in I/O leaves it behind: /healthz."""
-
+class Engine(JobChecks):
     # -- lifecycle ------------------------------------------------------------------
     def start(self) -> None:
         """Re-adopt what runs, then tick in a thread until `stop()`."""
@@ -217,10 +140,6 @@ class Engine:
             self._stopped_for_exit.add(job.id)
             backend.request_stop(attempt, backend.read_worker(attempt))
         return running
-
-    def wake(self) -> None:
-        """Run a tick now (a process exited, a job was submitted or stopped)."""
-        self._wake.set()
 
     def recover(self) -> None:
         """After a daemon (re)start: watch every running attempt and settle what ended
@@ -396,226 +315,6 @@ class Engine:
             launch = files.read_launch(attempt_dir(self.settings.jobs_dir, job.id, job.attempt))
             self._shim_observes[key] = launch is not None and "observe" in launch
         return self._shim_observes[key]
-
-    def _attempt(self, job: Job) -> Attempt:
-        return self.backend_for(job).attempt(job.id, job.attempt, job.shim_pid,
-                                             job.shim_create_time, job.shim_start_ticks)
-
-    def backend_for(self, job: Job) -> Backend:
-        """The backend the job runs on: its spec's, stored resolved at submit; a job
-        stored before backends existed (no `backend`, no `slurm`) is a local one, whatever
-        JOBSUP_BACKEND says now."""
-        name = stored_spec(job.spec_json).backend_or("local")
-        backend = self.backends.get(name)
-        if backend is None:
-            from supervisor.runtime.slurm import SlurmBackend  # only where SLURM is used
-
-            backend = self.backends[name] = SlurmBackend(
-                self.settings.jobs_dir, publish_interval_s=self.settings.sample_interval)
-        return backend
-
-    def _check_running(self, session: Session, job: Job, now: float) -> None:
-        attempt, backend = self._attempt(job), self.backend_for(job)
-        if job.shim_pid is None and attempt.shim_pid is not None:
-            store.record_shim(job, attempt)
-        # the worker's file is read while its pid is unknown, else only where it is used
-        # (a running job's shim alive and not stopped: most jobs, most ticks; #15)
-        pid_known = job.pid is not None
-        worker = None if pid_known else backend.read_worker(attempt)
-        if worker is not None:
-            store.record_worker(job, worker)
-
-        # a running shim has not recorded an exit yet (or has just done so: then the
-        # exit watcher wakes the next tick as it ends), so its status file is not read
-        shim = backend.shim_state(attempt)
-        status = None if shim is ShimState.RUNNING else backend.read_exit(attempt)
-        if status is not None:
-            backend.forget(attempt)
-            self._finish(session, job, status, now)
-            return
-
-        if job.stop_requested_at is None and self._served_its_purpose(session, job):
-            store.stop_when_served(job, now=now)
-        if job.stop_requested_at is not None:
-            self._stop_running(job, attempt, now)
-
-        if shim is not ShimState.GONE:
-            if (job.shim_start_ticks is None and attempt.shim_pid is not None
-                    and backend.observes_locally):
-                # a shim started before start ticks were recorded, matched by its create
-                # time this once: from now on by its start ticks (immune to clock steps)
-                job.shim_start_ticks = start_ticks_of(attempt.shim_pid)
-            if shim is ShimState.RUNNING:
-                self._shims_seen_alive[job.id] = attempt  # its reading needs no new look
-                note = backend.status_note(attempt)  # a scheduler's queue, and why
-                if note is not None and note != job.reason:
-                    job.reason = note
-                return
-            if pid_known:
-                worker = backend.read_worker(attempt)
-            if worker is None or not backend.worker_alive(worker):
-                # a stopped shim cannot reap the worker nor record its exit: continue it
-                log.warning("job %s: its shim (pid %s) was stopped (SIGSTOP) after the "
-                            "worker ended; continuing it (SIGCONT)", job.id, attempt.shim_pid)
-                backend.resume_shim(attempt)
-            return
-        if pid_known:
-            worker = backend.read_worker(attempt)
-        if worker is not None and backend.worker_alive(worker):
-            # the shim died but the job runs on: watch the worker itself, so its end
-            # is noticed at once (the watcher ignores a pid it already watches)
-            backend.watch(attempt, worker)
-            return
-        status = backend.read_exit(attempt)  # the shim may have just finished
-        if status is not None:
-            self._finish(session, job, status, now)
-        elif worker is None:
-            # no worker was ever started: a launch cut short (the daemon died before it
-            # recorded the shim, or the shim exited before claiming, e.g. on a full disk
-            # where it could not reserve its status file). The claim file settles it; a
-            # shim known to be dead needs no waiting
-            if attempt.shim_pid is not None or now - (job.started_at or now) > LAUNCH_CONFIRM_S:
-                fate = backend.settle_launch(attempt)
-                if fate is not LaunchFate.WAIT:
-                    self._apply(session, job, lifecycle.launch_cut_short(
-                        shim_recorded=attempt.shim_pid is not None,
-                        abandoned=fate is LaunchFate.ABANDONED), at=now, now=now)
-        else:
-            self._apply(session, job, lifecycle.vanished(
-                stop_requested=job.stop_requested_at is not None,
-                shim_recorded=attempt.shim_pid is not None), at=now, now=now)
-
-    @staticmethod
-    def _served_its_purpose(session: Session, job: Job) -> bool:
-        """All the jobs of its `stop_when_ended` have ended."""
-        waited_for = stored_spec(job.spec_json).stop_when_ended
-        if not waited_for:
-            return False
-        states = [session.get(Job, job_id, populate_existing=True) for job_id in waited_for]
-        return all(other is None or JobState(other.state).ended for other in states)
-
-    def _stop_running(self, job: Job, attempt: Attempt, now: float) -> None:
-        key, backend = (job.id, job.attempt), self.backend_for(job)
-        worker = backend.read_worker(attempt)
-        if key not in self._stop_sent:
-            self._stop_sent.add(key)
-            log.info("job %s: stopping (SIGTERM, SIGKILL after %.0f s)", job.id,
-                     self._grace(job))
-            backend.request_stop(attempt, worker)
-        elif (key not in self._killed and job.stop_requested_at is not None
-              and now - job.stop_requested_at > self._grace(job) + STOP_BACKSTOP_S):
-            self._killed.add(key)
-            log.warning("job %s: still running %.0f s after stop; SIGKILL", job.id,
-                        now - job.stop_requested_at)
-            backend.kill(attempt, worker)
-
-    def _grace(self, job: Job) -> float:
-        spec = stored_spec(job.spec_json)
-        return spec.stop_grace_s or self.settings.stop_grace_s
-
-    def _finish(self, session: Session, job: Job, status: ExitStatus, now: float) -> None:
-        """Record the exit and apply what the lifecycle decides follows it: ended, or
-        pending again for a restart."""
-        store.record_exit(job, exit_code=status.exit_code, signal=status.signal)
-        # the shim's wall-clock time; never later than the daemon's own clock (a system
-        # clock stepped forward must not push the end, and the alerts' windows, ahead)
-        ended_at = min(status.ended_at, now)
-        stop_requested = job.stop_requested_at is not None or status.stop_requested
-        failed = not stop_requested and (status.exit_code != 0 or bool(status.spawn_error))
-        notes: str | None = None
-        oom: str | None = None
-        if failed:  # what the log tail and the exit tell (NCCL, CUDA OOM, the rank)
-            lines, _ = tail_lines(log_path(self.settings.jobs_dir, job.id, job.attempt),
-                                  LOG_TAIL_LINES)
-            notes, oom = rules.classify_exit(exit_code=status.exit_code, signal=status.signal,
-                                              oom_kills=status.oom_kills or 0, log_tail=lines)
-        stopped_by = ("SIGKILL after the grace" if status.killed_after_grace else
-                      "SIGKILL by the daemon's backstop"
-                      if (job.id, job.attempt) in self._killed else "SIGTERM")
-        stop_cause = ("because the jobs it served have ended"
-                      if stop_requested and self._served_its_purpose(session, job)
-                      else "because the daemon is exiting (--stop-jobs-on-exit)"
-                      if job.id in self._stopped_for_exit else "on request")
-        spec = stored_spec(job.spec_json)
-        decision = lifecycle.after_exit(
-            lifecycle.Exit(status.exit_code, status.signal, spawn_error=status.spawn_error,
-                           stop_requested=stop_requested, stopped_by=stopped_by,
-                           stop_cause=stop_cause, oom=oom is not None, notes=notes or None,
-                           scheduler_end=self.backend_for(job).scheduler_end(
-                               self._attempt(job))),
-            lifecycle.Restarts(spec.restart_policy, done=job.restarts, limit=spec.max_restarts,
-                               backoff_s=self.settings.restart_backoff_s,
-                               backoff_max_s=self.settings.restart_backoff_max_s))
-        self._apply(session, job, decision, at=ended_at, now=now)
-
-    def _apply(self, session: Session, job: Job, decision: lifecycle.Decision, *, at: float,
-               now: float) -> None:
-        """Write a lifecycle decision: the exit reason, a restart's bookkeeping, and the
-        transition through the store (at `at`, the time the job's state changed)."""
-        restart_at = (now + decision.restart_in_s if decision.restart_in_s is not None
-                      else None)
-        store.transition(session, job, decision.state, now=at, reason=decision.reason,
-                         exit_reason=decision.exit_reason, restart_at=restart_at)
-        if restart_at is not None:
-            self.wake_at(restart_at)
-
-    def wake_at(self, t: float) -> None:
-        """Tick at `t` (restart backoff shorter than the tick interval)."""
-        delay = t - self.clock()
-        if 0 < delay < self.settings.sample_interval:
-            timer = threading.Timer(delay, self.wake)
-            timer.daemon = True
-            timer.start()
-
-    def _check_pending(self, session: Session, job: Job, now: float) -> None:
-        if self._exiting:  # the daemon is stopping its jobs: start none
-            return
-        spec = stored_spec(job.spec_json)
-        dependencies = []
-        for dep_id in spec.depends_on:
-            dep = session.get(Job, dep_id, populate_existing=True)
-            dependencies.append(lifecycle.Dependency(
-                dep_id, dep.name if dep is not None else "?",
-                JobState(dep.state) if dep is not None else JobState.LOST))
-        decision = lifecycle.before_start(stop_requested=job.stop_requested_at is not None,
-                                          dependencies=dependencies)
-        if decision is not None:
-            self._apply(session, job, decision, at=now, now=now)
-            return
-        if not lifecycle.dependencies_met(dependencies):
-            return
-        if job.next_start_at is not None and now < job.next_start_at:
-            return
-        self._launch(session, job, spec, now)
-
-    def _launch(self, session: Session, job: Job, spec: JobSpec, now: float) -> None:
-        """Record the attempt first, then start it: a daemon crash between the two
-        leaves a `running` row the next daemon can settle, never a job started twice."""
-        store.start_attempt(session, job, now=now)
-        session.commit()
-        try:
-            attempt = self.backend_for(job).start(job.id, job.attempt, spec,
-                                         cwd=spec.cwd or ".",
-                                         stop_grace_s=spec.stop_grace_s
-                                         or self.settings.stop_grace_s)
-        except OSError as exc:
-            if isinstance(exc, LaunchDeferred):  # e.g. SLURM's controller not answering
-                store.transition(session, job, JobState.PENDING, now=now,
-                                 reason=f"{exc}; next try in {LAUNCH_RETRY_S:.0f} s",
-                                 retry_at=now + LAUNCH_RETRY_S)
-                return
-            if exc.errno in (errno.ENOSPC, errno.EDQUOT):  # the data dir's disk is full
-                store.transition(session, job, JobState.PENDING, now=now,
-                                 reason=f"waiting for space in the data dir to launch "
-                                        f"({exc.strerror}); next try in {LAUNCH_RETRY_S:.0f} s",
-                                 retry_at=now + LAUNCH_RETRY_S)
-                return
-            store.transition(session, job, JobState.FAILED, now=now,
-                             reason=f"could not start the job's shim: {exc}",
-                             exit_reason=ExitReason.EXIT)
-            return
-        store.record_shim(job, attempt)
-
 
 def _running_detached(session: Session) -> dict[str, Job]:
     """The running jobs by id, detached: read after their session closes (their grace)."""

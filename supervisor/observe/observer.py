@@ -1,6 +1,7 @@
 """Turn the sampler's readings into what users see: progress from the best source,
 stored samples, forecasts with the disk runway of each filesystem, and the per-job view
-the API renders. Keeps per-job state across ticks (scanners, histories, CPU marks).
+the API renders. Keeps per-job state across ticks (scanners, histories, CPU marks:
+`jobstate.py`); a job's view and sample are built from its readings in `building.py`.
 
 Each job's reading stands alone. An exception while reading one job (its process tree,
 its output, its progress file, the arithmetic after) costs that job its fresh figures
@@ -25,13 +26,14 @@ import logging
 import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 from functools import partial
 from pathlib import Path
 
 from supervisor.observe import forecast
+from supervisor.observe.building import JobViewBuilder
 from supervisor.observe.dirwatch import DirWatcher
-from supervisor.observe.forecaster import JobForecaster
+from supervisor.observe.jobstate import _describe, _Ending, _Inflight, _JobState
 from supervisor.observe.readings import (
     FileReading,
     FileSide,
@@ -40,27 +42,18 @@ from supervisor.observe.readings import (
     items_from,
     output_scanner,
 )
-from supervisor.observe.remote import NO_TREE, ShimFileSide, ShimReading, backlog_samples
-from supervisor.observe.sampler import Sampler, TreeGpuMemory, TreeReading, TreeTarget
+from supervisor.observe.remote import NO_TREE, ShimFileSide
+from supervisor.observe.sampler import Sampler, TreeReading, TreeTarget
 from supervisor.observe.threads import FilePool
 from supervisor.observe.view import (
-    GpuShare,
     JobView,
     ProgressRecord,
-    ResourceRecord,
 )
 from supervisor.runtime.launcher import attempt_dir
 from supervisor.storage.tables import Sample, SampleRecord
 
 log = logging.getLogger(__name__)
 
-
-HISTORY_KEEP_S = 60.0
-"""A reading with no new item or byte is kept in the history at most this often (it
-still marks time passing); readings with news are always kept."""
-
-HISTORY_MAX_POINTS = 20_000
-"""Above this many progress points the older half of a job's history is thinned by two."""
 
 SCAN_BUDGET_S = 1.0
 """Default of the longest a tick waits for the jobs' file readings, in seconds: half the
@@ -78,112 +71,6 @@ READINGS_PER_BATCH = 16
 (`FilePool.submit_all`): more jobs on one filesystem spread over more threads."""
 
 
-ACTIVITY_CPU_S = 0.05
-"""CPU seconds a tree must use between two readings to count as active (a sleeping
-Python process still wakes up now and then)."""
-
-
-@dataclass(frozen=True)
-class _Inflight:
-    """A file reading handed to the workers and not picked up yet."""
-
-    future: Future[FileReading]
-    started: float  # time.monotonic() when it was handed over
-    tick: int  # the observer's tick that started it
-
-
-@dataclass
-class _JobState:
-    files: FileSide
-    forecaster: JobForecaster = field(
-        default_factory=lambda: JobForecaster(HISTORY_MAX_POINTS))
-    last_kept: forecast.Observation | None = None
-    """The last reading given to the forecaster."""
-    last_items: int | None = None
-    last_progress_at: float | None = None
-    baseline_items: int | None = None
-    first_item_at: float | None = None
-    activity_at: float | None = None
-    activity_mark: tuple[float, int, int, int | None] | None = None
-    """(cpu_time_s, read_bytes, bytes_written, gpu_memory_bytes) at the last reading."""
-    job: ObservedJob | None = None
-    inflight: _Inflight | None = None
-    outcome: FileReading | BaseException | None = None
-    """A file reading finished since the last tick used one (or what it raised)."""
-    reading: FileReading | None = None
-    """The last file reading used: the figures the view shows."""
-    start_error: str | None = None
-    """Why no file reading could be started (the workers are closed)."""
-    slow: bool = False
-    """The last file reading outlived its tick's scan budget: the next one gets a
-    thread's batch of its own (`Observer._start_readings`)."""
-    logged_error: str | None = None
-    """The last observation error logged, so that a lasting one is logged once."""
-    tick_at: tuple[float, float] = (0.0, 0.0)
-    """(now, time.monotonic()) of the last tick that observed the job."""
-    shim_tree: TreeReading | None = None
-    """A remote job: the process figures of its shim's newest reading."""
-    node: str | None = None
-    """A remote job: the node its shim's readings come from."""
-    last_sample_t: float | None = None
-    """When the job's last sample was taken (a remote job's older readings become
-    samples of their own only if newer)."""
-
-    def noteitems_from(self, items_done: int | None, now: float) -> None:
-        if items_done is None:
-            return
-        if self.baseline_items is None or (
-                self.first_item_at is None and items_done < self.baseline_items):
-            # what a resumed job starts from; a count going down before the first new
-            # item was a stale reading (the last attempt's progress file): start over
-            self.baseline_items = items_done
-        elif self.first_item_at is None and items_done > self.baseline_items:
-            self.first_item_at = now
-        if items_done != self.last_items:
-            if self.last_items is not None:
-                self.last_progress_at = now
-            self.last_items = items_done
-
-    def note_activity(self, tree: TreeReading, bytes_written: int, now: float) -> None:
-        mark = (tree.cpu_time_s, tree.read_bytes, bytes_written, tree.gpu_memory_bytes)
-        previous = self.activity_mark
-        self.activity_mark = mark
-        if previous is None:
-            return
-        if (mark[0] - previous[0] >= ACTIVITY_CPU_S or mark[1] != previous[1]
-                or mark[2] != previous[2] or mark[3] != previous[3]):
-            self.activity_at = now
-
-    def pick_up(self, tick: int) -> None:
-        """Take the in-flight reading's result if it is done (the newest one wins); one
-        that outlived the tick that started it marks the job `slow`."""
-        inflight = self.inflight
-        if inflight is None or not inflight.future.done():
-            return
-        self.inflight = None
-        self.slow = inflight.tick < tick
-        if inflight.future.cancelled():
-            self.outcome = RuntimeError("the reading was cancelled")
-            return
-        error = inflight.future.exception()
-        self.outcome = error if error is not None else inflight.future.result()
-
-
-@dataclass(frozen=True)
-class _Ending:
-    """The final file reading of a job that ended while its reading was still running."""
-
-    future: Future[FileReading]
-    job: ObservedJob
-
-
-
-
-def _describe(error: BaseException) -> str:
-    text = str(error)
-    return f"{type(error).__name__}: {text}" if text else type(error).__name__
-
-
 def _final_progress(shown: ProgressRecord, job: ObservedJob,
                     reading: FileReading) -> ProgressRecord:
     """An ended job's progress from its final reading (`shown`: what the view had)."""
@@ -196,7 +83,7 @@ def _final_progress(shown: ProgressRecord, job: ObservedJob,
         metrics=metrics, observed_at=reading.t)
 
 
-class Observer:
+class Observer(JobViewBuilder):
     def __init__(self, jobs_dir: Path, sampler: Sampler | None = None, *,
                  scan_budget_s: float = SCAN_BUDGET_S, workers: int = FILE_WORKERS,
                  make_scanner: ScannerFactory | None = None, watch_outputs: bool = True):
@@ -411,122 +298,6 @@ class Observer:
                 errors[target.job_id] = _describe(error)
         return readings, errors
 
-    def _observe_one(self, job: ObservedJob, state: _JobState, tree: TreeReading, now: float,
-                     backlog: list[SampleRecord]
-                     ) -> tuple[JobView, SampleRecord | None, forecast.JobForecast]:
-        """`backlog`: receives the samples of a remote job's readings older than the
-        newest (those its shim wrote since the last tick, or while the daemon was down)."""
-        spec = job.spec
-        outcome, state.outcome = state.outcome, None
-        previous = self.views.get(job.job_id)
-        if isinstance(outcome, FileReading):
-            state.reading = fresh = outcome
-            items_done, items_total, metrics, source = items_from(spec, fresh)
-            backlog += self._backlog(job, state, outcome.shim[:-1], items_total,
-                                     counted=source == "files")
-            state.noteitems_from(items_done, fresh.t)
-            if fresh.stale is None:
-                self._remember(state, forecast.Observation(fresh.t, items_done,
-                                                           fresh.bytes_written))
-            progress = ProgressRecord(
-                items_done=items_done, items_total=items_total, files=fresh.files,
-                bytes_written=fresh.bytes_written, source=source,
-                last_progress_at=state.last_progress_at, metrics=metrics,
-                observed_at=fresh.t, observation_error=fresh.stale)
-            if fresh.stale != state.logged_error:
-                if fresh.stale is not None:  # (a shim that has not published yet: debug)
-                    log.log(logging.WARNING if state.node else logging.DEBUG, "job %s: %s",
-                            job.job_id, fresh.stale)
-                elif state.logged_error is not None and job.remote:
-                    log.info("job %s: its shim's readings are fresh again", job.job_id)
-            state.logged_error = fresh.stale
-        else:  # nothing new: the last known figures, and why
-            error = self._why_not_fresh(job, state, outcome)
-            self._log_error(job.job_id, state, error, outcome)
-            shown = previous.progress if previous is not None else ProgressRecord(
-                items_total=spec.expected_items)
-            progress = replace(shown, observation_error=error)
-        reading = state.reading
-        free_bytes = reading.free_bytes if reading is not None else None
-        device = (reading.device if reading is not None
-                  else previous.disk_device if previous is not None else None)
-
-        state.note_activity(tree, progress.bytes_written, now)
-        job_forecast = state.forecaster.forecast(
-            items_total=progress.items_total, now=now, disk_free_bytes=free_bytes,
-            declared_bytes_per_item=spec.bytes_per_item)
-        resources = ResourceRecord(
-            status=tree.status, num_procs=tree.num_procs, num_threads=tree.num_threads,
-            cpu_percent=round(tree.cpu_percent, 1), rss_bytes=tree.rss_bytes,
-            read_bytes=tree.read_bytes, gpu_memory_bytes=tree.gpu_memory_bytes,
-            gpu_devices=gpu_shares(tree.gpu_devices), node=state.node,
-            scheduler_job_id=job.scheduler_job_id)
-        view = JobView(progress=progress, forecast=job_forecast, resources=resources,
-                       cpu_time_s=tree.cpu_time_s, read_bytes=tree.read_bytes,
-                       disk_device=device, first_item_at=state.first_item_at,
-                       activity_at=state.activity_at,
-                       gpu_memory_fraction=tree.gpu_memory_fraction,
-                       queued=job.queued, running_since=job.running_since)
-        if progress.observation_error is not None:
-            return view, None, job_forecast
-        sample = SampleRecord(
-            job_id=job.job_id, t=now, items_done=progress.items_done,
-            items_total=progress.items_total, files=progress.files,
-            bytes_written=progress.bytes_written, cpu_percent=tree.cpu_percent,
-            cpu_time_s=tree.cpu_time_s, rss_bytes=tree.rss_bytes, read_bytes=tree.read_bytes,
-            write_bytes=tree.write_bytes, num_procs=tree.num_procs,
-            num_threads=tree.num_threads, gpu_memory_bytes=tree.gpu_memory_bytes,
-            disk_free_bytes=free_bytes)
-        return view, sample, job_forecast
-
-    def _backlog(self, job: ObservedJob, state: _JobState, readings: Sequence[ShimReading],
-                 items_total: int | None, *, counted: bool) -> list[SampleRecord]:
-        """Samples of a remote job's readings older than its newest, each at its own
-        time, newer than its last sample; they count for its activity and, where the job's
-        items are its files (`counted`), for its progress and forecast. Its progress file
-        or log was not read then: their `items_done` is None otherwise."""
-        after = state.last_sample_t
-        newer = [r for r in readings if after is None or r.t > after]
-        samples = backlog_samples(job.job_id, newer, items_total=items_total, counted=counted)
-        for sample, r in zip(samples, newer, strict=True):
-            if sample.items_done is not None:
-                state.noteitems_from(sample.items_done, r.t)
-                self._remember(state, forecast.Observation(r.t, sample.items_done,
-                                                           sample.bytes_written))
-            state.note_activity(r.tree, sample.bytes_written, r.t)
-            state.last_sample_t = r.t
-        return samples
-
-    @staticmethod
-    def _why_not_fresh(job: ObservedJob, state: _JobState,
-                       outcome: BaseException | None) -> str:
-        what = "output scan" if job.spec.output_dir else "progress reading"
-        if outcome is not None:
-            return f"{what} failed: {_describe(outcome)}"
-        if state.inflight is not None:
-            running_s = time.monotonic() - state.inflight.started
-            return f"{what} still running ({running_s:.1f} s so far)"
-        return f"{what} not started: {state.start_error or 'unknown'}"
-
-    def _stale_view(self, job: ObservedJob, error: str) -> JobView:
-        """The job's previous view, saying why it is not fresh (its place in a queue is
-        the scheduler's word, fresh)."""
-        previous = self.views.get(job.job_id) or JobView(
-            progress=ProgressRecord(items_total=job.spec.expected_items))
-        return replace(previous.failing(error), queued=job.queued,
-                       running_since=job.running_since)
-
-    @staticmethod
-    def _log_error(job_id: str, state: _JobState, message: str,
-                   error: BaseException | None) -> None:
-        """Log an observation error once while it lasts (not every tick); a reading
-        still running is no error to log."""
-        if error is None or message == state.logged_error:
-            return
-        state.logged_error = message
-        log.warning("job %s: %s", job_id, message,
-                    exc_info=(type(error), error, error.__traceback__))
-
     def _final_reading(self, state: _JobState) -> Callable[[], FileReading]:
         """A final reading, run after the job's in-flight one if any (so never two at
         once on its scanner), taken for the time it starts on the observer's clock."""
@@ -575,17 +346,6 @@ class Observer:
         if views is not None:
             self.views = views
 
-    @staticmethod
-    def _remember(state: _JobState, observation: forecast.Observation) -> None:
-        last = state.last_kept
-        if last is not None:
-            unchanged = (last.items_done == observation.items_done
-                         and last.bytes_written == observation.bytes_written)
-            if unchanged and observation.t - last.t < HISTORY_KEEP_S:
-                return
-        state.last_kept = observation
-        state.forecaster.add(observation)
-
     def load_history(self, job: ObservedJob, rows: Sequence[Sample]) -> None:
         """Continue a running job's forecast after a daemon restart from stored samples."""
         state = self._state.setdefault(job.job_id, _JobState(
@@ -597,11 +357,3 @@ class Observer:
             state.noteitems_from(row.items_done, row.t)
         if rows:  # the daemon was down: count its restart as activity, not as a stall
             state.activity_at = max(state.activity_at or 0.0, rows[-1].t)
-
-
-def gpu_shares(devices: Sequence[TreeGpuMemory] | None) -> tuple[GpuShare, ...] | None:
-    if devices is None:
-        return None
-    return tuple(GpuShare(index=d.device.index, name=d.device.name, uuid=d.device.uuid,
-                          memory_bytes=d.memory_bytes, device_used_bytes=d.device.used_bytes,
-                          device_total_bytes=d.device.total_bytes) for d in devices)

@@ -84,7 +84,7 @@ class FileReading:
 
 class FileSide:
     """A job's output scanner and where it reports progress. Used by one worker thread
-    at a time (see `observer._JobState.inflight`): the scanner is not thread-safe."""
+    at a time (see `jobstate._JobState.inflight`): the scanner is not thread-safe."""
 
     def __init__(self, jobs_dir: Path, make_scanner: ScannerFactory) -> None:
         self.jobs_dir = jobs_dir

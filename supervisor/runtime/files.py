@@ -1,7 +1,7 @@
 """The shim <-> daemon contract: the files of one attempt directory,
 `DATA_DIR/jobs/ID/attempt-N/`, their names, their JSON fields, and the one reader of each.
 
-The daemon (`launcher.py`, `daemon/recovery.py`) and the per-job shim (`shim.py`) both
+The daemon (`launcher.py`, `daemon/rebuild.py`) and the per-job shim (`shim.py`) both
 import this module, so a file or a field is named in one place; the TypedDicts let mypy
 check every writer's keys. Stdlib only: the shim imports it.
 
@@ -20,7 +20,7 @@ Who writes what, in order:
   `observe` object: what the daemon cannot read itself when the job runs on another
   node (its process tree, GPU memory, output files, free disk). Append-only, rotated to
   `observed.jsonl.1` at `Observe.max_bytes` (`runtime/publish.py` writes it,
-  `observe/remote.py` reads it).
+  `observe/remote.py` reads it; its line format is `observed.py`'s).
 
 A process is named by (pid, start ticks), never by its pid alone (`procfs`). Every file
 lives in a directory the job can write to: the readers here trust no type, and answer
@@ -29,8 +29,6 @@ None for a missing, unreadable or malformed file.
 
 from __future__ import annotations
 
-import json
-import math
 import os
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -38,6 +36,10 @@ from pathlib import Path
 from typing import Any, Literal, NotRequired, TypedDict
 
 from supervisor.runtime.fileio import read_json
+from supervisor.runtime.observed import Observed as Observed
+from supervisor.runtime.observed import ObservedGpu as ObservedGpu
+from supervisor.runtime.observed import _number, _text, _whole
+from supervisor.runtime.observed import parse_observed as parse_observed
 from supervisor.runtime.procfs import is_same_process
 
 LAUNCH = "launch.json"
@@ -155,58 +157,6 @@ class Status(TypedDict):
     """OOM kills in the shim's memory cgroup during the run; None without one."""
 
 
-class ObservedGpu(TypedDict):
-    """The tree's memory on one GPU, with the device's own figures (NVML index order)."""
-
-    index: int
-    name: str | None
-    uuid: str | None
-    memory_bytes: int
-    used_bytes: int
-    total_bytes: int
-
-
-class Observed(TypedDict):
-    """One line of `observed.jsonl`: the job as its shim saw it at `t`. The tree is the
-    shim's descendants (the worker and what it spawned; the shim itself, whose own work
-    includes taking these readings, is left out, but `cpu_time_s` counts what the shim
-    reaped: the worker's and adopted orphans' time once they ended)."""
-
-    seq: int
-    """1, 2, ... per shim: a gap is a reading that could not be written."""
-    t: float
-    """The node's wall clock (seconds since the epoch) when the reading was taken."""
-    node: str
-    """The node's host name."""
-    interval_s: float
-    status: str | None
-    """The worker's process state (running, sleeping, ...); None once it is gone."""
-    num_procs: int
-    num_threads: int
-    cpu_time_s: float
-    """Cumulative CPU seconds of the tree, with its reaped children."""
-    rss_bytes: int
-    read_bytes: int
-    write_bytes: int
-    gpu_memory_bytes: int | None
-    """None: GPU reading off, or NVML absent or failing on the node."""
-    gpu_devices: list[ObservedGpu] | None
-    files: int | None
-    """Items under `Observe.output_dir` matching its pattern; None without a scan."""
-    bytes_written: int | None
-    waiting: int
-    """Output files still settling that this scan did not stat."""
-    disk_free_bytes: int | None
-    """Free bytes for unprivileged writers on the output (else cwd) filesystem."""
-    disk_total_bytes: int | None
-    disk_device: int | None
-    """That filesystem's device number on the node (`st_dev`)."""
-    final: bool
-    """Taken after the worker ended, every settling file statted."""
-    error: str | None
-    """What part of the reading failed (its figures are then zero or None)."""
-
-
 @dataclass(frozen=True)
 class WorkerInfo:
     """`worker.json` as read back."""
@@ -230,19 +180,6 @@ class ExitStatus:
     spawn_error: str | None
     oom_kills: int | None = None
     """OOM kills in the shim's cgroup during the run (None: no readable cgroup)."""
-
-
-def _whole(value: Any) -> int | None:
-    return value if isinstance(value, int) and not isinstance(value, bool) else None
-
-
-def _number(value: Any) -> float | None:
-    return (float(value) if isinstance(value, int | float) and not isinstance(value, bool)
-            else None)
-
-
-def _text(value: Any) -> str | None:
-    return value if isinstance(value, str) else None
 
 
 def _observe(value: Any) -> Observe | None:
@@ -282,65 +219,6 @@ def read_launch(adir: str | os.PathLike[str]) -> Launch | None:
     if observe is not None:
         launch["observe"] = observe
     return launch
-
-
-def parse_observed(line: bytes) -> Observed | None:
-    """One line of `observed.jsonl`, None unless it is a JSON object with a sequence
-    number, a time and a node (a torn or foreign line). Fields of the wrong type or out
-    of range (negative, NaN, beyond what a database column holds) read as zero or None:
-    the job's node writes this file, and one bad figure must not fail the tick's insert
-    of every job's samples."""
-    try:
-        data = json.loads(line)
-    except ValueError:
-        return None
-    if not isinstance(data, dict):
-        return None
-    seq, t, node = _size(data.get("seq")), _finite(data.get("t")), _text(data.get("node"))
-    if seq is None or t is None or node is None:
-        return None
-    devices = data.get("gpu_devices")
-    gpus = None if not isinstance(devices, list) else [
-        ObservedGpu(index=_count(d.get("index")) or 0, name=_text(d.get("name")),
-                    uuid=_text(d.get("uuid")), memory_bytes=_size(d.get("memory_bytes")) or 0,
-                    used_bytes=_size(d.get("used_bytes")) or 0,
-                    total_bytes=_size(d.get("total_bytes")) or 0)
-        for d in devices if isinstance(d, dict)]
-    return Observed(
-        seq=seq, t=t, node=node[:255], interval_s=_finite(data.get("interval_s")) or 2.0,
-        status=(_text(data.get("status")) or "")[:32] or None,
-        num_procs=_count(data.get("num_procs")) or 0,
-        num_threads=_count(data.get("num_threads")) or 0,
-        cpu_time_s=_finite(data.get("cpu_time_s")) or 0.0,
-        rss_bytes=_size(data.get("rss_bytes")) or 0,
-        read_bytes=_size(data.get("read_bytes")) or 0,
-        write_bytes=_size(data.get("write_bytes")) or 0,
-        gpu_memory_bytes=_size(data.get("gpu_memory_bytes")), gpu_devices=gpus,
-        files=_count(data.get("files")), bytes_written=_size(data.get("bytes_written")),
-        waiting=_count(data.get("waiting")) or 0,
-        disk_free_bytes=_size(data.get("disk_free_bytes")),
-        disk_total_bytes=_size(data.get("disk_total_bytes")),
-        disk_device=_size(data.get("disk_device")), final=data.get("final") is True,
-        error=(_text(data.get("error")) or "")[:300] or None)
-
-
-def _count(value: Any) -> int | None:
-    """A count the job's node wrote: an int in [0, 2**31), else None (a database int4)."""
-    whole = _whole(value)
-    return whole if whole is not None and 0 <= whole < 2**31 else None
-
-
-def _size(value: Any) -> int | None:
-    """A byte figure or id the job's node wrote: an int in [0, 2**63), else None."""
-    whole = _whole(value)
-    return whole if whole is not None and 0 <= whole < 2**63 else None
-
-
-def _finite(value: Any) -> float | None:
-    """A time or duration the job's node wrote: a finite number >= 0, else None (NaN
-    would be NULL in a NOT NULL column and fail the tick's whole insert)."""
-    number = _number(value)
-    return number if number is not None and math.isfinite(number) and number >= 0 else None
 
 
 def read_claim(adir: str | os.PathLike[str]) -> Claim | None:

@@ -1,0 +1,230 @@
+"""The per-job state checks of the tick (`JobChecks`, a part of the `Engine`): a running
+job's exit, its shim and worker, a launch cut short or a vanished process, the stop it
+was asked for (SIGTERM, then the backstop's SIGKILL) and, once it ended, the lifecycle's
+decision on what follows (`_finish`); a pending job's dependencies and its launch. The
+tick that runs them, and the engine's loop, are `loop.py`'s.
+"""
+
+from __future__ import annotations
+
+import errno
+import logging
+
+from sqlalchemy.orm import Session
+
+from supervisor.alerting import rules
+from supervisor.daemon import lifecycle
+from supervisor.daemon.engine_base import EngineBase
+from supervisor.runtime.fileio import tail_lines
+from supervisor.runtime.launcher import (
+    Attempt,
+    ExitStatus,
+    LaunchDeferred,
+    LaunchFate,
+    ShimState,
+    log_path,
+)
+from supervisor.runtime.procfs import start_ticks_of
+from supervisor.spec import ExitReason, JobSpec, JobState, stored_spec
+from supervisor.storage import store
+from supervisor.storage.tables import Job
+
+log = logging.getLogger(__name__)
+
+
+LAUNCH_CONFIRM_S = 10.0
+"""A launch recorded in the DB whose shim left no trace after this many seconds is
+settled through the attempt's claim file (`Backend.settle_launch`): launched again if
+the daemon can claim it, else waited for (its shim is starting) or lost."""
+
+STOP_BACKSTOP_S = 5.0
+"""Seconds past a job's stop grace after which the daemon SIGKILLs the job itself."""
+
+LAUNCH_RETRY_S = 10.0
+"""Seconds before a launch that failed for lack of space in the data dir, or that the
+backend deferred (`LaunchDeferred`), is tried again."""
+
+LOG_TAIL_LINES = 20
+"""Log lines searched for known crash causes."""
+
+class JobChecks(EngineBase):
+    """Each running and pending job's state, checked once a tick."""
+
+    def _check_running(self, session: Session, job: Job, now: float) -> None:
+        attempt, backend = self._attempt(job), self.backend_for(job)
+        if job.shim_pid is None and attempt.shim_pid is not None:
+            store.record_shim(job, attempt)
+        # the worker's file is read while its pid is unknown, else only where it is used
+        # (a running job's shim alive and not stopped: most jobs, most ticks; #15)
+        pid_known = job.pid is not None
+        worker = None if pid_known else backend.read_worker(attempt)
+        if worker is not None:
+            store.record_worker(job, worker)
+
+        # a running shim has not recorded an exit yet (or has just done so: then the
+        # exit watcher wakes the next tick as it ends), so its status file is not read
+        shim = backend.shim_state(attempt)
+        status = None if shim is ShimState.RUNNING else backend.read_exit(attempt)
+        if status is not None:
+            backend.forget(attempt)
+            self._finish(session, job, status, now)
+            return
+
+        if job.stop_requested_at is None and self._served_its_purpose(session, job):
+            store.stop_when_served(job, now=now)
+        if job.stop_requested_at is not None:
+            self._stop_running(job, attempt, now)
+
+        if shim is not ShimState.GONE:
+            if (job.shim_start_ticks is None and attempt.shim_pid is not None
+                    and backend.observes_locally):
+                # a shim started before start ticks were recorded, matched by its create
+                # time this once: from now on by its start ticks (immune to clock steps)
+                job.shim_start_ticks = start_ticks_of(attempt.shim_pid)
+            if shim is ShimState.RUNNING:
+                self._shims_seen_alive[job.id] = attempt  # its reading needs no new look
+                note = backend.status_note(attempt)  # a scheduler's queue, and why
+                if note is not None and note != job.reason:
+                    job.reason = note
+                return
+            if pid_known:
+                worker = backend.read_worker(attempt)
+            if worker is None or not backend.worker_alive(worker):
+                # a stopped shim cannot reap the worker nor record its exit: continue it
+                log.warning("job %s: its shim (pid %s) was stopped (SIGSTOP) after the "
+                            "worker ended; continuing it (SIGCONT)", job.id, attempt.shim_pid)
+                backend.resume_shim(attempt)
+            return
+        if pid_known:
+            worker = backend.read_worker(attempt)
+        if worker is not None and backend.worker_alive(worker):
+            # the shim died but the job runs on: watch the worker itself, so its end
+            # is noticed at once (the watcher ignores a pid it already watches)
+            backend.watch(attempt, worker)
+            return
+        status = backend.read_exit(attempt)  # the shim may have just finished
+        if status is not None:
+            self._finish(session, job, status, now)
+        elif worker is None:
+            # no worker was ever started: a launch cut short (the daemon died before it
+            # recorded the shim, or the shim exited before claiming, e.g. on a full disk
+            # where it could not reserve its status file). The claim file settles it; a
+            # shim known to be dead needs no waiting
+            if attempt.shim_pid is not None or now - (job.started_at or now) > LAUNCH_CONFIRM_S:
+                fate = backend.settle_launch(attempt)
+                if fate is not LaunchFate.WAIT:
+                    self._apply(session, job, lifecycle.launch_cut_short(
+                        shim_recorded=attempt.shim_pid is not None,
+                        abandoned=fate is LaunchFate.ABANDONED), at=now, now=now)
+        else:
+            self._apply(session, job, lifecycle.vanished(
+                stop_requested=job.stop_requested_at is not None,
+                shim_recorded=attempt.shim_pid is not None), at=now, now=now)
+
+    @staticmethod
+    def _served_its_purpose(session: Session, job: Job) -> bool:
+        """All the jobs of its `stop_when_ended` have ended."""
+        waited_for = stored_spec(job.spec_json).stop_when_ended
+        if not waited_for:
+            return False
+        states = [session.get(Job, job_id, populate_existing=True) for job_id in waited_for]
+        return all(other is None or JobState(other.state).ended for other in states)
+
+    def _stop_running(self, job: Job, attempt: Attempt, now: float) -> None:
+        key, backend = (job.id, job.attempt), self.backend_for(job)
+        worker = backend.read_worker(attempt)
+        if key not in self._stop_sent:
+            self._stop_sent.add(key)
+            log.info("job %s: stopping (SIGTERM, SIGKILL after %.0f s)", job.id,
+                     self._grace(job))
+            backend.request_stop(attempt, worker)
+        elif (key not in self._killed and job.stop_requested_at is not None
+              and now - job.stop_requested_at > self._grace(job) + STOP_BACKSTOP_S):
+            self._killed.add(key)
+            log.warning("job %s: still running %.0f s after stop; SIGKILL", job.id,
+                        now - job.stop_requested_at)
+            backend.kill(attempt, worker)
+
+    def _finish(self, session: Session, job: Job, status: ExitStatus, now: float) -> None:
+        """Record the exit and apply what the lifecycle decides follows it: ended, or
+        pending again for a restart."""
+        store.record_exit(job, exit_code=status.exit_code, signal=status.signal)
+        # the shim's wall-clock time; never later than the daemon's own clock (a system
+        # clock stepped forward must not push the end, and the alerts' windows, ahead)
+        ended_at = min(status.ended_at, now)
+        stop_requested = job.stop_requested_at is not None or status.stop_requested
+        failed = not stop_requested and (status.exit_code != 0 or bool(status.spawn_error))
+        notes: str | None = None
+        oom: str | None = None
+        if failed:  # what the log tail and the exit tell (NCCL, CUDA OOM, the rank)
+            lines, _ = tail_lines(log_path(self.settings.jobs_dir, job.id, job.attempt),
+                                  LOG_TAIL_LINES)
+            notes, oom = rules.classify_exit(exit_code=status.exit_code, signal=status.signal,
+                                              oom_kills=status.oom_kills or 0, log_tail=lines)
+        stopped_by = ("SIGKILL after the grace" if status.killed_after_grace else
+                      "SIGKILL by the daemon's backstop"
+                      if (job.id, job.attempt) in self._killed else "SIGTERM")
+        stop_cause = ("because the jobs it served have ended"
+                      if stop_requested and self._served_its_purpose(session, job)
+                      else "because the daemon is exiting (--stop-jobs-on-exit)"
+                      if job.id in self._stopped_for_exit else "on request")
+        spec = stored_spec(job.spec_json)
+        decision = lifecycle.after_exit(
+            lifecycle.Exit(status.exit_code, status.signal, spawn_error=status.spawn_error,
+                           stop_requested=stop_requested, stopped_by=stopped_by,
+                           stop_cause=stop_cause, oom=oom is not None, notes=notes or None,
+                           scheduler_end=self.backend_for(job).scheduler_end(
+                               self._attempt(job))),
+            lifecycle.Restarts(spec.restart_policy, done=job.restarts, limit=spec.max_restarts,
+                               backoff_s=self.settings.restart_backoff_s,
+                               backoff_max_s=self.settings.restart_backoff_max_s))
+        self._apply(session, job, decision, at=ended_at, now=now)
+
+    def _check_pending(self, session: Session, job: Job, now: float) -> None:
+        if self._exiting:  # the daemon is stopping its jobs: start none
+            return
+        spec = stored_spec(job.spec_json)
+        dependencies = []
+        for dep_id in spec.depends_on:
+            dep = session.get(Job, dep_id, populate_existing=True)
+            dependencies.append(lifecycle.Dependency(
+                dep_id, dep.name if dep is not None else "?",
+                JobState(dep.state) if dep is not None else JobState.LOST))
+        decision = lifecycle.before_start(stop_requested=job.stop_requested_at is not None,
+                                          dependencies=dependencies)
+        if decision is not None:
+            self._apply(session, job, decision, at=now, now=now)
+            return
+        if not lifecycle.dependencies_met(dependencies):
+            return
+        if job.next_start_at is not None and now < job.next_start_at:
+            return
+        self._launch(session, job, spec, now)
+
+    def _launch(self, session: Session, job: Job, spec: JobSpec, now: float) -> None:
+        """Record the attempt first, then start it: a daemon crash between the two
+        leaves a `running` row the next daemon can settle, never a job started twice."""
+        store.start_attempt(session, job, now=now)
+        session.commit()
+        try:
+            attempt = self.backend_for(job).start(job.id, job.attempt, spec,
+                                         cwd=spec.cwd or ".",
+                                         stop_grace_s=spec.stop_grace_s
+                                         or self.settings.stop_grace_s)
+        except OSError as exc:
+            if isinstance(exc, LaunchDeferred):  # e.g. SLURM's controller not answering
+                store.transition(session, job, JobState.PENDING, now=now,
+                                 reason=f"{exc}; next try in {LAUNCH_RETRY_S:.0f} s",
+                                 retry_at=now + LAUNCH_RETRY_S)
+                return
+            if exc.errno in (errno.ENOSPC, errno.EDQUOT):  # the data dir's disk is full
+                store.transition(session, job, JobState.PENDING, now=now,
+                                 reason=f"waiting for space in the data dir to launch "
+                                        f"({exc.strerror}); next try in {LAUNCH_RETRY_S:.0f} s",
+                                 retry_at=now + LAUNCH_RETRY_S)
+                return
+            store.transition(session, job, JobState.FAILED, now=now,
+                             reason=f"could not start the job's shim: {exc}",
+                             exit_reason=ExitReason.EXIT)
+            return
+        store.record_shim(job, attempt)

@@ -1,0 +1,263 @@
+"""Rebuilding the jobs from the data dir, for a database that lost them.
+
+Every job leaves a directory behind, `DATA_DIR/jobs/ID/`: its record (`job.json`,
+written at submit, before the `201`) and one directory per attempt with the files of
+its launch, its shim, its worker and its exit (`launch.json`, `shim.json`,
+`worker.json`, `status.json`; named, and read, by `runtime/files.py`). From these alone
+each job is recreated: its spec, and its state from its newest attempt. A job still
+running is recreated `running` with its shim's and worker's identities, so the engine
+re-adopts it as after any restart; one that ended gets its exit as the engine would
+have classified it. When a rebuild happens is `recovery.py`'s business.
+
+What a rebuild cannot bring back: samples, alerts, notifications and the event
+history; the exact restart count (taken from the attempt number); for a job submitted
+before job records existed, all of its spec but argv, cwd, env and stop grace.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shlex
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from sqlalchemy import select
+from sqlalchemy.orm import Session
+
+from supervisor.alerting import rules
+from supervisor.daemon.lifecycle import signal_name
+from supervisor.daemon.loop import LOG_TAIL_LINES
+from supervisor.observe.progress_file import from_progress_file
+from supervisor.observe.view import ProgressRecord, progress_json
+from supervisor.runtime import files
+from supervisor.runtime.fileio import read_json, tail_lines
+from supervisor.runtime.launcher import (
+    attempt_dir,
+    log_path,
+    progress_path,
+    worker_group_alive,
+)
+from supervisor.runtime.procfs import is_same_process
+from supervisor.runtime.slurm import SLURM_FILE
+from supervisor.spec import (
+    ExitReason,
+    JobSpec,
+    JobState,
+    RestartPolicy,
+    stored_spec,
+)
+from supervisor.storage import store
+from supervisor.storage.store import JOB_RECORD
+from supervisor.storage.tables import Job
+
+log = logging.getLogger(__name__)
+
+
+REBUILT = "rebuilt from the data dir after the database was lost"
+"""The start of the reason of the one event a rebuilt job has."""
+
+LAUNCH_ENV = frozenset({"JOBSUP_JOB_ID", "JOBSUP_ATTEMPT", "JOBSUP_PROGRESS_FILE",
+                        "PYTHONUNBUFFERED"})
+"""What `launcher.job_environment` adds to every job: not part of its spec."""
+
+@dataclass
+class RebuildSummary:
+    states: Counter[str] = field(default_factory=Counter)
+    skipped: list[str] = field(default_factory=list)
+    """Directories nothing could be rebuilt from."""
+    from_launch: int = 0
+    """Jobs without a `job.json` (submitted before it existed), rebuilt from launch.json."""
+
+    @property
+    def rebuilt(self) -> int:
+        return sum(self.states.values())
+
+    @property
+    def running(self) -> int:
+        return self.states[JobState.RUNNING.value]
+
+
+# -- rebuilding ---------------------------------------------------------------------
+
+
+def job_dirs(jobs_dir: Path) -> list[Path]:
+    """The job directories under `jobs_dir` (dot-directories and files ignored)."""
+    try:
+        entries = list(os.scandir(jobs_dir))
+    except (FileNotFoundError, NotADirectoryError):
+        return []
+    return sorted(Path(e.path) for e in entries
+                  if e.is_dir(follow_symlinks=False) and not e.name.startswith("."))
+
+
+def attempt_numbers(jdir: Path) -> list[int]:
+    numbers = []
+    for entry in os.scandir(jdir):
+        prefix, _, number = entry.name.partition("-")
+        if prefix == "attempt" and number.isdigit() and entry.is_dir(follow_symlinks=False):
+            numbers.append(int(number))
+    return sorted(numbers)
+
+
+def rebuild(session: Session, jobs_dir: Path, now: float) -> RebuildSummary:
+    """Recreate a Job row (and one JobEvent) for each job directory the database does
+    not know; the caller commits. A directory that holds neither a job record nor an
+    attempt's launch file is skipped with a warning."""
+    summary = RebuildSummary()
+    known = set(session.scalars(select(Job.id)))
+    for jdir in job_dirs(jobs_dir):
+        job_id = jdir.name
+        if len(job_id) > 32 or job_id in known:
+            continue
+        try:
+            rebuilt = _rebuild_job(jobs_dir, jdir, now)
+        except Exception as exc:  # one odd directory must not keep the daemon from starting
+            rebuilt = f"{type(exc).__name__}: {exc}"
+        if isinstance(rebuilt, str):
+            log.warning("job %s: not rebuilt from %s (%s)", job_id, jdir, rebuilt)
+            summary.skipped.append(job_id)
+            continue
+        job, event_reason, from_launch = rebuilt
+        store.restore_job(session, job, reason=event_reason, now=now)
+        summary.states[job.state] += 1
+        summary.from_launch += from_launch
+        log.info("job %s rebuilt: %s (%s)", job.id, job.state, job.reason or "")
+    session.flush()
+    return summary
+
+
+def _rebuild_job(jobs_dir: Path, jdir: Path, now: float) -> tuple[Job, str, bool] | str:
+    """(the job, its event's reason, whether its spec came from a launch.json), or why
+    nothing can be rebuilt."""
+    numbers = attempt_numbers(jdir)
+    record = read_json(jdir / JOB_RECORD)
+    from_launch = not (isinstance(record, dict) and isinstance(record.get("spec"), dict))
+    if not from_launch:
+        assert isinstance(record, dict)
+        spec = stored_spec(json.dumps(record["spec"]))  # lenient: an older daemon wrote it
+        created_at = float(record.get("created_at") or _mtime(jdir / JOB_RECORD, now))
+        source = JOB_RECORD
+    else:
+        found = _spec_from_launch(jobs_dir, jdir.name, numbers)
+        if found is None:
+            return f"neither {JOB_RECORD} nor an attempt's launch.json"
+        spec, created_at = found
+        source = "launch.json: no job.json, so its name, output and restart policy are unknown"
+
+    job = Job(id=jdir.name, name=spec.name, spec_json=spec.model_dump_json(),
+              state=JobState.PENDING.value, created_at=created_at, attempt=0, restarts=0)
+    if numbers:
+        state, reason = _from_attempt(jobs_dir, job, spec, numbers[-1], now)
+    else:
+        state, reason = JobState.PENDING, "not started yet"
+    job.state, job.reason = state.value, reason
+    progress = from_progress_file(progress_path(jobs_dir, job.id))
+    if progress is not None:
+        job.progress_json = progress_json(ProgressRecord(
+            items_done=progress.items_done,
+            items_total=progress.items_total or spec.expected_items,
+            source="progress_file", metrics=progress.metrics))
+    return job, f"{REBUILT} (from {source}): {reason}", from_launch
+
+
+def _spec_from_launch(jobs_dir: Path, job_id: str,
+                      numbers: list[int]) -> tuple[JobSpec, float] | None:
+    """A job submitted before job records existed: argv, cwd, env and stop grace from
+    its newest launch.json; its env without what the launcher adds and without what
+    this daemon's environment holds alike (inherited, not asked for)."""
+    for number in reversed(numbers):
+        launch = files.read_launch(attempt_dir(jobs_dir, job_id, number))
+        if launch is None:
+            continue
+        argv = launch["argv"]
+        env = {k: v for k, v in launch["env"].items()
+               if k not in LAUNCH_ENV and os.environ.get(k) != v}
+        spec = JobSpec(name=shlex.join(argv)[:128] or "job", command=argv,
+                       cwd=launch["cwd"], env=env, stop_grace_s=launch["stop_grace_s"])
+        first = attempt_dir(jobs_dir, job_id, numbers[0]) / files.LAUNCH
+        return spec, _mtime(first, _mtime(first.parent, time.time()))
+    return None
+
+
+def _from_attempt(jobs_dir: Path, job: Job, spec: JobSpec, number: int,
+                  now: float) -> tuple[JobState, str]:
+    """Fill the job's attempt, processes and exit from attempt `number`'s files."""
+    adir = attempt_dir(jobs_dir, job.id, number)
+    job.attempt = number
+    job.restarts = (min(number - 1, spec.max_restarts)
+                    if spec.restart_policy is RestartPolicy.ON_FAILURE else 0)
+    shim, worker = files.read_shim(adir), files.read_worker(adir)
+    if worker is not None:
+        store.record_worker(job, worker)
+    job.started_at = (worker.started_at if worker is not None and worker.started_at
+                      else _mtime(adir / files.LAUNCH, _mtime(adir, now)))
+    if shim is not None:
+        job.shim_pid, job.shim_create_time = shim["pid"], shim["create_time"]
+        job.shim_start_ticks = shim.get("start_ticks")
+
+    started = f"started (attempt {number})"
+    if (adir / SLURM_FILE).exists():
+        # a SLURM attempt: its shim and worker are not this machine's processes, and its
+        # end may be SLURM's (a time limit, a cancel); the engine asks the scheduler
+        return JobState.RUNNING, (f"{started} in SLURM; re-adopted after the database was "
+                                  "rebuilt")
+    status = files.read_exit(adir)
+    if status is not None:
+        return _ended(jobs_dir, job, spec, status, now)
+    if is_same_process(job.shim_pid, job.shim_create_time, job.shim_start_ticks):
+        return JobState.RUNNING, f"{started}; re-adopted after the database was rebuilt"
+    if worker is not None and worker_group_alive(worker):
+        return JobState.RUNNING, (f"{started}; its shim is gone, its worker re-adopted after "
+                                  "the database was rebuilt")
+    if shim is None and worker is None:
+        # launched just before the database was lost: the engine settles the launch
+        # through the attempt's claim file (launched again, waited for, or lost)
+        return JobState.RUNNING, f"{started} just before the database was lost"
+    job.exit_reason, job.ended_at = ExitReason.LOST.value, now
+    return JobState.LOST, ("its processes vanished without recording an exit status (found "
+                           "when the database was rebuilt)")
+
+
+def _ended(jobs_dir: Path, job: Job, spec: JobSpec, status: files.ExitStatus,
+           now: float) -> tuple[JobState, str]:
+    """engine._finish's classification of a recorded exit, from status.json."""
+    exit_code, sig, spawn_error = status.exit_code, status.signal, status.spawn_error
+    job.exit_code, job.signal, job.ended_at = exit_code, sig, status.ended_at
+    if status.stop_requested:
+        job.exit_reason = ExitReason.STOPPED.value
+        how = "SIGKILL after the grace" if status.killed_after_grace else "SIGTERM"
+        return JobState.STOPPED, f"stopped on request ({how})"
+    if exit_code == 0 and not spawn_error:
+        job.exit_reason = ExitReason.EXIT.value
+        return JobState.SUCCEEDED, "exited with code 0"
+    if spawn_error:
+        job.exit_reason, reason = ExitReason.EXIT.value, spawn_error
+    elif sig is not None:
+        job.exit_reason = ExitReason.SIGNAL.value
+        reason = f"killed by signal {sig} ({signal_name(sig)})"
+    else:
+        job.exit_reason, reason = ExitReason.EXIT.value, f"exited with code {exit_code}"
+    lines, _ = tail_lines(log_path(jobs_dir, job.id, job.attempt), LOG_TAIL_LINES)
+    notes, oom = rules.classify_exit(exit_code=exit_code, signal=sig,
+                                      oom_kills=status.oom_kills or 0,
+                                      log_tail=lines)
+    if oom:
+        job.exit_reason = ExitReason.OOM.value
+    if notes:
+        reason = f"{reason} — {notes}"
+    if spec.restart_policy is RestartPolicy.ON_FAILURE and job.restarts < spec.max_restarts:
+        job.restarts += 1
+        job.next_start_at, job.ended_at = now, None
+        return JobState.PENDING, f"{reason}; restart {job.restarts}/{spec.max_restarts}"
+    return JobState.FAILED, reason
+
+
+def _mtime(path: Path, default: float) -> float:
+    try:
+        return path.stat().st_mtime
+    except OSError:
+        return default
