@@ -67,6 +67,11 @@ EXPECTED_ITEMS = 3600
 
 JOB_SCRIPT = r"""
 kind=$1 out=$2 total=$3 i=0
+while [ "$i" -lt "${4:-0}" ]; do  # --prefill: the files and log lines of a job begun earlier
+  i=$((i + 1))
+  printf 'item %d\n' "$i" > "$out/item_$i.txt"
+  case $kind in log) echo "step $i/$total" ;; files) echo "wrote item_$i.txt" ;; esac
+done
 while :; do
   i=$((i + 1))
   printf 'item %d\n' "$i" > "$out/item_$i.txt"
@@ -170,16 +175,17 @@ class Daemon:
         return self.proc.returncode
 
 
-def submit_jobs(daemon: Daemon, count: int, job_ids: list[str]) -> None:
+def submit_jobs(daemon: Daemon, count: int, job_ids: list[str], prefill: int = 0) -> None:
     """Submit `count` jobs into `job_ids` (appended one by one, so a failure still cleans
-    up what was submitted)."""
+    up what was submitted); each starts with `prefill` items written at once."""
     for index in range(count):
         kind = PROGRESS_KINDS[index % len(PROGRESS_KINDS)]
         out = daemon.data_dir / "outputs" / f"job{index:03d}"
         out.mkdir(parents=True, exist_ok=True)
         spec = {
             "name": f"load-{kind}-{index:03d}",
-            "command": ["sh", "-c", JOB_SCRIPT, "job", kind, str(out), str(EXPECTED_ITEMS)],
+            "command": ["sh", "-c", JOB_SCRIPT, "job", kind, str(out), str(EXPECTED_ITEMS),
+                        str(prefill)],
             "output_dir": str(out), "pattern": "*.txt", "expected_items": EXPECTED_ITEMS,
             "stop_grace_s": 5, "labels": {"bench": "load", "progress": kind},
         }
@@ -544,7 +550,9 @@ def render(args: argparse.Namespace, windows: list[Window], stats: dict[str, Rou
         f"`bench/load.py` starts a real daemon (temp data dir, `JOBSUP_SAMPLE_INTERVAL="
         f"{args.interval:g}`) and submits {args.jobs} jobs that run until stopped: each a",
         "`sh` loop writing one small file a second into its own `output_dir` (`pattern`, "
-        f"`expected_items={EXPECTED_ITEMS}` set),",
+        f"`expected_items={EXPECTED_ITEMS}` set)"
+        + (f", after {args.prefill} items written at once (as if it had run "
+           f"{args.prefill} s)," if args.prefill else ","),
         "reporting progress by turns through `$JOBSUP_PROGRESS_FILE`, a bare `n/total` log "
         "line, or the files alone.",
         "Once all run and count items, it measures two windows: **idle**, "
@@ -642,6 +650,9 @@ def on_signal(signum: int, frame: FrameType | None) -> None:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--jobs", type=int, default=100)
+    parser.add_argument("--prefill", type=int, default=0, metavar="N",
+                        help="each job first writes N items (files, and log lines) at once: "
+                             "jobs measured as if they had run N seconds, not one minute")
     parser.add_argument("--clients", type=int, default=20)
     parser.add_argument("--seconds", type=float, default=60, help="the load window")
     parser.add_argument("--idle-seconds", type=float, default=20, help="the window without clients")
@@ -677,7 +688,7 @@ def main() -> int:
         daemon.start()
         print(f"daemon pid {daemon.proc.pid if daemon.proc else '?'} on {daemon.url}, "
               f"data dir {data_dir}", flush=True)
-        submit_jobs(daemon, args.jobs, job_ids)
+        submit_jobs(daemon, args.jobs, job_ids, args.prefill)
         wait_all_running(daemon, args.jobs)
         print(f"{args.jobs} jobs running; settling {args.settle_seconds:g} s", flush=True)
         time.sleep(args.settle_seconds)

@@ -50,12 +50,12 @@ def test_a_watched_tree_costs_no_stat_and_no_listing_until_it_changes(
     assert kernel_watches(watcher) == 11
     idle = scanner.scan(LATER)
     assert (idle.files, idle.bytes) == (first.files, first.bytes)
-    assert (idle.dirs_statted, idle.dirs_listed, idle.files_statted) == (0, 0, 0)
+    assert (idle.dirs_statted, idle.dirs_listed, idle.files_statted) == (1, 0, 0)  # the root
 
     write(tmp_path / "rows_1500-2000" / "item_new.safetensors", 9)  # no wait: no ctime race
     grown = scanner.scan(LATER)
     assert (grown.files, grown.bytes) == (5001, first.bytes + 9)
-    assert (grown.dirs_statted, grown.dirs_listed, grown.files_statted) == (0, 0, 1)
+    assert (grown.dirs_statted, grown.dirs_listed, grown.files_statted) == (1, 0, 1)
 
 
 def test_every_kind_of_change_is_seen(tmp_path: Path, watcher: DirWatcher) -> None:
@@ -135,13 +135,17 @@ def test_a_lost_queue_lists_everything_again(tmp_path: Path, watcher: DirWatcher
     queued = int(Path("/proc/sys/fs/inotify/max_queued_events").read_text())
     if queued > 40_000:
         pytest.skip(f"max_queued_events is {queued}: too many files to overflow it here")
+    write(tmp_path / "settled.bin", 5)
     scanner = OutputScanner(str(tmp_path), watcher=watcher)
     scanner.scan(LATER)
     for index in range(queued + 100):  # two events each (create, close_write)
         (tmp_path / f"f{index}").touch()
+    with (tmp_path / "settled.bin").open("ab") as handle:  # its close: past the queue
+        handle.write(b"in place")
     result = scanner.scan(LATER)
     assert result.dirs_listed == 1
-    assert result.files == queued + 100
+    assert result.files == queued + 101
+    assert same_totals(result, tmp_path)  # the rewrite in place too: every file statted
 
 
 def test_watches_end_with_the_scanner_and_are_shared(tmp_path: Path,
@@ -160,14 +164,16 @@ def test_watches_end_with_the_scanner_and_are_shared(tmp_path: Path,
     assert kernel_watches(watcher) == 0
 
 
-def test_the_final_scan_does_not_trust_the_watches(tmp_path: Path,
-                                                   watcher: DirWatcher) -> None:
+def test_a_closed_scanner_lists_and_watches_nothing_again(tmp_path: Path,
+                                                           watcher: DirWatcher) -> None:
     scanner = OutputScanner(str(tmp_path), watcher=watcher)
     write(tmp_path / "a.bin", 1)
     scanner.scan(LATER)
     scanner.close()  # e.g. closed while the final reading was queued
+    assert kernel_watches(watcher) == 0
     write(tmp_path / "b.bin", 2)
     assert (scanner.scan(LATER, final=True).files, scanner.scan(LATER).files) == (2, 2)
+    assert kernel_watches(watcher) == 0  # no watch taken again, none leaked
 
 
 def test_only_local_filesystems_are_watched() -> None:
@@ -213,3 +219,19 @@ def test_a_closed_file_is_statted_once_an_open_one_until_its_close(
     closed = scanner.scan(now + 6)  # the close: statted, settled
     assert (closed.bytes, closed.files_statted, closed.waiting) == (35, 1, 0)
     assert scanner.scan(now + 60).files_statted == 0
+
+
+def test_a_root_whose_parent_is_replaced_is_found_again(tmp_path: Path,
+                                                        watcher: DirWatcher) -> None:
+    """A watch follows its directory: `mv run run.old; mkdir -p run/out` leaves it on the
+    old one. The root's path is statted each scan, so the new directory is found."""
+    root = tmp_path / "run" / "out"
+    write(root / "a.bin", 1)
+    scanner = OutputScanner(str(root), watcher=watcher)
+    assert scanner.scan(LATER).files == 1
+    os.rename(tmp_path / "run", tmp_path / "run.old")
+    write(root / "b.bin", 2)
+    write(root / "c.bin", 3)
+    assert same_totals(scanner.scan(LATER), root)
+    write(root / "d.bin", 4)  # the new root is watched
+    assert same_totals(scanner.scan(LATER), root)

@@ -339,6 +339,9 @@ def test_a_log_followed_tick_after_tick_reads_as_a_fresh_look(tmp_path: Path) ->
             path.write_bytes(b"fresh start\n")
         elif round_ % 131 == 130:  # cut in place
             path.write_bytes(path.read_bytes()[: rng.randint(0, 100)])
+        elif round_ % 61 == 60:  # cut in place and grown again past the last read
+            kept = path.read_bytes()[: rng.randint(0, 100)]
+            path.write_bytes(kept + b"epoch [3/9] " + b"x" * path.stat().st_size)
         else:
             count = 500 if round_ % 50 == 25 else rng.choice([1, 1, 2, 5, 3])  # 500: ~20 KiB
             with path.open("ab") as handle:

@@ -481,3 +481,23 @@ def record_and_sample(sampler: Sampler, targets: list[TreeTarget]) -> list[tuple
     finally:
         stop_recording()
     return accesses
+
+
+def test_a_process_whose_parent_was_not_read_is_not_set_aside() -> None:
+    """A process is a stranger for good only when its whole ancestry was seen: with its
+    parent gone before its read (the child then moves to the job's shim, a subreaper), it
+    is read again next pass, never skipped."""
+    from supervisor.observe.sampler import ProcessScan, ProcessTable
+
+    def proc(pid: int, ppid: int) -> procfs.ProcStat:
+        raw = f"{pid} (x) S {ppid} {pid} {pid} 0 -1 0 0 0 0 0 1 1 0 0 20 0 1 0 100 0 10"
+        stat = procfs.parse_stat(raw.encode())
+        assert stat is not None and (stat.pid, stat.ppid) == (pid, ppid)
+        return stat
+
+    table = ProcessTable()
+    for pid, ppid in [(1, 0), (10, 1), (11, 10), (30, 20)]:
+        table.add(proc(pid, ppid))
+    assert ProcessScan._stranger(11, table, {}, {}) is True  # 11 -> 10 -> 1 -> 0: all read
+    assert ProcessScan._stranger(30, table, {}, {}) is False  # its parent 20 was not read
+    assert ProcessScan._stranger(30, table, {20: 4711}, {}) is True  # 20: a known stranger

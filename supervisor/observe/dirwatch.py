@@ -136,14 +136,19 @@ class DirWatcher:
             return None
 
     def is_local(self, dev: int) -> bool:
-        if dev not in self._devices:  # a mount we have not seen: read the table again
-            try:
-                with open("/proc/self/mountinfo", encoding="utf-8", errors="replace") as f:
-                    self._devices = local_devices(f.read())
-            except OSError:
-                pass
-            self._devices.setdefault(dev, False)
-        return self._devices[dev]
+        """Whether the filesystem of device `dev` is one of `LOCAL_FILESYSTEMS`."""
+        with self._lock:
+            devices = self._devices
+            if dev not in devices:  # a mount we have not seen: read the table again
+                try:
+                    with open("/proc/self/mountinfo", encoding="utf-8",
+                              errors="replace") as f:
+                        devices = local_devices(f.read())
+                except OSError:
+                    devices = dict(devices)
+                devices.setdefault(dev, False)
+                self._devices = devices
+            return devices[dev]
 
     def watch(self, path: str, dev: int, subscriber: object) -> int | None:
         """A watch on the directory `path` (on device `dev`) for `subscriber`; None if
@@ -219,7 +224,9 @@ class DirWatcher:
                 subscribers = self._subscribers.get(wd, ())
                 name = os.fsdecode(data[start:offset].rstrip(b"\0")) if length else ""
                 for subscriber in subscribers:
-                    pending = self._pending[subscriber]
+                    pending = self._pending.get(subscriber)
+                    if pending is None:  # left meanwhile
+                        continue
                     if name:
                         names = pending.names.setdefault(wd, {})
                         names[name] = names.get(name, 0) | mask

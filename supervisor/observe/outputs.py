@@ -46,9 +46,11 @@ With a ``DirWatcher`` (``dirwatch.py``; the daemon's default, on local filesyste
 every directory is watched from its first listing: a scan reads the kernel's events and
 looks only at the names they report, with no stat of the directories and no re-listing
 (a 5,000-entry directory gaining a file: 0.06 ms per scan instead of 5 ms), and an
-in-place rewrite is seen through its writer's close. An overflowed event queue, or a
-directory that changed itself (moved, deleted, its mode), is listed again; a ``final``
-scan trusts no watch. Memory: ~220 bytes per matching file, ~1 KB of kernel memory per
+in-place rewrite is seen through its writer's close (not a ``truncate`` by path, a
+``fallocate`` or writes through ``mmap``: no event names them). An overflowed event queue
+(every file statted again), or a directory that changed itself (moved, deleted, its
+mode), is listed again; the root is statted each scan (a watch follows its directory, not
+its path). Memory: ~220 bytes per matching file, ~1 KB of kernel memory per
 watched directory.
 
 What it keeps per directory, and what a scan returns: `outputs_state.py`.
@@ -128,15 +130,16 @@ class OutputScanner:
         """
         cost = _Cost()
         listed: set[str] = set()
-        if self.watcher is not None and not final:
+        if self.watcher is not None:
             self._take_changes(self.watcher.changes(self))
+            self._check_root(cost)
         pending = [""]
         while pending:
             relative_dir = pending.pop()
             state = self._dirs.get(relative_dir)
-            if state is not None and state.wd is not None and not state.recheck and not final:
+            if state is not None and state.wd is not None and not state.recheck:
                 self._apply_changes(relative_dir, state, now, cost)  # watched: no stat
-            else:  # a `final` scan trusts no watch: the writer is done, one look at all
+            else:
                 state = self._visit(relative_dir, now, cost, listed)
             if state is not None:
                 pending.extend(state.subdirs.values())
@@ -146,30 +149,47 @@ class OutputScanner:
         return self._result(cost)
 
     def close(self) -> None:
-        """The job is done with: its directories' watches go."""
+        """The job is done with: its directories' watches go (a later scan lists)."""
         if self.watcher is not None:
             self.watcher.leave(self)
+            self.watcher = None
         for state in self._dirs.values():
             state.wd = None
         self._by_wd.clear()
 
+    def _check_root(self, cost: _Cost) -> None:
+        """The root's watch follows its directory, not its path: a parent renamed and
+        made again, or a symlink on the path re-pointed, leaves it on the old one. One
+        stat a scan catches that (then the root is statted and listed anew)."""
+        root = self._dirs.get("")
+        if root is None or root.wd is None:
+            return
+        cost.dirs_statted += 1
+        try:
+            same = os.stat(self.root).st_ino == root.inode
+        except OSError:
+            same = False
+        if not same:
+            root.recheck = True
+
     def _take_changes(self, changes: Changes) -> None:
         """Mark what the watches reported: names to look at, directories to stat and
         list again (changed themselves, gone, or every one after an overflow)."""
+        for wd, names in changes.names.items():  # first: the names of a directory
+            relative_dir = self._by_wd.get(wd)  # unwatched below are still kept
+            if relative_dir is not None:
+                changed = self._dirs[relative_dir].changed
+                for name, mask in names.items():
+                    changed[name] = changed.get(name, 0) | mask
         for wd in changes.itself:
             relative_dir = self._by_wd.get(wd)
             if relative_dir is not None:
                 self._unwatch(self._dirs[relative_dir])  # a fresh watch when listed
                 self._dirs[relative_dir].recheck = True
-        if changes.overflow:
+        if changes.overflow:  # events lost: every directory listed, every file statted
             for state in self._dirs.values():
                 state.recheck = True
-        for wd, names in changes.names.items():
-            relative_dir = self._by_wd.get(wd)
-            if relative_dir is not None:
-                changed = self._dirs[relative_dir].changed
-                for name, mask in names.items():
-                    changed[name] = changed.get(name, 0) | mask
+                state.changed = {name: 0 for name in state.files}
 
     def _apply_changes(self, relative_dir: str, state: _DirState, now: float,
                        cost: _Cost) -> None:
@@ -269,12 +289,14 @@ class OutputScanner:
         )
         old_files = old.files if old is not None else {}
         old_unsettled = old.unsettled if old is not None else {}
+        retake = old.changed if old is not None else {}  # a watch's names: stat them
         now_ns = int(now * 1e9)
         try:
             with os.scandir(path) as entries:
                 for entry in entries:
                     known = old_files.get(entry.name)
-                    if known is not None and entry.inode() == known[2]:
+                    if known is not None and entry.inode() == known[2] \
+                            and entry.name not in retake:
                         due_ns = old_unsettled.get(entry.name)
                         if due_ns is None:
                             state.files[entry.name] = known  # settled, not replaced: no stat

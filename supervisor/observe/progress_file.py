@@ -102,8 +102,9 @@ class LogReader:
     the tail, ~800 lines, every tick: #15). The lines are folded front to back: a
     valid tqdm bar replaces the bar and clears the count after it; a counted line
     replaces the count. The answer equals `from_log`'s on the same window: the log
-    is read whole again when it was replaced or cut, when more than the window was
-    appended, or when the bar or count kept has left the window."""
+    is read whole again when it was replaced or cut (shorter than what was read, or no
+    line break where the last read ended), when more than the window was appended, or
+    when the bar or count kept has left the window."""
 
     def __init__(self) -> None:
         self._reset(None)
@@ -123,7 +124,9 @@ class LogReader:
                 inode = os.fstat(fd).st_ino
                 window = max(0, size - LOG_TAIL_BYTES)
                 if (inode != self._inode or not window <= self._consumed <= size
-                        or 0 <= self._bar_at < window or 0 <= self._plain_at < window):
+                        or 0 <= self._bar_at < window or 0 <= self._plain_at < window
+                        or (self._consumed > 0  # cut and grown again (copytruncate)
+                            and read_at(fd, self._consumed - 1, 1) not in (b"\n", b"\r"))):
                     self._reset(inode)
                     first = max(0, window - 1)  # one byte more: is the first line whole?
                     base, data = first, read_at(fd, first, size - first)

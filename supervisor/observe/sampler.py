@@ -99,10 +99,37 @@ class ProcessScan:
                 table.add(stat)
         self.reads = len(table.procs)
         members = {stat.pid for root in roots for stat in table.tree(root)}
+        verdicts: dict[int, bool] = {}
         skipped.update((pid, listing[pid]) for pid in table.procs
-                       if pid not in members and listing[pid] != NO_INODE)
+                       if pid not in members and listing[pid] != NO_INODE
+                       and self._stranger(pid, table, skipped, verdicts))
         self._strangers = skipped
         return table
+
+    @staticmethod
+    def _stranger(pid: int, table: ProcessTable, strangers: dict[int, int],
+                  verdicts: dict[int, bool]) -> bool:
+        """`pid` (in no root's tree) is known to be in none: each of its ancestors up to
+        pid 0 was read this pass or is a stranger already. A gap (a parent that exited
+        before its read, its child since moved to a job's shim, the subreaper) leaves it
+        to be read again next pass."""
+        chain: list[int] = []
+        current, verdict = pid, False
+        while True:
+            if current == 0 or current in strangers:
+                verdict = True
+                break
+            if current in verdicts:
+                verdict = verdicts[current]
+                break
+            stat = table.procs.get(current)
+            if stat is None or current in chain:  # a gap (or a loop: never trusted)
+                break
+            chain.append(current)
+            current = stat.ppid
+        for walked in chain:
+            verdicts[walked] = verdict
+        return verdict
 
 
 def read_io_bytes(pid: int, proc_root: str = "/proc") -> tuple[int, int] | None:
