@@ -8,7 +8,6 @@ with a new database per test."""
 
 from __future__ import annotations
 
-import os
 from collections.abc import Callable, Iterator
 from contextlib import ExitStack
 from pathlib import Path
@@ -20,7 +19,7 @@ from supervisor.alerting.notify import Destination, Notifier
 from supervisor.storage.database import make_engine, make_sessionmaker, upgrade
 from tests.helpers import Clock, Daemon, Receiver, make_model
 from tests.postgres import PostgresServer
-from tests.slurm_cluster import SlurmCluster, missing_tools
+from tests.slurm_cluster import SlurmCluster, running
 
 DATABASES = ("sqlite", "postgresql")
 
@@ -173,19 +172,5 @@ def one_thread() -> Iterator[None]:
 def cluster() -> Iterator[SlurmCluster]:
     """A one-node SLURM cluster on loopback (tests/slurm_cluster.py) for a module's
     tests, `SLURM_CONF` pointing at it meanwhile. Fails, never skips, without SLURM."""
-    missing = missing_tools()
-    if missing:
-        pytest.fail(f"SLURM is not installed here (no {', '.join(missing)}): install Debian's "
-                    "slurm-wlm and munge (./dev.sh test does: apt-get install slurm-wlm munge)",
-                    pytrace=False)
-    slurm = SlurmCluster().start()
-    saved = os.environ.get("SLURM_CONF")
-    os.environ["SLURM_CONF"] = str(slurm.conf)  # the daemons the tests start inherit it
-    try:
+    with running() as slurm:
         yield slurm
-    finally:
-        if saved is None:
-            os.environ.pop("SLURM_CONF", None)
-        else:
-            os.environ["SLURM_CONF"] = saved
-        slurm.stop()

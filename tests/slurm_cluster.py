@@ -6,7 +6,12 @@ No accounting database (`accounting_storage/none`: sacct has nothing to say, as 
 many small clusters), `proctrack/linuxproc` and `task/none` (no cgroups needed), the
 node declared with 8 CPUs whatever this machine has (`config_overrides`), so the tests'
 jobs run side by side. `SLURM_CONF` in `os.environ` points the tools, and every
-daemon the tests start, at it.
+daemon the tests start, at it (`running`).
+
+`SlurmCluster(preemption=True)`: a second partition, `urgent` (PriorityTier 2, over
+`debug`'s 1), whose jobs cancel running `debug` jobs they need the room of
+(`preempt/partition_prio`, `PreemptMode=CANCEL`): SLURM's PREEMPTED. Its own cluster
+(tests/test_slurm_states.py), so the other modules' jobs are never preempted.
 """
 
 from __future__ import annotations
@@ -19,7 +24,10 @@ import signal
 import socket
 import subprocess
 import tempfile
+from collections.abc import Iterator
 from pathlib import Path
+
+import pytest
 
 from tests.helpers import free_port, wait_for
 
@@ -39,8 +47,32 @@ def _tool(name: str) -> str:
     return shutil.which(name) or str(Path("/usr/sbin", name))
 
 
+@contextlib.contextmanager
+def running(*, preemption: bool = False) -> Iterator[SlurmCluster]:
+    """A started cluster, `SLURM_CONF` pointing at it meanwhile (the daemons the tests
+    start inherit it); stopped after. Fails, never skips, without SLURM."""
+    missing = missing_tools()
+    if missing:
+        pytest.fail(f"SLURM is not installed here (no {', '.join(missing)}): install Debian's "
+                    "slurm-wlm and munge (./dev.sh test does: apt-get install slurm-wlm munge)",
+                    pytrace=False)
+    slurm = SlurmCluster(preemption=preemption)
+    saved = os.environ.get("SLURM_CONF")
+    try:
+        slurm.start()
+        os.environ["SLURM_CONF"] = str(slurm.conf)
+        yield slurm
+    finally:
+        if saved is None:
+            os.environ.pop("SLURM_CONF", None)
+        else:
+            os.environ["SLURM_CONF"] = saved
+        slurm.stop()
+
+
 class SlurmCluster:
-    def __init__(self) -> None:
+    def __init__(self, *, preemption: bool = False) -> None:
+        self.preemption = preemption
         # munged wants every directory above its socket searchable by all (pytest's
         # tmp_path is 0700), so the cluster gets a directory of its own
         self.dir = Path(tempfile.mkdtemp(prefix="jobsup-slurm-"))
@@ -80,6 +112,12 @@ class SlurmCluster:
     def _config(self, munge_socket: Path) -> str:
         memory_mb = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // 2**20 // 2
         d, user = self.dir, getpass.getuser()  # root here; slurmd may need root anyway
+        partitions = f"PartitionName=debug Nodes={self.host} Default=YES MaxTime=INFINITE State=UP"
+        if self.preemption:
+            partitions = (
+                "PreemptType=preempt/partition_prio\nPreemptMode=CANCEL\n"
+                f"{partitions} PriorityTier=1\n"
+                f"PartitionName=urgent Nodes={self.host} MaxTime=INFINITE State=UP PriorityTier=2")
         return f"""\
 ClusterName=jobsuptest
 SlurmctldHost={self.host}(127.0.0.1)
@@ -111,7 +149,7 @@ MinJobAge=300
 SlurmctldDebug=info
 SlurmdDebug=info
 NodeName={self.host} NodeAddr=127.0.0.1 CPUs={CPUS} RealMemory={memory_mb} State=UNKNOWN
-PartitionName=debug Nodes={self.host} Default=YES MaxTime=INFINITE State=UP
+{partitions}
 """
 
     def stop_controller(self) -> None:
@@ -125,6 +163,18 @@ PartitionName=debug Nodes={self.host} Default=YES MaxTime=INFINITE State=UP
         self._spawn("slurmctld", [_tool("slurmctld"), "-D", "-i"])
         wait_for(self._controller_answers, 30,
                  what=f"slurmctld to answer; log: {self._log('slurmctld')}")
+
+    def node_down(self, reason: str) -> None:
+        """The administrator's `scontrol update state=down`: SLURM ends the jobs running
+        on the node (NODE_FAIL, or a requeue where the job allows one)."""
+        self.run("scontrol", "update", f"nodename={self.host}", "state=down",
+                 f"reason={reason}")
+
+    def node_resume(self) -> None:
+        """`state=resume`, and back to idle (after its jobs' processes are gone)."""
+        self.run("scontrol", "update", f"nodename={self.host}", "state=resume", check=False)
+        wait_for(lambda: self._node_state() == "idle", 30,
+                 what=f"node {self.host} idle again (sinfo: {self._node_state()!r})")
 
     def _spawn(self, name: str, argv: list[str]) -> None:
         with open(self.dir / "log" / f"{name}.out" if name != "munged"
@@ -155,8 +205,8 @@ PartitionName=debug Nodes={self.host} Default=YES MaxTime=INFINITE State=UP
     def _node_state(self) -> str:
         if self.procs["slurmd"].poll() is not None:
             raise AssertionError(f"slurmd exited: {self._log('slurmd')}")
-        return self.run("sinfo", "--noheader", "--Node", "--format=%T", check=False) \
-            .stdout.strip()
+        listed = self.run("sinfo", "--noheader", "--Node", "--format=%T", check=False).stdout
+        return " ".join(sorted(set(listed.split())))  # the node once per partition
 
     def state_of(self, slurm_id: str) -> dict[str, str]:
         """`scontrol show job -o`'s fields."""
