@@ -36,10 +36,10 @@ def test_daemon_sigkill_while_two_jobs_run(make_daemon, tmp_path: Path) -> None:
     wait_for(lambda: exit_recorded(status_file), 10, what="the shim's exit file")
 
     t0 = time.monotonic()
-    daemon.start()
-    long_after = daemon.wait_state(long["id"], "running", timeout=5)
-    ended = daemon.wait_state(ends["id"], "failed", timeout=5)
-    assert time.monotonic() - t0 < 5
+    daemon.start()  # its start (imports, the database) is most of the bound on 2 cores
+    long_after = daemon.wait_state(long["id"], "running", timeout=10)
+    ended = daemon.wait_state(ends["id"], "failed", timeout=10)
+    assert time.monotonic() - t0 < 10  # settled by the restart's first tick
     assert long_after["pid"] == long_before["pid"]
     assert (ended["exit_code"], ended["exit_reason"]) == (5, "exit")
     # the re-adopted job is still supervised: a stop works through its shim
