@@ -193,6 +193,13 @@ class DirWatcher:
         with self._lock:
             self._pending.pop(id(subscriber), None)
 
+    def overflowed(self, subscriber: object) -> bool:
+        """Events of `subscriber`'s watches were lost since its last `changes` (as far
+        as read from the kernel yet): its next scan lists and stats everything again."""
+        with self._lock:
+            pending = self._pending.get(id(subscriber))
+            return pending is None or pending.overflow
+
     def changes(self, subscriber: object) -> Changes:
         """Read what the kernel queued, share it out, and take `subscriber`'s share."""
         with self._lock:

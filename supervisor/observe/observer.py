@@ -10,7 +10,10 @@ says why and whose `progress.observed_at` says how old the figures are; no sampl
 stored for it; the other jobs are observed as usual.
 
 The file side of a reading (the output scan, the progress file or log, the free space of
-the filesystem) runs in a few worker threads, each job's alone: the scanner of a job is
+the filesystem) of a job whose output directory is watched whole on a local disk costs a
+few system calls: it is taken in the tick thread (`Observer._reads_inline`). Any other
+(a first walk, an overflowed event queue, a network filesystem) runs in a few worker
+threads, each job's alone: the scanner of a job is
 not thread-safe, so a job never has two readings running. A tick waits for them at most
 `scan_budget_s` in all. A reading not done by then (the first scan of a million files
 takes seconds; an NFS server may hang) leaves its job with its last known figures and
@@ -23,6 +26,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import logging
+import os
 import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future
@@ -66,6 +70,11 @@ reading stuck on a dead file server holds one thread and the other jobs get new 
 (I/O bound: a handful serve hundreds of healthy jobs; see `READINGS_PER_BATCH`)."""
 
 
+INLINE_MAX_S = 0.05
+"""A file reading taken in the tick thread (`Observer._reads_inline`) that took longer
+than this sends the job's next reading to the threads."""
+
+
 READINGS_PER_BATCH = 16
 """Most jobs whose file readings one worker thread takes one after the other per tick
 (`FilePool.submit_all`): more jobs on one filesystem spread over more threads."""
@@ -99,6 +108,7 @@ class Observer(JobViewBuilder):
         self.make_scanner: ScannerFactory = make_scanner or partial(
             output_scanner, watcher=self.dir_watcher)
         self._workers = FilePool(workers)
+        self._jobs_dir_is_local: bool | None = None
         self._state: dict[str, _JobState] = {}
         self._ending: dict[str, _Ending] = {}
         self._tick = 0
@@ -233,7 +243,9 @@ class Observer(JobViewBuilder):
         return state
 
     def _start_readings(self, states: Sequence[_JobState], now: float, started: float) -> None:
-        """A new file reading for every job with none in flight, in batches of at most
+        """A new file reading for every job with none in flight: taken here, in the tick
+        thread, where its cost is bounded (`_reads_inline`: most jobs, most ticks), else
+        handed to the threads in batches of at most
         READINGS_PER_BATCH jobs whose last reading was on the same filesystem (a dead
         file server holds only readings that would hang on it anyway); a job not read
         yet, or whose last reading outlived its tick (a huge tree), is a batch of its
@@ -241,6 +253,14 @@ class Observer(JobViewBuilder):
         batches: dict[object, list[tuple[_JobState, ObservedJob]]] = {}
         for state in states:
             if state.inflight is not None or state.job is None:
+                continue
+            if self._reads_inline(state, state.job):
+                begun = time.monotonic()
+                try:
+                    state.outcome = state.files.read(state.job, now)
+                except Exception as error:  # as a thread's reading would: this job's only
+                    state.outcome = error
+                state.slow = time.monotonic() - begun > INLINE_MAX_S
                 continue
             device = state.reading.device if state.reading is not None else None
             key = (device if device is not None and not state.slow
@@ -259,6 +279,31 @@ class Observer(JobViewBuilder):
                 for (state, _), future in zip(batch, futures, strict=True):
                     state.start_error = None
                     state.inflight = _Inflight(future, started, self._tick)
+
+    def _reads_inline(self, state: _JobState, job: ObservedJob) -> bool:
+        """The job's file reading costs a few system calls on local disks: taken in the
+        tick thread, not handed to a thread (whose hand-over and contention for the
+        interpreter's lock cost more CPU than such a reading: #15). So it is when its
+        output directory is watched whole (no listing, no lost events: `FileSide.watched`),
+        its last reading was on a local filesystem, as is the data dir (its progress file
+        and log), and its last reading was not slow. Never a job's first reading (a walk
+        of its whole tree) nor a remote job's."""
+        watcher, last = self.dir_watcher, state.reading
+        return (watcher is not None and not job.remote and not state.slow
+                and last is not None and last.device is not None
+                and self._jobs_dir_local() and watcher.is_local(last.device)
+                and state.files.watched(job))
+
+    def _jobs_dir_local(self) -> bool:
+        """The data dir's jobs folder is on a local filesystem (looked up once)."""
+        if self._jobs_dir_is_local is None:
+            try:
+                device = os.stat(self.jobs_dir).st_dev
+            except OSError:
+                return False
+            self._jobs_dir_is_local = (self.dir_watcher is not None
+                                       and self.dir_watcher.is_local(device))
+        return self._jobs_dir_is_local
 
     def _file_side(self, job: ObservedJob) -> FileSide:
         if job.remote:

@@ -148,6 +148,13 @@ class OutputScanner:
                 self._restat_unsettled(relative_dir, state, now, cost, final=final)
         return self._result(cost)
 
+    def watched(self) -> bool:
+        """The last scan found the root, every directory known is watched, and no event
+        was lost since: the next scan costs what changed (a few stats), not a listing.
+        (Two paths to one directory, through a bind mount, share a watch: not counted.)"""
+        return (self.watcher is not None and "" in self._dirs
+                and len(self._by_wd) == len(self._dirs) and not self.watcher.overflowed(self))
+
     def close(self) -> None:
         """The job is done with: its directories' watches go (a later scan lists)."""
         if self.watcher is not None:

@@ -52,6 +52,8 @@ class Scanner(Protocol):
 
     def scan(self, now: float, *, final: bool = False) -> ScanResult: ...
 
+    def watched(self) -> bool: ...
+
     def close(self) -> None: ...
 
 
@@ -108,6 +110,13 @@ class FileSide:
         reported, source = self.progress(job)
         return FileReading(now, files, bytes_written, bool(spec.output_dir), reported,
                            source, free_bytes, device, waiting)
+
+    def watched(self, job: ObservedJob) -> bool:
+        """Its next reading costs what changed since the last, not a walk: it has no
+        output directory, or its scanner watches all of it (`OutputScanner.watched`)."""
+        if not job.spec.output_dir:
+            return True
+        return self.scanner is not None and self.scanner.watched()
 
     def close(self) -> None:
         """The job is done with: its scanner's directory watches go."""
