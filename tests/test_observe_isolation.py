@@ -47,6 +47,9 @@ class FailingScanner:
     def scan(self, now: float, *, final: bool = False) -> ScanResult:
         raise RuntimeError(f"cannot read {self.root}: disk on fire")
 
+    def watched(self) -> bool:
+        return True  # its reading may be taken in the tick thread: it raises there
+
     def close(self) -> None:
         pass
 
@@ -74,6 +77,9 @@ class BlockingScanner:
             return self.real.scan(now)
         finally:
             BlockingScanner._running.release()
+
+    def watched(self) -> bool:
+        return False  # any scan may block: never read in the tick thread
 
     def close(self) -> None:
         self.real.close()
@@ -372,3 +378,86 @@ def test_a_restarted_job_counting_from_zero_gets_its_first_item(tmp_path: Path) 
     assert observer.views["j"].first_item_at == now + 2
     observer.close()
 
+
+
+def _reading_threads(monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    """Where each file reading runs from now on: "tick" (this, the observing thread) or
+    "pool". A pass-through wrapper of the real `FileSide.read`."""
+    where: list[str] = []
+    real = readings_module.FileSide.read
+
+    def read(self: Any, job: ObservedJob, now: float, *, final: bool = False) -> Any:
+        where.append("tick" if threading.current_thread() is threading.main_thread()
+                     else "pool")
+        return real(self, job, now, final=final)
+
+    monkeypatch.setattr(readings_module.FileSide, "read", read)
+    return where
+
+
+@pytest.mark.parametrize("watch", [True, False], ids=["watched", "listed"])
+def test_a_watched_local_job_is_read_in_the_tick_thread(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, watch: bool) -> None:
+    """After its first reading (a walk: in a thread), a job whose output directory is
+    watched whole on a local disk is read in the tick thread, with the same figures; with
+    the watches off (`JOBSUP_OUTPUT_WATCH=list`) every reading is a thread's."""
+    where = _reading_threads(monkeypatch)
+    jobs_dir, out = tmp_path / "jobs", tmp_path / "out"
+    (out / "shard").mkdir(parents=True)
+    observer = Observer(jobs_dir, watch_outputs=watch)
+    job = observed("w", JobSpec(name="w", command=["true"], output_dir=str(out),
+                                pattern="**/*.bin"))
+    try:
+        for tick in range(4):
+            (out / "shard" / f"{tick}.bin").write_bytes(b"x" * (tick + 1))
+            write_progress(jobs_dir, "w", tick + 1)
+            observer.observe([job], time.time())
+            progress = observer.views["w"].progress
+            assert progress.observation_error is None
+            assert (progress.files, progress.bytes_written, progress.items_done) == (
+                tick + 1, sum(range(1, tick + 2)), tick + 1)
+    finally:
+        observer.close()
+    assert where == (["pool", "tick", "tick", "tick"] if watch else ["pool"] * 4)
+
+
+def test_a_slow_reading_in_the_tick_thread_sends_the_next_one_to_a_thread(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A reading taken in the tick thread that took longer than INLINE_MAX_S (here
+    every one) makes the next one a thread's; one done in its tick brings it back."""
+    monkeypatch.setattr(observer_module, "INLINE_MAX_S", 0.0)
+    where = _reading_threads(monkeypatch)
+    out, jobs_dir = tmp_path / "out", tmp_path / "jobs"
+    out.mkdir()
+    jobs_dir.mkdir()
+    observer = Observer(jobs_dir)
+    job = observed("s", JobSpec(name="s", command=["true"], output_dir=str(out)))
+    try:
+        for _ in range(5):
+            observer.observe([job], time.time())
+    finally:
+        observer.close()
+    assert where == ["pool", "tick", "pool", "tick", "pool"]
+
+
+def test_an_unwatched_directory_sends_the_reading_to_a_thread(tmp_path: Path) -> None:
+    """`OutputScanner.watched`: true after a scan of a tree it watches whole; false for
+    a directory created since (not watched until listed) until the next scan."""
+    from supervisor.observe.dirwatch import DirWatcher
+    watcher = DirWatcher.open()
+    assert watcher is not None
+    out = tmp_path / "out"
+    out.mkdir()
+    scanner = OutputScanner(str(out), "**/*", watcher=watcher)
+    try:
+        assert not scanner.watched()  # never scanned
+        scanner.scan(time.time())
+        assert scanner.watched()
+        (out / "new").mkdir()
+        (out / "new" / "a").write_bytes(b"1")
+        scanner.scan(time.time())  # lists the new directory and watches it
+        assert scanner.watched() and scanner.scan(time.time()).files == 1
+    finally:
+        scanner.close()
+        watcher.close()
+    assert not scanner.watched()  # closed: its watches are gone
