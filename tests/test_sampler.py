@@ -18,7 +18,7 @@ import psutil
 import pytest
 
 from supervisor.observe.gpu import GpuReader
-from supervisor.observe.sampler import Sampler, TreeReading, TreeTarget
+from supervisor.observe.sampler import Sampler, TreeReading, TreeTarget, read_io_bytes
 from supervisor.runtime import procfs
 from tests.helpers import PY, wait_for
 
@@ -501,3 +501,18 @@ def test_a_process_whose_parent_was_not_read_is_not_set_aside() -> None:
     assert ProcessScan._stranger(11, table, {}, {}) is True  # 11 -> 10 -> 1 -> 0: all read
     assert ProcessScan._stranger(30, table, {}, {}) is False  # its parent 20 was not read
     assert ProcessScan._stranger(30, table, {20: 4711}, {}) is True  # 20: a known stranger
+
+
+def test_io_bytes_are_the_storage_fields_of_proc_io(tmp_path: Path) -> None:
+    """read_bytes and write_bytes, not `cancelled_write_bytes` nor the rchar/wchar of
+    every read and write; a field missing reads 0; this process's own agree with psutil."""
+    (tmp_path / "7").mkdir()
+    (tmp_path / "7" / "io").write_bytes(
+        b"rchar: 11\nwchar: 12\nsyscr: 3\nsyscw: 4\nread_bytes: 4096\n"
+        b"write_bytes: 8192\ncancelled_write_bytes: 999\n")
+    assert read_io_bytes(7, str(tmp_path)) == (4096, 8192)
+    (tmp_path / "7" / "io").write_bytes(b"rchar: 11\ncancelled_write_bytes: 999\n")
+    assert read_io_bytes(7, str(tmp_path)) == (0, 0)
+    assert read_io_bytes(8, str(tmp_path)) is None  # gone
+    counters = psutil.Process().io_counters()
+    assert read_io_bytes(os.getpid()) == (counters.read_bytes, counters.write_bytes)

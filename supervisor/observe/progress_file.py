@@ -25,6 +25,8 @@ PROGRESS_MAX_BYTES = 1 << 20
 LOG_TAIL_BYTES = 16 * 1024
 """How much of the log's end is searched for a progress bar."""
 
+LINE_BREAK_RE = re.compile(rb"[\r\n]")
+"""tqdm redraws its bar after a `\\r`: both end a line."""
 TQDM_RE = re.compile(rb"\|\s*(\d+)/(\d+|\?)\s*\[")
 """tqdm's default bar: ` 45%|####      | 450/1000 [00:10<00:12, 45.0it/s]`."""
 PLAIN_RE = re.compile(rb"(?<![\d/.:-])(\d+)\s*/\s*(\d+)(?![\d/.:-])")
@@ -123,10 +125,19 @@ class LogReader:
             with open_regular(path) as (fd, size):  # never a FIFO, device, or past `size`
                 inode = os.fstat(fd).st_ino
                 window = max(0, size - LOG_TAIL_BYTES)
-                if (inode != self._inode or not window <= self._consumed <= size
-                        or 0 <= self._bar_at < window or 0 <= self._plain_at < window
-                        or (self._consumed > 0  # cut and grown again (copytruncate)
-                            and read_at(fd, self._consumed - 1, 1) not in (b"\n", b"\r"))):
+                base, data = 0, None
+                if (inode == self._inode and window <= self._consumed <= size
+                        and not 0 <= self._bar_at < window
+                        and not 0 <= self._plain_at < window):
+                    # what was appended, read with the byte before it: a line break
+                    # there, or the log was cut and grew again (copytruncate)
+                    start = max(0, self._consumed - 1)
+                    appended = read_at(fd, start, size - start)
+                    if self._consumed == 0:
+                        data = appended
+                    elif appended[:1] in (b"\n", b"\r"):
+                        base, data = self._consumed, appended[1:]
+                if data is None:
                     self._reset(inode)
                     first = max(0, window - 1)  # one byte more: is the first line whole?
                     base, data = first, read_at(fd, first, size - first)
@@ -135,15 +146,12 @@ class LogReader:
                         if cut < 0:  # one cut line all through: nothing whole yet
                             return None
                         base, data = first + cut + 1, data[cut + 1:]
-                else:
-                    base, data = self._consumed, read_at(fd, self._consumed,
-                                                         size - self._consumed)
         except OSError:
             return None
         end = _last_break(data)
         if end >= 0:
             at = base
-            for line in re.split(rb"[\r\n]", data[:end]):
+            for line in LINE_BREAK_RE.split(data[:end]):
                 self._fold(line, at)
                 at += len(line) + 1
             self._consumed = base + end + 1
@@ -181,6 +189,8 @@ def _classify(line: bytes) -> tuple[str, Reported | None, bool]:
     """("bar", the bar, whether n == total) for a tqdm bar with a storable count;
     ("skip", None, False) for a bar whose count cannot be stored (not a count either);
     ("plain", the line's bare count or None, False) for any other line."""
+    if b"/" not in line:  # neither a bar nor a count: most lines of most logs
+        return "plain", None, False
     match = TQDM_RE.search(line)
     if match:
         done = _count(match.group(1))

@@ -138,13 +138,16 @@ def read_io_bytes(pid: int, proc_root: str = "/proc") -> tuple[int, int] | None:
         data = read_small(f"{proc_root}/{pid}/io")
     except OSError:  # gone, or not ours to read
         return None
-    read_bytes = write_bytes = 0
-    for line in data.splitlines():
-        if line.startswith(b"read_bytes:"):
-            read_bytes = int(line.split()[1])
-        elif line.startswith(b"write_bytes:"):
-            write_bytes = int(line.split()[1])
-    return read_bytes, write_bytes
+    fields = data.split()  # "name: value" pairs, one a line: a third of a line loop's CPU
+    return _io_field(fields, b"read_bytes:"), _io_field(fields, b"write_bytes:")
+
+
+def _io_field(fields: list[bytes], name: bytes) -> int:
+    """The value after `name` (a whole token: not `cancelled_write_bytes:`), 0 if none."""
+    try:
+        return int(fields[fields.index(name) + 1])
+    except (ValueError, IndexError):
+        return 0
 
 
 @dataclass(frozen=True)

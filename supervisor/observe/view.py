@@ -12,7 +12,6 @@ import logging
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
-from pathlib import Path
 
 from pydantic import ValidationError
 
@@ -152,15 +151,17 @@ def disk_free(path: str | None) -> tuple[int | None, int | None]:
     or its nearest existing parent; (None, None) when nothing can be read."""
     if not path:
         return None, None
-    current = Path(path)
+    current = os.fspath(path)  # strings, not Path: read for every job every tick
     while True:
         try:
             st = os.statvfs(current)
             return st.f_bavail * st.f_frsize, os.stat(current).st_dev
         except OSError:
-            if current.parent == current:
+            parent = os.path.dirname(current.rstrip("/")) or (
+                "/" if current.startswith("/") else ".")
+            if parent == current:
                 return None, None
-            current = current.parent
+            current = parent
 
 
 def preflight_warnings(spec: JobSpec, views: Mapping[str, JobView],
