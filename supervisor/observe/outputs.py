@@ -234,7 +234,8 @@ class OutputScanner:
                 or not self.matcher.matches(relative_path):
             return
         same = known is not None and known[2] == entry_stat.st_ino  # written in place
-        self._stat_file(path, name, known if same else None, state, now, cost)
+        self._stat_file(path, name, known if same else None, state, now, cost,
+                        taken=None if stat.S_ISLNK(entry_stat.st_mode) else entry_stat)
         if settled:
             state.unsettled.pop(name, None)
 
@@ -355,13 +356,17 @@ class OutputScanner:
         state: _DirState,
         now: float,
         cost: _Cost,
+        taken: os.stat_result | None = None,
     ) -> None:
-        """Stat one file into ``state``; drops it if it is gone."""
+        """Stat one file into ``state``; drops it if it is gone. ``taken``: its stat
+        already in hand (the `lstat` of a name a watch reported, not a symlink's)."""
         cost.files_statted += 1
-        try:
-            file_stat = os.stat(path)
-        except OSError:  # deleted between listing and stat: not an item any more
-            file_stat = None
+        file_stat: os.stat_result | None = taken
+        if file_stat is None:
+            try:
+                file_stat = os.stat(path)
+            except OSError:  # deleted between listing and stat: not an item any more
+                pass
         if file_stat is None or not stat.S_ISREG(file_stat.st_mode):
             state.drop_file(name)
             state.unsettled.pop(name, None)
