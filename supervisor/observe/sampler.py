@@ -35,6 +35,8 @@ class ProcessTable:
 
     procs: dict[int, ProcStat] = field(default_factory=dict)
     children: dict[int, list[int]] = field(default_factory=dict)
+    _trees: dict[int, list[ProcStat]] = field(default_factory=dict, repr=False)
+    """`tree` answers, kept: the pass asks for each root's tree twice (`ProcessScan`)."""
 
     @classmethod
     def read(cls, proc_root: str = "/proc") -> ProcessTable:
@@ -44,14 +46,18 @@ class ProcessTable:
         return table
 
     def add(self, stat: ProcStat) -> None:
+        self._trees.clear()
         self.procs[stat.pid] = stat
         self.children.setdefault(stat.ppid, []).append(stat.pid)
 
     def tree(self, root: int) -> list[ProcStat]:
         """`root` and all its descendants present in the table."""
+        if root in self._trees:
+            return self._trees[root]
         if root not in self.procs:
             return []
-        out, stack = [], [root]
+        out: list[ProcStat] = []
+        stack = [root]
         while stack:
             pid = stack.pop()
             stat = self.procs.get(pid)
@@ -59,6 +65,7 @@ class ProcessTable:
                 continue
             out.append(stat)
             stack.extend(self.children.get(pid, ()))
+        self._trees[root] = out
         return out
 
 
