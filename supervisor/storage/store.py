@@ -8,7 +8,7 @@ import contextlib
 import errno
 import logging
 import secrets
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -116,6 +116,14 @@ _JOBS_ENDED_SINCE = (select(Job).where(Job.ended_at >= bindparam("since"))
 def jobs_ended_since(session: Session, since: float) -> Sequence[Job]:
     return session.scalars(_JOBS_ENDED_SINCE, {"since": since}).all()
 
+
+
+def jobs_with_ids(session: Session, ids: Collection[str]) -> dict[str, Job]:
+    """The jobs of these ids that exist, by id, in one query (the rows the session
+    holds as they are, like `session.get`)."""
+    if not ids:
+        return {}
+    return {job.id: job for job in session.scalars(select(Job).where(Job.id.in_(list(ids))))}
 
 
 def existing_ids(session: Session, ids: Sequence[str]) -> set[str]:
