@@ -95,13 +95,15 @@ class AlertRecorder:
         """This tick's running jobs, the jobs that ended lately (if the daemon died
         between recording a job's end and this step, their `crashed`/`incomplete` alert
         is opened now; once: an open alert is never opened again) and the jobs of open
-        alerts."""
+        alerts (those not among the others read in one query: an ended job's `crashed`
+        stays open for a day, and a query per such job per tick added up)."""
         jobs = {job.id: job for job in running}
         for job in store.jobs_ended_since(session, now - RECENTLY_ENDED_S):
             jobs.setdefault(job.id, job)
+        others = store.jobs_with_ids(session, {row.job_id for row in open_rows} - jobs.keys())
         for row in open_rows:
             if row.job_id not in jobs:
-                jobs[row.job_id] = store.get_job(session, row.job_id)
+                jobs[row.job_id] = others.get(row.job_id) or store.get_job(session, row.job_id)
         return jobs
 
     def _write(self, session: Session, changes: rules.Changes, rows: dict[int, Alert],
