@@ -142,7 +142,11 @@ def test_a_lost_queue_lists_everything_again(tmp_path: Path, watcher: DirWatcher
         (tmp_path / f"f{index}").touch()
     with (tmp_path / "settled.bin").open("ab") as handle:  # its close: past the queue
         handle.write(b"in place")
+    assert scanner.watched()  # the overflow is still in the kernel's queue
+    watcher.drain()
+    assert not scanner.watched()  # read: its next scan is a walk (the observer's threads')
     result = scanner.scan(LATER)
+    assert scanner.watched()
     assert result.dirs_listed == 1
     assert result.files == queued + 101
     assert same_totals(result, tmp_path)  # the rewrite in place too: every file statted

@@ -193,9 +193,16 @@ class DirWatcher:
         with self._lock:
             self._pending.pop(id(subscriber), None)
 
+    def drain(self) -> None:
+        """Read what the kernel queued and share it out now (`overflowed` then knows of
+        a queue that overflowed up to this moment)."""
+        with self._lock:
+            self._drain()
+
     def overflowed(self, subscriber: object) -> bool:
         """Events of `subscriber`'s watches were lost since its last `changes` (as far
-        as read from the kernel yet): its next scan lists and stats everything again."""
+        as read from the kernel: see `drain`): its next scan lists and stats everything
+        again."""
         with self._lock:
             pending = self._pending.get(id(subscriber))
             return pending is None or pending.overflow

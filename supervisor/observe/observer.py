@@ -251,6 +251,8 @@ class Observer(JobViewBuilder):
         yet, or whose last reading outlived its tick (a huge tree), is a batch of its
         own, so it holds no other job back."""
         batches: dict[object, list[tuple[_JobState, ObservedJob]]] = {}
+        if self.dir_watcher is not None:
+            self.dir_watcher.drain()  # a lost event queue is known before choosing
         for state in states:
             if state.inflight is not None or state.job is None:
                 continue
@@ -287,7 +289,9 @@ class Observer(JobViewBuilder):
         output directory is watched whole (no listing, no lost events: `FileSide.watched`),
         its last reading was on a local filesystem, as is the data dir (its progress file
         and log), and its last reading was not slow. Never a job's first reading (a walk
-        of its whole tree) nor a remote job's."""
+        of its whole tree) nor a remote job's. (A queue that overflows during the tick's
+        readings makes one of them restat its whole tree: that tick waits for it once,
+        then the job's readings are the threads' until one is quick again.)"""
         watcher, last = self.dir_watcher, state.reading
         return (watcher is not None and not job.remote and not state.slow
                 and last is not None and last.device is not None
