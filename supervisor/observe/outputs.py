@@ -62,6 +62,7 @@ not followed (no cycles); symlinks to files count with the size of their target.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import stat
@@ -363,10 +364,8 @@ class OutputScanner:
         cost.files_statted += 1
         file_stat: os.stat_result | None = taken
         if file_stat is None:
-            try:
+            with contextlib.suppress(OSError):  # deleted since its listing: no item now
                 file_stat = os.stat(path)
-            except OSError:  # deleted between listing and stat: not an item any more
-                pass
         if file_stat is None or not stat.S_ISREG(file_stat.st_mode):
             state.drop_file(name)
             state.unsettled.pop(name, None)

@@ -1,0 +1,202 @@
+"""Benchmark: where one tick's CPU goes, job by job, in-process (#15).
+
+`bench/load.py` measures the whole daemon from outside (its process's CPU); this runs the
+engine in this process, over a real SQLite database and N real jobs (load.py's: a file a
+second, and a progress file, a counted log or neither), ticks it every `--interval`
+seconds, and prints the CPU per job per tick of the tick thread, of the other threads
+(the file readings' pool, the exit watcher) and of the process, then of each part of the
+tick (each timed with the thread's CPU clock around it; nested parts overlap, and the
+timing adds ~1-2 us per call). `--profile` adds a cProfile of the ticks (the pool's
+threads included), sorted by cumulative and own time.
+
+    .venv/bin/python bench/tick_profile.py --jobs 40 --seconds 30
+    .venv/bin/python bench/tick_profile.py --jobs 40 --seconds 30 --source /tmp/before
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import contextlib
+import cProfile
+import importlib
+import io
+import os
+import pstats
+import signal
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+PARTS = [
+    ("supervisor.daemon.loop", "Engine.tick"),
+    ("supervisor.daemon.checks", "JobChecks._check_running"),
+    ("supervisor.daemon.loop", "Engine._observed"),
+    ("supervisor.observe.observer", "Observer.observe"),
+    ("supervisor.observe.observer", "Observer._start_readings"),
+    ("supervisor.observe.readings", "FileSide.read"),
+    ("supervisor.observe.outputs", "OutputScanner.scan"),
+    ("supervisor.observe.readings", "FileSide.progress"),
+    ("supervisor.observe.observer", "Observer._sample_trees"),
+    ("supervisor.observe.building", "JobViewBuilder._observe_one"),
+    ("supervisor.daemon.loop", "Engine._store_samples"),
+    ("supervisor.daemon.loop", "Engine._alert"),
+]
+"""(module, Class.method) timed; a part missing from the tree measured is skipped."""
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--jobs", type=int, default=40)
+    parser.add_argument("--seconds", type=float, default=30.0, help="the measured window")
+    parser.add_argument("--warmup", type=float, default=20.0,
+                        help="ticks before measuring (the jobs' first readings: walks)")
+    parser.add_argument("--interval", type=float, default=2.0, help="seconds between ticks")
+    parser.add_argument("--profile", action="store_true", help="also print a cProfile")
+    parser.add_argument("--source", default=str(Path(__file__).resolve().parents[1]),
+                        help="the source tree the engine is imported from (default: this repo)")
+    args = parser.parse_args()
+    source = Path(args.source).resolve()
+    sys.path.insert(0, str(source))
+    sys.path.insert(0, str(Path(__file__).resolve().parent))  # load.py's jobs
+    import load
+
+    from supervisor.api.submission import submit_job
+    from supervisor.config import Settings
+    from supervisor.daemon.loop import Engine
+    from supervisor.spec import JobSpec
+    from supervisor.storage.database import make_engine, make_sessionmaker, upgrade
+
+    data = Path(tempfile.mkdtemp(prefix="jobsup-tickprof-"))
+    settings = Settings(data_dir=data, sample_interval=args.interval)
+    settings.jobs_dir.mkdir(parents=True)
+    database = make_engine(settings.resolved_database_url)
+    upgrade(database)
+    sessions = make_sessionmaker(database)
+    profiles: list[cProfile.Profile] = []
+    if args.profile:  # the pool's threads too: each starts its own profile
+        def start_profile(*_: Any) -> None:
+            profile = cProfile.Profile(time.thread_time)
+            profiles.append(profile)
+            profile.enable()
+        threading.setprofile(start_profile)
+    spent: collections.Counter[str] = collections.Counter()
+    calls: collections.Counter[str] = collections.Counter()
+    for module_name, path in PARTS:
+        _time_part(module_name, path, spent, calls)
+    engine = Engine(settings, sessions)
+    for index in range(args.jobs):
+        kind = load.PROGRESS_KINDS[index % len(load.PROGRESS_KINDS)]
+        out = data / "outputs" / f"job{index:03d}"
+        out.mkdir(parents=True)
+        spec = JobSpec(name=f"p{index}", output_dir=str(out), pattern="*.txt",
+                       command=["sh", "-c", load.JOB_SCRIPT, "job", kind, str(out),
+                                str(load.EXPECTED_ITEMS)],
+                       expected_items=load.EXPECTED_ITEMS, stop_grace_s=5)
+        with sessions() as session:
+            submit_job(session, spec, default_cwd=str(data), views={},
+                       jobs_dir=settings.jobs_dir)
+            session.commit()
+    try:
+        _run(engine, args.warmup, args.interval, None)
+        spent.clear()
+        calls.clear()
+        before_process, before_others = os.times(), _other_threads_cpu()
+        profile = cProfile.Profile(time.thread_time) if args.profile else None
+        tick_cpu, ticks = _run(engine, args.seconds, args.interval, profile)
+        after_process, after_others = os.times(), _other_threads_cpu()
+    finally:
+        engine.observer.close()
+        engine.backend.close()
+        _kill_jobs(settings.jobs_dir)
+    process = (after_process.user + after_process.system
+               - before_process.user - before_process.system)
+    per_job = 1000 / ticks / args.jobs
+    print(f"source {source}: {args.jobs} jobs, {ticks} ticks {args.interval:g} s apart")
+    print("| what | ms per job per tick | calls per tick |")
+    print("| --- | ---: | ---: |")
+    print(f"| process | {process * per_job:.3f} | |")
+    print(f"| tick thread | {tick_cpu * per_job:.3f} | |")
+    print(f"| other threads | {(after_others - before_others) * per_job:.3f} | |")
+    for _, path in PARTS:
+        if calls[path]:
+            print(f"| {path} | {spent[path] * per_job:.3f} | {calls[path] / ticks:.0f} |")
+    if profile is not None:
+        out = io.StringIO()
+        stats = pstats.Stats(profile, stream=out)
+        for thread_profile in profiles:
+            thread_profile.disable()
+            stats.add(thread_profile)
+        stats.sort_stats("cumulative").print_stats(50)
+        stats.sort_stats("tottime").print_stats(30)
+        print(out.getvalue())
+
+
+def _time_part(module_name: str, path: str, spent: collections.Counter[str],
+               calls: collections.Counter[str]) -> None:
+    """Wrap `Class.method` of the module with a thread-CPU timer."""
+    try:
+        owner: Any = importlib.import_module(module_name)
+        *classes, name = path.split(".")
+        for class_name in classes:
+            owner = getattr(owner, class_name)
+        real: Callable[..., Any] = getattr(owner, name)
+    except (ImportError, AttributeError):
+        return
+
+    def timed(*args: Any, **kwargs: Any) -> Any:
+        started = time.thread_time()
+        try:
+            return real(*args, **kwargs)
+        finally:
+            spent[path] += time.thread_time() - started
+            calls[path] += 1
+
+    setattr(owner, name, timed)
+
+
+def _run(engine: Any, seconds: float, interval: float,
+         profile: cProfile.Profile | None) -> tuple[float, int]:
+    """Tick every `interval` for `seconds`: (the ticks' thread CPU seconds, ticks)."""
+    end = time.monotonic() + seconds
+    cpu, ticks = 0.0, 0
+    while time.monotonic() < end:
+        started = time.thread_time()
+        if profile is not None:
+            profile.enable()
+        engine.tick()
+        if profile is not None:
+            profile.disable()
+        cpu += time.thread_time() - started
+        ticks += 1
+        time.sleep(interval)
+    return cpu, ticks
+
+
+def _other_threads_cpu() -> float:
+    total = 0.0
+    for thread in threading.enumerate():
+        if thread is threading.main_thread() or thread.ident is None:
+            continue
+        with contextlib.suppress(OSError, ValueError):  # ended meanwhile
+            total += time.clock_gettime(time.pthread_getcpuclockid(thread.ident))
+    return total
+
+
+def _kill_jobs(jobs_dir: Path) -> None:
+    """The jobs' workers (their process groups) and shims go with the benchmark."""
+    from supervisor.runtime import files
+    for kind, pid in files.live_processes(jobs_dir):
+        with contextlib.suppress(OSError):
+            if kind == files.WORKER:
+                os.killpg(pid, signal.SIGKILL)
+            else:
+                os.kill(pid, signal.SIGKILL)
+
+
+if __name__ == "__main__":
+    main()
