@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import errno
 import fcntl
+import gc
 import ipaddress
 import logging
 import os
@@ -221,6 +222,11 @@ def serve(settings: Settings) -> None:
         server = _Server(uvicorn.Config(app, host=settings.host, port=settings.port,
                                         log_level="warning", access_log=False))
         guard.exit = server.stop
+        # what the daemon built to start (FastAPI, pydantic, SQLAlchemy, the modules:
+        # several 100,000 objects) lives as long as it does: out of the collector's reach,
+        # a collection of the eldest generation no longer walks it all (the tick's own
+        # objects set collections off: 0.95 -> 0.70 ms of CPU per job per tick, #15)
+        gc.freeze()
         server.run()
         if guard.lost is not None:
             raise guard.lost
