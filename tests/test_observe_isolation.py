@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
+import os
 import subprocess
 import sys
 import threading
@@ -48,7 +49,7 @@ class FailingScanner:
         raise RuntimeError(f"cannot read {self.root}: disk on fire")
 
     def watched(self) -> bool:
-        return True  # its reading may be taken in the tick thread: it raises there
+        return True  # never asked: an observer given its own scanners reads in threads
 
     def close(self) -> None:
         pass
@@ -79,7 +80,7 @@ class BlockingScanner:
             BlockingScanner._running.release()
 
     def watched(self) -> bool:
-        return False  # any scan may block: never read in the tick thread
+        return False  # never asked (as above), and any scan may block
 
     def close(self) -> None:
         self.real.close()
@@ -380,6 +381,19 @@ def test_a_restarted_job_counting_from_zero_gets_its_first_item(tmp_path: Path) 
 
 
 
+def require_local_watches(path: Path) -> None:
+    """Readings go to the tick thread only under inotify watches on a local disk."""
+    from supervisor.observe.dirwatch import DirWatcher
+    watcher = DirWatcher.open()
+    if watcher is None:
+        pytest.skip("no inotify here")
+    try:
+        if not watcher.is_local(os.stat(path).st_dev):
+            pytest.skip(f"{path} is not on a local filesystem")
+    finally:
+        watcher.close()
+
+
 def _reading_threads(monkeypatch: pytest.MonkeyPatch) -> list[str]:
     """Where each file reading runs from now on: "tick" (this, the observing thread) or
     "pool". A pass-through wrapper of the real `FileSide.read`."""
@@ -401,6 +415,7 @@ def test_a_watched_local_job_is_read_in_the_tick_thread(
     """After its first reading (a walk: in a thread), a job whose output directory is
     watched whole on a local disk is read in the tick thread, with the same figures; with
     the watches off (`JOBSUP_OUTPUT_WATCH=list`) every reading is a thread's."""
+    require_local_watches(tmp_path)
     where = _reading_threads(monkeypatch)
     jobs_dir, out = tmp_path / "jobs", tmp_path / "out"
     (out / "shard").mkdir(parents=True)
@@ -421,10 +436,11 @@ def test_a_watched_local_job_is_read_in_the_tick_thread(
     assert where == (["pool", "tick", "tick", "tick"] if watch else ["pool"] * 4)
 
 
-def test_a_slow_reading_in_the_tick_thread_sends_the_next_one_to_a_thread(
+def test_a_job_whose_last_reading_was_slow_is_read_in_threads(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """A reading taken in the tick thread that took longer than INLINE_MAX_S (here
-    every one) makes the next one a thread's; one done in its tick brings it back."""
+    """A job whose last reading took longer than INLINE_MAX_S (here any) is read in the
+    threads, however it is watched; once one takes less, in the tick thread again."""
+    require_local_watches(tmp_path)
     monkeypatch.setattr(observer_module, "INLINE_MAX_S", 0.0)
     where = _reading_threads(monkeypatch)
     out, jobs_dir = tmp_path / "out", tmp_path / "jobs"
@@ -433,31 +449,94 @@ def test_a_slow_reading_in_the_tick_thread_sends_the_next_one_to_a_thread(
     observer = Observer(jobs_dir)
     job = observed("s", JobSpec(name="s", command=["true"], output_dir=str(out)))
     try:
-        for _ in range(5):
+        for _ in range(3):
+            observer.observe([job], time.time())
+        monkeypatch.setattr(observer_module, "INLINE_MAX_S", 60.0)
+        for _ in range(2):
             observer.observe([job], time.time())
     finally:
         observer.close()
-    assert where == ["pool", "tick", "pool", "tick", "pool"]
+    assert where == ["pool", "pool", "pool", "tick", "tick"]
 
 
-def test_an_unwatched_directory_sends_the_reading_to_a_thread(tmp_path: Path) -> None:
-    """`OutputScanner.watched`: true after a scan of a tree it watches whole; false for
-    a directory created since (not watched until listed) until the next scan."""
+def test_a_scanner_is_watched_whole_only_with_a_few_files_to_look_at(
+        tmp_path: Path) -> None:
+    """`OutputScanner.watched` (what lets a job be read in the tick thread): true after
+    a scan of a tree it watches whole; false, once the watcher has read them, while a
+    directory created or moved in (listed whole by the next scan), a directory changed
+    itself or more names than it allows wait; true again after that scan."""
     from supervisor.observe.dirwatch import DirWatcher
+    require_local_watches(tmp_path)
     watcher = DirWatcher.open()
     assert watcher is not None
-    out = tmp_path / "out"
+    out, staging = tmp_path / "out", tmp_path / "staging"
     out.mkdir()
+    staging.mkdir()
+    for index in range(50):
+        (staging / f"{index}.bin").write_bytes(b"1")
     scanner = OutputScanner(str(out), "**/*", watcher=watcher)
     try:
         assert not scanner.watched()  # never scanned
         scanner.scan(time.time())
         assert scanner.watched()
-        (out / "new").mkdir()
-        (out / "new" / "a").write_bytes(b"1")
-        scanner.scan(time.time())  # lists the new directory and watches it
-        assert scanner.watched() and scanner.scan(time.time()).files == 1
+        (out / "a.bin").write_bytes(b"1")  # one new file: still a few stats
+        watcher.drain()
+        assert scanner.watched()
+        staging.rename(out / "staging")  # a tree moved in: one name, its whole subtree
+        watcher.drain()
+        assert not scanner.watched()
+        assert scanner.scan(time.time()).files == 51
+        assert scanner.watched()
+        (out / "staging").chmod(0o700)  # a directory changed itself: listed again
+        watcher.drain()
+        assert not scanner.watched()
+        scanner.scan(time.time())
+        for index in range(5):
+            (out / f"b{index}.bin").write_bytes(b"1")
+        watcher.drain()
+        assert scanner.watched(most_names=5) and not scanner.watched(most_names=4)
+        assert scanner.scan(time.time()).files == 56
     finally:
         scanner.close()
         watcher.close()
     assert not scanner.watched()  # closed: its watches are gone
+
+
+def test_a_reading_that_fails_in_the_tick_thread_costs_only_its_job(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A reading taken in the tick thread that raises leaves its job its last figures
+    and the error, as a thread's would, and the other job is read as usual."""
+    require_local_watches(tmp_path)
+    where = _reading_threads(monkeypatch)
+    real = readings_module.FileSide.read
+    broken = {"b"}
+
+    def read(self: Any, job: ObservedJob, now: float, *, final: bool = False) -> Any:
+        if job.job_id in broken and threading.current_thread() is threading.main_thread():
+            raise OSError("disk on fire")
+        return real(self, job, now, final=final)
+
+    monkeypatch.setattr(readings_module.FileSide, "read", read)
+    jobs_dir = tmp_path / "jobs"
+    jobs_dir.mkdir()
+    jobs = []
+    for name in ("a", "b"):
+        (tmp_path / name).mkdir()
+        jobs.append(observed(name, JobSpec(name=name, command=["true"],
+                                           output_dir=str(tmp_path / name))))
+    observer = Observer(jobs_dir)
+    try:
+        observer.observe(jobs, time.time())  # first readings: the threads'
+        for name in ("a", "b"):
+            (tmp_path / name / "x.bin").write_bytes(b"12")
+        observer.observe(jobs, time.time())  # in the tick thread: b's raises
+        a, b = observer.views["a"].progress, observer.views["b"].progress
+        assert (a.files, a.observation_error) == (1, None)
+        assert b.files == 0 and b.observation_error is not None
+        assert "disk on fire" in b.observation_error
+        broken.clear()
+        observer.observe(jobs, time.time())
+        assert observer.views["b"].progress.files == 1
+    finally:
+        observer.close()
+    assert where[:2] == ["pool", "pool"] and "tick" in where[2:]

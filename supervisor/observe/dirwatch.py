@@ -40,6 +40,7 @@ IN_DELETE = 0x200
 IN_DELETE_SELF = 0x400
 IN_MOVE_SELF = 0x800
 IN_Q_OVERFLOW = 0x4000
+IN_ISDIR = 0x40000000
 IN_IGNORED = 0x8000
 IN_ONLYDIR = 0x1000000
 IN_DONT_FOLLOW = 0x2000000
@@ -199,13 +200,22 @@ class DirWatcher:
         with self._lock:
             self._drain()
 
-    def overflowed(self, subscriber: object) -> bool:
-        """Events of `subscriber`'s watches were lost since its last `changes` (as far
-        as read from the kernel: see `drain`): its next scan lists and stats everything
-        again."""
+    def few_changes(self, subscriber: object, most_names: int) -> bool:
+        """What `subscriber`'s watches reported since its last `changes` (as far as read
+        from the kernel: see `drain`) is at most `most_names` names, none a directory,
+        no directory changed itself and no event was lost: its next scan stats those
+        names and lists nothing (a directory created or moved in is listed whole, its
+        whole subtree; an overflow restats every file)."""
         with self._lock:
             pending = self._pending.get(id(subscriber))
-            return pending is None or pending.overflow
+            if pending is None or pending.overflow or pending.itself:
+                return False
+            names = 0
+            for changed in pending.names.values():
+                names += len(changed)
+                if names > most_names or any(mask & IN_ISDIR for mask in changed.values()):
+                    return False
+            return True
 
     def changes(self, subscriber: object) -> Changes:
         """Read what the kernel queued, share it out, and take `subscriber`'s share."""

@@ -10,10 +10,12 @@ says why and whose `progress.observed_at` says how old the figures are; no sampl
 stored for it; the other jobs are observed as usual.
 
 The file side of a reading (the output scan, the progress file or log, the free space of
-the filesystem) of a job whose output directory is watched whole on a local disk costs a
-few system calls: it is taken in the tick thread (`Observer._reads_inline`). Any other
-(a first walk, an overflowed event queue, a network filesystem) runs in a few worker
-threads, each job's alone: the scanner of a job is
+the filesystem) of a job whose output directory is watched whole on a local disk, with a
+few file names reported since, costs a few system calls: it is taken in the tick thread
+after the process trees (`Observer._reads_inline`; a local disk stalled in the kernel
+stalls the tick). Any other (a first walk, a directory moved in, an overflowed event
+queue, a network filesystem, a job whose last reading took over 50 ms) runs in a few
+worker threads, each job's alone: the scanner of a job is
 not thread-safe, so a job never has two readings running. A tick waits for them at most
 `scan_budget_s` in all. A reading not done by then (the first scan of a million files
 takes seconds; an NFS server may hang) leaves its job with its last known figures and
@@ -71,8 +73,12 @@ reading stuck on a dead file server holds one thread and the other jobs get new 
 
 
 INLINE_MAX_S = 0.05
-"""A file reading taken in the tick thread (`Observer._reads_inline`) that took longer
-than this sends the job's next reading to the threads."""
+"""A job whose last file reading took longer than this (wall clock) is read in the
+threads (`Observer._reads_inline`), until one takes less."""
+
+INLINE_TICK_MAX_S = 0.2
+"""Once the readings taken in the tick thread took this long in a tick, that tick's
+remaining ones go to the threads (`Observer._read_inline`)."""
 
 
 READINGS_PER_BATCH = 16
@@ -125,8 +131,9 @@ class Observer(JobViewBuilder):
         started = time.monotonic()
         self._settle_endings({job.job_id for job in jobs})
         states = [self._state_for(job, now, started) for job in jobs]
-        self._start_readings(states, now, started)
-        readings, tree_errors = self._sample_trees(jobs, now)
+        inline = self._start_readings(states, now, started)  # the threads' start now
+        readings, tree_errors = self._sample_trees(jobs, now)  # read close to `now`
+        self._read_inline(inline, now, started)
         waiting = [state.inflight.future for state in states  # those started this tick;
                    if state.inflight is not None and state.inflight.tick == self._tick]
         if waiting:  # older ones are picked up if done, never waited for again
@@ -242,28 +249,46 @@ class Observer(JobViewBuilder):
         state.pick_up(self._tick)
         return state
 
-    def _start_readings(self, states: Sequence[_JobState], now: float, started: float) -> None:
-        """A new file reading for every job with none in flight: taken here, in the tick
-        thread, where its cost is bounded (`_reads_inline`: most jobs, most ticks), else
-        handed to the threads in batches of at most
+    def _start_readings(self, states: Sequence[_JobState], now: float, started: float
+                        ) -> list[_JobState]:
+        """A new file reading for every job with none in flight. Those whose cost is
+        bounded (`_reads_inline`: most jobs, most ticks) are returned, to be read in the
+        tick thread (`_read_inline`) once the process trees are read; the others are
+        handed to the threads now (`_submit`)."""
+        if self.dir_watcher is not None:
+            self.dir_watcher.drain()  # what the watches reported is known before choosing
+        inline: list[_JobState] = []
+        others: list[_JobState] = []
+        for state in states:
+            if state.inflight is not None or state.job is None:
+                continue
+            (inline if self._reads_inline(state, state.job) else others).append(state)
+        self._submit(others, now, started)
+        return inline
+
+    def _read_inline(self, states: Sequence[_JobState], now: float, started: float) -> None:
+        """Take these jobs' readings in the tick thread, one after the other; once they
+        have taken INLINE_TICK_MAX_S this tick, the rest go to the threads."""
+        begun = time.monotonic()
+        for index, state in enumerate(states):
+            if time.monotonic() - begun > INLINE_TICK_MAX_S:
+                self._submit(states[index:], now, started)
+                return
+            assert state.job is not None
+            try:
+                state.outcome = state.files.read(state.job, now)
+            except Exception as error:  # costs this job its fresh figures, nothing more
+                state.outcome = error
+
+    def _submit(self, states: Sequence[_JobState], now: float, started: float) -> None:
+        """Hand these jobs' readings to the threads in batches of at most
         READINGS_PER_BATCH jobs whose last reading was on the same filesystem (a dead
         file server holds only readings that would hang on it anyway); a job not read
         yet, or whose last reading outlived its tick (a huge tree), is a batch of its
         own, so it holds no other job back."""
         batches: dict[object, list[tuple[_JobState, ObservedJob]]] = {}
-        if self.dir_watcher is not None:
-            self.dir_watcher.drain()  # a lost event queue is known before choosing
         for state in states:
-            if state.inflight is not None or state.job is None:
-                continue
-            if self._reads_inline(state, state.job):
-                begun = time.monotonic()
-                try:
-                    state.outcome = state.files.read(state.job, now)
-                except Exception as error:  # as a thread's reading would: this job's only
-                    state.outcome = error
-                state.slow = time.monotonic() - begun > INLINE_MAX_S
-                continue
+            assert state.job is not None
             device = state.reading.device if state.reading is not None else None
             key = (device if device is not None and not state.slow
                    else ("job", state.job.job_id))
@@ -286,15 +311,16 @@ class Observer(JobViewBuilder):
         """The job's file reading costs a few system calls on local disks: taken in the
         tick thread, not handed to a thread (whose hand-over and contention for the
         interpreter's lock cost more CPU than such a reading: #15). So it is when its
-        output directory is watched whole (no listing, no lost events: `FileSide.watched`),
-        its last reading was on a local filesystem, as is the data dir (its progress file
-        and log), and its last reading was not slow. Never a job's first reading (a walk
-        of its whole tree) nor a remote job's. (A queue that overflows during the tick's
-        readings makes one of them restat its whole tree: that tick waits for it once,
-        then the job's readings are the threads' until one is quick again.)"""
+        output directory is watched whole and the watches reported a few file names
+        since (no new directory, no lost event: `FileSide.watched`), its last reading was
+        on a local filesystem, as is the data dir (its progress file and log), and that
+        reading took at most INLINE_MAX_S. Never a job's first reading (a walk of its
+        whole tree) nor a remote job's. A local disk that stalls in the kernel stalls
+        the tick with it (a network filesystem never reaches here)."""
         watcher, last = self.dir_watcher, state.reading
-        return (watcher is not None and not job.remote and not state.slow
+        return (watcher is not None and not job.remote
                 and last is not None and last.device is not None
+                and last.took_s is not None and last.took_s <= INLINE_MAX_S
                 and self._jobs_dir_local() and watcher.is_local(last.device)
                 and state.files.watched(job))
 

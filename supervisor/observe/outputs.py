@@ -149,12 +149,15 @@ class OutputScanner:
                 self._restat_unsettled(relative_dir, state, now, cost, final=final)
         return self._result(cost)
 
-    def watched(self) -> bool:
-        """The last scan found the root, every directory known is watched, and no event
-        was lost since: the next scan costs what changed (a few stats), not a listing.
-        (Two paths to one directory, through a bind mount, share a watch: not counted.)"""
+    def watched(self, most_names: int = 64) -> bool:
+        """The last scan found the root, every directory known is watched, and what the
+        watches reported since is at most `most_names` file names (no new directory, no
+        directory changed itself, no event lost: `DirWatcher.few_changes`): the next scan
+        costs a few stats, no listing. (Two paths to one directory, through a bind mount,
+        share a watch: such a tree is never counted watched.)"""
         return (self.watcher is not None and "" in self._dirs
-                and len(self._by_wd) == len(self._dirs) and not self.watcher.overflowed(self))
+                and len(self._by_wd) == len(self._dirs)
+                and self.watcher.few_changes(self, most_names))
 
     def close(self) -> None:
         """The job is done with: its directories' watches go (a later scan lists)."""

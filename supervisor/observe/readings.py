@@ -63,7 +63,8 @@ ScannerFactory = Callable[[str, str], Scanner]
 
 @dataclass(frozen=True)
 class FileReading:
-    """The file side of one reading of a job, taken in a worker thread."""
+    """The file side of one reading of a job (in the tick thread or a worker thread:
+    `Observer._reads_inline`)."""
 
     t: float
     """The tick time it was taken for (what the scan was given as `now`)."""
@@ -82,6 +83,8 @@ class FileReading:
     newest gave the figures above); () for a local job."""
     stale: str | None = None
     """A remote job: why its shim's figures are old (it has gone silent); None if not."""
+    took_s: float | None = None
+    """How long the reading took (wall clock, seconds); None where not timed."""
 
 
 class FileSide:
@@ -96,6 +99,7 @@ class FileSide:
 
     def read(self, job: ObservedJob, now: float, *, final: bool = False) -> FileReading:
         """`final`: the job has ended; every output file still settling is statted."""
+        begun = time.monotonic()
         spec = job.spec
         files = bytes_written = 0
         waiting = False
@@ -109,7 +113,8 @@ class FileSide:
         free_bytes, device = disk_free(spec.output_dir or spec.cwd)
         reported, source = self.progress(job)
         return FileReading(now, files, bytes_written, bool(spec.output_dir), reported,
-                           source, free_bytes, device, waiting)
+                           source, free_bytes, device, waiting,
+                           took_s=time.monotonic() - begun)
 
     def watched(self, job: ObservedJob) -> bool:
         """Its next reading costs what changed since the last, not a walk: it has no

@@ -35,8 +35,10 @@ class ProcessTable:
 
     procs: dict[int, ProcStat] = field(default_factory=dict)
     children: dict[int, list[int]] = field(default_factory=dict)
-    _trees: dict[int, list[ProcStat]] = field(default_factory=dict, repr=False)
-    """`tree` answers, kept: the pass asks for each root's tree twice (`ProcessScan`)."""
+    _trees: dict[int, list[ProcStat]] = field(default_factory=dict, repr=False,
+                                              compare=False)
+    """`tree` answers, kept: the pass asks for each root's tree twice (`ProcessScan`);
+    `add`, the table's only writer, clears them."""
 
     @classmethod
     def read(cls, proc_root: str = "/proc") -> ProcessTable:
