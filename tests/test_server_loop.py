@@ -52,16 +52,14 @@ def test_stop_from_another_thread_ends_the_server_at_once(
         monkeypatch: pytest.MonkeyPatch) -> None:
     server, thread, _ = running_server(monkeypatch)
     time.sleep(0.3)  # the housekeeping loop is asleep
-    started = time.monotonic()
     server.stop()
     thread.join(10)
-    assert not thread.is_alive()
-    assert time.monotonic() - started < 10  # not the 30 s of its sleep
+    assert not thread.is_alive()  # not the 30 s of its sleep
 
 
 def test_a_signal_ends_the_server_at_once(monkeypatch: pytest.MonkeyPatch) -> None:
     server, thread, _ = running_server(monkeypatch)
     time.sleep(0.3)
-    server.handle_exit(signal.SIGTERM, None)  # what uvicorn's signal handler calls
+    server.handle_exit(signal.SIGTERM, None)  # what uvicorn's handler calls, in this thread
     thread.join(10)
     assert not thread.is_alive()
