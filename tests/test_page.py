@@ -185,7 +185,7 @@ def test_job_page_charts_logs_and_stop(daemon: Daemon, tab: Tab, browser: Any,
 
     page = tab.page
     assert page.goto(f"{daemon.url}/jobs/{job_id}").status == 200
-    page.wait_for_function("() => window.jobsup.samples && window.jobsup.samples.length >= 4")
+    page.wait_for_function("() => (window.jobsup?.samples?.length ?? 0) >= 4")
     # the chart holds exactly the stored samples: same times, same item counts (read
     # from the API after the chart, so that every sample drawn is there)
     drawn = page.evaluate("""() => ({
@@ -308,7 +308,8 @@ def test_with_a_token_the_page_asks_for_it(make_daemon: Callable[..., Daemon],
     assert page.url == f"{daemon.url}/jobs/{job_id}"  # back where it was asked for
     tab.errors.clear()  # the 401s above were expected
     page.wait_for_function(
-        "() => window.jobsup.refreshes >= 1 && window.jobsup.samples.length >= 1",
+        "() => (window.jobsup?.refreshes ?? 0) >= 1"  # page.js may not have run yet
+        " && (window.jobsup?.samples?.length ?? 0) >= 1",
         timeout=10000)
     (cookie,) = [c for c in tab.context.cookies() if c["name"] == SESSION_COOKIE]
     assert cookie["httpOnly"] and cookie["sameSite"] == "Strict" and cookie["path"] == "/"
