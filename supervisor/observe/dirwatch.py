@@ -195,8 +195,8 @@ class DirWatcher:
             self._pending.pop(id(subscriber), None)
 
     def drain(self) -> None:
-        """Read what the kernel queued and share it out now (`overflowed` then knows of
-        a queue that overflowed up to this moment)."""
+        """Read what the kernel queued and share it out now (`few_changes` then knows
+        what was reported, and of a queue that overflowed, up to this moment)."""
         with self._lock:
             self._drain()
 

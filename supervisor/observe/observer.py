@@ -15,8 +15,8 @@ few file names reported since, costs a few system calls: it is taken in the tick
 after the process trees (`Observer._reads_inline`; a local disk stalled in the kernel
 stalls the tick). Any other (a first walk, a directory moved in, an overflowed event
 queue, a network filesystem, a job whose last reading took over 50 ms) runs in a few
-worker threads, each job's alone: the scanner of a job is
-not thread-safe, so a job never has two readings running. A tick waits for them at most
+worker threads, each job's alone: the scanner of a job is not thread-safe, so a job
+never has two readings running. A tick waits for them at most
 `scan_budget_s` in all. A reading not done by then (the first scan of a million files
 takes seconds; an NFS server may hang) leaves its job with its last known figures and
 `observation_error` "output scan still running (12.3 s so far)", and no new reading of
