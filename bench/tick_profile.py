@@ -57,13 +57,24 @@ def main() -> None:
                         help="ticks before measuring (the jobs' first readings: walks)")
     parser.add_argument("--interval", type=float, default=2.0, help="seconds between ticks")
     parser.add_argument("--profile", action="store_true", help="also print a cProfile")
+    parser.add_argument("--part", action="append", default=[], metavar="MODULE:CALLABLE",
+                        help="also time this function or Class.method (repeatable), e.g. "
+                             "supervisor.observe.sampler:ProcessScan.read")
+    parser.add_argument("--profile-out", metavar="FILE",
+                        help="with --profile, also save the stats there (pstats, snakeviz)")
     parser.add_argument("--source", default=str(Path(__file__).resolve().parents[1]),
                         help="the source tree the engine is imported from (default: this repo)")
     args = parser.parse_args()
     source = Path(args.source).resolve()
-    sys.path.insert(0, str(source))
     sys.path.insert(0, str(Path(__file__).resolve().parent))  # load.py's jobs
-    import load
+    import load  # (which imports this repo's supervisor: dropped, to import `source`'s)
+
+    for name in [name for name in sys.modules if name.partition(".")[0] == "supervisor"]:
+        del sys.modules[name]
+    sys.path.insert(0, str(source))
+    import supervisor
+    if not Path(supervisor.__file__).resolve().is_relative_to(source):
+        raise SystemExit(f"supervisor imported from {supervisor.__file__}, not {source}")
 
     from supervisor.api.submission import submit_job
     from supervisor.config import Settings
@@ -86,7 +97,8 @@ def main() -> None:
         threading.setprofile(start_profile)
     spent: collections.Counter[str] = collections.Counter()
     calls: collections.Counter[str] = collections.Counter()
-    for module_name, path in PARTS:
+    parts = PARTS + [tuple(extra.split(":")) for extra in args.part]
+    for module_name, path in parts:
         _time_part(module_name, path, spent, calls)
     engine = Engine(settings, sessions)
     for index in range(args.jobs):
@@ -122,7 +134,7 @@ def main() -> None:
     print(f"| process | {process * per_job:.3f} | |")
     print(f"| tick thread | {tick_cpu * per_job:.3f} | |")
     print(f"| other threads | {(after_others - before_others) * per_job:.3f} | |")
-    for _, path in PARTS:
+    for _, path in parts:
         if calls[path]:
             print(f"| {path} | {spent[path] * per_job:.3f} | {calls[path] / ticks:.0f} |")
     if profile is not None:
@@ -131,6 +143,8 @@ def main() -> None:
         for thread_profile in profiles:
             thread_profile.disable()
             stats.add(thread_profile)
+        if args.profile_out:
+            stats.dump_stats(args.profile_out)
         stats.sort_stats("cumulative").print_stats(50)
         stats.sort_stats("tottime").print_stats(30)
         print(out.getvalue())

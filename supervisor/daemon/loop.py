@@ -13,6 +13,7 @@ import time
 from collections.abc import Sequence
 
 from sqlalchemy.orm import Session
+from sqlalchemy.orm.exc import ObjectDeletedError
 
 from supervisor.daemon.checks import (
     LAUNCH_CONFIRM_S,
@@ -197,7 +198,9 @@ class Engine(JobChecks):
             backend.reap()
         self._shims_seen_alive = {}
         with self.sessions() as session:
-            running = store.jobs_in_states(session, JobState.RUNNING)
+            # one query for both: each costs ~0.3 ms even when it finds nothing (#15)
+            jobs = store.jobs_in_states(session, JobState.RUNNING, JobState.PENDING)
+            running = [job for job in jobs if job.state == JobState.RUNNING]
             for job in running:
                 with self.steps.isolated(session, f"job {job.id}"), \
                         self.steps.writing(session, "job state"):
@@ -214,7 +217,7 @@ class Engine(JobChecks):
                     self.observer.forget(job.id)
                     self._shim_observes.pop((job.id, job.attempt), None)
             self.notifier.wake()
-            for job in store.jobs_in_states(session, JobState.PENDING):
+            for job in _pending_now(session, jobs):
                 with self.steps.isolated(session, f"job {job.id}"), \
                         self.steps.writing(session, "job start"):
                     self._check_pending(session, job, now)
@@ -315,6 +318,17 @@ class Engine(JobChecks):
             launch = files.read_launch(attempt_dir(self.settings.jobs_dir, job.id, job.attempt))
             self._shim_observes[key] = launch is not None and "observe" in launch
         return self._shim_observes[key]
+
+def _pending_now(session: Session, jobs: Sequence[Job]) -> Sequence[Job]:
+    """The pending jobs among those the tick read: read pending, or made so by its checks
+    (a restart after its delay). A job submitted meanwhile wakes the next tick. After a
+    step rolled back (its objects expired and reloaded one by one), one of them may be
+    gone: then they are read again."""
+    try:
+        return [job for job in jobs if job.state == JobState.PENDING]
+    except ObjectDeletedError:
+        return store.jobs_in_states(session, JobState.PENDING)
+
 
 def _running_detached(session: Session) -> dict[str, Job]:
     """The running jobs by id, detached: read after their session closes (their grace)."""

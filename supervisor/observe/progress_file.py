@@ -52,7 +52,8 @@ COUNT_MAX = 2**63 - 1
 no report (stored, it would fail the whole batch of samples, every job's)."""
 
 
-@dataclass(frozen=True)
+# built per job per tick, never changed after: not frozen, which costs 4x to build (#15)
+@dataclass(slots=True)
 class Reported:
     items_done: int
     items_total: int | None

@@ -38,7 +38,8 @@ SCRUBBED_ENV = ("JOBSUP_TOKEN", "JOBSUP_SLACK_WEBHOOK_URL", "JOBSUP_WEBHOOK_URL"
 """Daemon settings a job must not inherit (secrets)."""
 
 
-@dataclass(frozen=True)
+# built per job per tick, never changed after: not frozen, which costs 4x to build (#15)
+@dataclass(slots=True)
 class Attempt:
     """One launch of a job: where its files live and which processes run it."""
 

@@ -78,14 +78,14 @@ def parse_stat(raw: bytes, pid: int | None = None) -> ProcStat | None:
     end = raw.rfind(b")")
     if end < 0:
         return None
-    f = raw[end + 2 :].split()
+    f = raw[end + 2 :].split(b" ", 22)  # fields 3..24 (+ the rest, unsplit): what is used
     try:
         return ProcStat(  # positional: a sampler's pass builds one per process
-            f[0].decode(), int(f[1]), int(f[2]), int(f[3]), int(f[19]),
+            chr(f[0][0]), int(f[1]), int(f[2]), int(f[3]), int(f[19]),
             int(f[11]) + int(f[12]) + int(f[13]) + int(f[14]), int(f[17]), int(f[21]),
             pid if pid is not None else int(raw.split(b" ", 1)[0]),
         )
-    except (IndexError, ValueError, UnicodeDecodeError):
+    except (IndexError, ValueError):
         return None
 
 

@@ -24,19 +24,19 @@ class Written:
     """The block's writes were committed."""
 
 
-_WROTE = "jobsup.transaction_wrote"
-"""`Session.info` key: the session's open transaction has sent a write (a flush, or an
-INSERT/UPDATE/DELETE statement) to the database."""
+_WROTE = store.WROTE
+"""`Session.info` key: the session's open transaction has sent a write (a flush, an
+INSERT/UPDATE/DELETE statement, or one marked with `store.note_written`)."""
 _WATCHED = "jobsup.writes_watched"
 
 
 def _flushed(session: Session, _context: object) -> None:
-    session.info[_WROTE] = True
+    store.note_written(session)
 
 
 def _executed(state: ORMExecuteState) -> None:
     if state.is_insert or state.is_update or state.is_delete:
-        state.session.info[_WROTE] = True
+        store.note_written(state.session)
 
 
 def _ended(session: Session, transaction: SessionTransaction) -> None:
