@@ -84,7 +84,7 @@ class AlertSettings:
     ended_alert_ttl_s: float = 86_400.0
 
 
-# built per job per tick, never changed after: not frozen, which costs 4x to build (#15)
+# built per job per tick, not changed once shown: not frozen (4x the cost to build: #15)
 @dataclass(slots=True)
 class JobFacts:
     """What the rules know of one job at one moment (times in seconds since the epoch)."""

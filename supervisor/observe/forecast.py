@@ -32,10 +32,11 @@ __all__ = [  # the rate's names are re-exported: callers import them from here
     "Observation", "ProgressHistory", "ProgressPoint", "RateEstimate", "disk_demand",
     "disk_runway", "estimate_bytes_per_item", "estimate_rate", "forecast_from",
     "forecast_job", "preflight", "progress_history", "rate_from_points", "with_runway",
+    "with_share",
 ]
 
 
-# built per job per tick, never changed after: not frozen, which costs 4x to build (#15)
+# built per job per tick, not changed once shown: not frozen (4x the cost to build: #15)
 @dataclass(slots=True)
 class JobForecast:
     """Field names follow the `forecast` object of docs/api.md."""
@@ -50,7 +51,7 @@ class JobForecast:
     will_fit: bool | None
 
 
-# built per job per tick, never changed after: not frozen, which costs 4x to build (#15)
+# built per job per tick, not changed once shown: not frozen (4x the cost to build: #15)
 @dataclass(slots=True)
 class JobDiskDemand:
     """What one running job still wants from its filesystem."""
@@ -191,13 +192,14 @@ def with_runway(forecast: JobForecast, runway: DiskRunway, job_id: str) -> JobFo
     """The job's forecast with its filesystem's shared disk outlook put in."""
     for job in runway.jobs:
         if job.job_id == job_id:
-            return replace(
-                forecast,
-                disk_free_bytes=runway.free_bytes,
-                disk_full_in_s=runway.disk_full_in_s,
-                will_fit=job.will_fit,
-            )
+            return with_share(forecast, runway, job)
     return forecast
+
+
+def with_share(forecast: JobForecast, runway: DiskRunway, job: JobRunway) -> JobForecast:
+    """`with_runway` for the job's own entry of `runway.jobs`."""
+    return replace(forecast, disk_free_bytes=runway.free_bytes,
+                   disk_full_in_s=runway.disk_full_in_s, will_fit=job.will_fit)
 
 
 def preflight(

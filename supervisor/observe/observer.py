@@ -174,13 +174,13 @@ class Observer(JobViewBuilder):
             free_bytes = max(group, key=lambda entry: entry[3])[2]  # the newest reading's
             try:
                 runway = forecast.disk_runway([d for _, d, _, _ in group], free_bytes=free_bytes)
-                shared = {job_id: forecast.with_runway(forecasts[job_id], runway, job_id)
-                          for job_id, _, _, _ in group}
+                shared = [(job.job_id, forecast.with_share(forecasts[job.job_id], runway, job))
+                          for job in runway.jobs]
             except Exception:  # these jobs keep their own forecasts, as if alone
                 log.exception("disk runway of jobs %s failed", [g[0] for g in group])
                 continue
-            for job_id, job_forecast in shared.items():
-                views[job_id] = replace(views[job_id], forecast=job_forecast)
+            for job_id, job_forecast in shared:  # their views, built this tick, not shown yet
+                views[job_id].forecast = job_forecast
         self.views = views
         return samples
 

@@ -52,7 +52,7 @@ COUNT_MAX = 2**63 - 1
 no report (stored, it would fail the whole batch of samples, every job's)."""
 
 
-# built per job per tick, never changed after: not frozen, which costs 4x to build (#15)
+# built per job per tick, not changed once shown: not frozen (4x the cost to build: #15)
 @dataclass(slots=True)
 class Reported:
     items_done: int

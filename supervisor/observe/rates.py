@@ -32,7 +32,7 @@ every shorter window's rate (see `rate_from_points`). 3 keeps false alarms on a 
 job rare, so a steady job gets the long, quiet window."""
 
 
-# built per job per tick, never changed after: not frozen, which costs 4x to build (#15)
+# built per job per tick, not changed once shown: not frozen (4x the cost to build: #15)
 @dataclass(slots=True)
 class Observation:
     """One reading of a job."""
@@ -42,7 +42,7 @@ class Observation:
     bytes_written: int  # bytes of the job's output files, in bytes
 
 
-# built per job per tick, never changed after: not frozen, which costs 4x to build (#15)
+# built per job per tick, not changed once shown: not frozen (4x the cost to build: #15)
 @dataclass(slots=True)
 class ProgressPoint:
     t: float  # when `items_done` was first seen, seconds since the epoch

@@ -22,7 +22,7 @@ if TYPE_CHECKING:
     from supervisor.observe.remote import ShimReading
 
 
-# built per job per tick, never changed after: not frozen, which costs 4x to build (#15)
+# built per job per tick, not changed once shown: not frozen (4x the cost to build: #15)
 @dataclass(slots=True)
 class ObservedJob:
     """What the observer needs of a running job."""
@@ -62,7 +62,7 @@ ScannerFactory = Callable[[str, str], Scanner]
 """(output_dir, pattern) -> the job's scanner."""
 
 
-# built per job per tick, never changed after: not frozen, which costs 4x to build (#15)
+# built per job per tick, not changed once shown: not frozen (4x the cost to build: #15)
 @dataclass(slots=True)
 class FileReading:
     """The file side of one reading of a job (in the tick thread or a worker thread:

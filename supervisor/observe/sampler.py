@@ -181,7 +181,7 @@ class TreeGpuMemory:
     """Summed over the tree's live processes on this device."""
 
 
-# built per job per tick, never changed after: not frozen, which costs 4x to build (#15)
+# built per job per tick, not changed once shown: not frozen (4x the cost to build: #15)
 @dataclass(slots=True)
 class TreeReading:
     t: float

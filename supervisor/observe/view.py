@@ -22,7 +22,7 @@ from supervisor.spec import JobSpec, Progress
 log = logging.getLogger(__name__)
 
 
-# built per job per tick, never changed after: not frozen, which costs 4x to build (#15)
+# built per job per tick, not changed once shown: not frozen (4x the cost to build: #15)
 @dataclass(slots=True)
 class ProgressRecord:
     """A job's progress from its best source. Field names follow the API's `progress`."""
@@ -56,7 +56,7 @@ class GpuShare:
     device_total_bytes: int
 
 
-# built per job per tick, never changed after: not frozen, which costs 4x to build (#15)
+# built per job per tick, not changed once shown: not frozen (4x the cost to build: #15)
 @dataclass(slots=True)
 class ResourceRecord:
     """A job's process tree at its last reading."""
@@ -82,7 +82,7 @@ NO_FORECAST = forecast.JobForecast(
     projected_total_bytes=None, disk_free_bytes=None, disk_full_in_s=None, will_fit=None)
 
 
-# built per job per tick, never changed after: not frozen, which costs 4x to build (#15)
+# built per job per tick, not changed once shown: not frozen (4x the cost to build: #15)
 @dataclass(slots=True)
 class JobView:
     """A job's latest progress, forecast and resources."""
