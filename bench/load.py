@@ -119,6 +119,34 @@ def percentile(values: list[float], q: int) -> float:
 
 
 # -- the daemon and its jobs -------------------------------------------------------------
+HISTORY_SCRIPT = r"""
+import json, sys, time
+from pathlib import Path
+from supervisor.config import Settings
+from supervisor.storage.database import make_engine, make_sessionmaker, upgrade
+from supervisor.storage.tables import Job
+data_dir, count = Path(sys.argv[1]), int(sys.argv[2])
+engine = make_engine(Settings(data_dir=data_dir).resolved_database_url)
+upgrade(engine)
+now = time.time()
+with make_sessionmaker(engine)() as session:
+    for i in range(count):
+        ended = now - 30 * 86400 * (count - i) / count - 3600  # over the last month
+        spec = {"name": f"old{i}", "command": ["python", "train.py", "--shard", str(i)],
+                "env": {"NOTE": "x" * 1500}, "output_dir": f"/data/old{i}"}
+        progress = {"items_done": 1000, "items_total": 1000, "files": 1000,
+                    "bytes_written": 83_000_000_000, "source": "files"}
+        session.add(Job(id=f"h{i:07x}", name=f"old{i}", spec_json=json.dumps(spec),
+                        state="succeeded", reason="exit code 0", created_at=ended - 7200,
+                        started_at=ended - 7000, ended_at=ended, attempt=1, restarts=0,
+                        exit_code=0, exit_reason="exit_code",
+                        progress_json=json.dumps(progress)))
+    session.commit()
+"""
+"""Fills a new data dir's database (through `--source`'s own schema) with `--history`
+jobs that ended over the last month, as a daemon in use for a while has."""
+
+
 class Daemon:
     """`python -m supervisor serve` as a child process, its log in the data dir."""
 
@@ -554,7 +582,9 @@ def render(args: argparse.Namespace, windows: list[Window], stats: dict[str, Rou
         + (f", after {args.prefill} items written at once (as if it had run "
            f"{args.prefill} s)," if args.prefill else ","),
         "reporting progress by turns through `$JOBSUP_PROGRESS_FILE`, a bare `n/total` log "
-        "line, or the files alone.",
+        "line, or the files alone."
+        + (f" The database held {args.history} jobs that ended over the month before "
+           "(`--history`)." if args.history else ""),
         "Once all run and count items, it measures two windows: **idle**, "
         f"{args.idle_seconds:g} s with no client (the cost of supervising",
         f"the jobs alone), then **load**, {args.seconds:g} s with {args.clients} client "
@@ -653,6 +683,9 @@ def main() -> int:
     parser.add_argument("--prefill", type=int, default=0, metavar="N",
                         help="each job first writes N items (files, and log lines) at once: "
                              "jobs measured as if they had run N seconds, not one minute")
+    parser.add_argument("--history", type=int, default=0, metavar="N",
+                        help="N jobs that ended over the last month in the database before "
+                             "the daemon starts: a daemon in use for a while, not a new one")
     parser.add_argument("--clients", type=int, default=20)
     parser.add_argument("--seconds", type=float, default=60, help="the load window")
     parser.add_argument("--idle-seconds", type=float, default=20, help="the window without clients")
@@ -674,6 +707,9 @@ def main() -> int:
 
     data_dir = Path(tempfile.mkdtemp(prefix="jobsup-load-"))
     daemon = Daemon(data_dir, args.interval, args.source.resolve())
+    if args.history:
+        subprocess.run([sys.executable, "-c", HISTORY_SCRIPT, str(data_dir), str(args.history)],
+                       env=daemon.env, cwd=daemon.source, check=True)
     if args.label is None:
         described = subprocess.run(["git", "-C", str(args.source), "describe", "--always",
                                     "--dirty"], capture_output=True, text=True)

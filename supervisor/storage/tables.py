@@ -50,7 +50,8 @@ class Job(Base):
 
     created_at: Mapped[float] = mapped_column(Float)
     started_at: Mapped[float | None] = mapped_column(Float)
-    ended_at: Mapped[float | None] = mapped_column(Float)
+    ended_at: Mapped[float | None] = mapped_column(Float, index=True)
+    """Indexed: each tick reads the jobs that ended lately (migration 0008)."""
     stop_requested_at: Mapped[float | None] = mapped_column(Float)
     next_start_at: Mapped[float | None] = mapped_column(Float)
     """Earliest start of a pending job (restart backoff); None = as soon as ready."""
