@@ -71,13 +71,17 @@ class AlertRecorder:
                 self.notifier.send_unrecorded(self._message("firing", job, alert, now))
 
     def record(self, session: Session, running: Sequence[Job], now: float,
-               recorded: list[tuple[str, str]]) -> None:
+               recorded: list[tuple[str, str]], *,
+               ended_lately: Sequence[Job] | None = None) -> None:
         """Evaluate the rules for the jobs that ran this tick, ended lately or have firing
         alerts; record what opened, resolved or changed, with its outbox messages, and
         queue the messages of recent successes. `recorded` receives the alerts sent
-        unrecorded earlier that this records."""
+        unrecorded earlier that this records. `ended_lately`: the jobs that ended since
+        `ended_since(now)`, where the caller read them already (else they are read)."""
         open_rows = store.alerts(session, state=AlertState.FIRING)
-        jobs = self._jobs_to_evaluate(session, running, open_rows, now)
+        if ended_lately is None:
+            ended_lately = store.jobs_ended_since(session, self.ended_since(now))
+        jobs = self._jobs_to_evaluate(session, running, ended_lately, open_rows)
         firing = [f for job in jobs.values()
                   for f in rules.evaluate(self.facts(job, now), now=now,
                                            settings=self.rules)]
@@ -90,15 +94,20 @@ class AlertRecorder:
         self._announce_successes(session, jobs.values(), now)
 
     @staticmethod
-    def _jobs_to_evaluate(session: Session, running: Sequence[Job], open_rows: Sequence[Alert],
-                          now: float) -> dict[str, Job]:
+    def ended_since(now: float) -> float:
+        """Jobs that ended since then are evaluated (`RECENTLY_ENDED_S`)."""
+        return now - RECENTLY_ENDED_S
+
+    @staticmethod
+    def _jobs_to_evaluate(session: Session, running: Sequence[Job], ended_lately: Sequence[Job],
+                          open_rows: Sequence[Alert]) -> dict[str, Job]:
         """This tick's running jobs, the jobs that ended lately (if the daemon died
         between recording a job's end and this step, their `crashed`/`incomplete` alert
         is opened now; once: an open alert is never opened again) and the jobs of open
         alerts (those not among the others read in one query: an ended job's `crashed`
         stays open for a day, and a query per such job per tick added up)."""
         jobs = {job.id: job for job in running}
-        for job in store.jobs_ended_since(session, now - RECENTLY_ENDED_S):
+        for job in ended_lately:
             jobs.setdefault(job.id, job)
         others = store.jobs_with_ids(session, {row.job_id for row in open_rows} - jobs.keys())
         for row in open_rows:

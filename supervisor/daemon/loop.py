@@ -198,9 +198,11 @@ class Engine(JobChecks):
             backend.reap()
         self._shims_seen_alive = {}
         with self.sessions() as session:
-            # one query for both: each costs ~0.3 ms even when it finds nothing (#15)
-            jobs = store.jobs_in_states(session, JobState.RUNNING, JobState.PENDING)
+            # one query for the running, pending and lately ended jobs (#15)
+            jobs = store.jobs_of_tick(session, (JobState.RUNNING, JobState.PENDING),
+                                      ended_since=self.alerting.ended_since(now))
             running = [job for job in jobs if job.state == JobState.RUNNING]
+            ended_lately = [job for job in jobs if JobState(job.state).ended]
             for job in running:
                 with self.steps.isolated(session, f"job {job.id}"), \
                         self.steps.writing(session, "job state"):
@@ -211,7 +213,7 @@ class Engine(JobChecks):
                                            or self._attempt(job), now) for job in running]
                 self._store_samples(session, running, self.observer.observe(observed, now))
             with self.steps.isolated(session, "alerts"):
-                self._alert(session, running, now)
+                self._alert(session, running, ended_lately, now)
             for job in running:
                 if JobState(job.state) is not JobState.RUNNING:
                     self.observer.forget(job.id)
@@ -233,10 +235,11 @@ class Engine(JobChecks):
                 if written.ok:
                     self._compacted_until = store.compaction_cutoffs(now)
 
-    def _alert(self, session: Session, running: Sequence[Job], now: float) -> None:
+    def _alert(self, session: Session, running: Sequence[Job], ended_lately: Sequence[Job],
+               now: float) -> None:
         recorded: list[tuple[str, str]] = []
         with self.steps.writing(session, "alerts") as written:
-            self.alerting.record(session, running, now, recorded)
+            self.alerting.record(session, running, now, recorded, ended_lately=ended_lately)
         if written.ok:
             self.alerting.forget_sent(recorded)
         else:
