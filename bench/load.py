@@ -377,9 +377,25 @@ class Snapshot:
     jobs_cpu_s: dict[int, float]  # per shim and job process, children reaped included
     daemon_threads_cpu_s: dict[int, float]  # per thread id of the daemon
     ticks: Histogram
+    scrape_cpu_s: float = 0.0
+    """The daemon's CPU for one more `/metrics` scrape, taken after this snapshot: what
+    the scrape this snapshot took (counted in a window it ends) cost it."""
 
 
-def snapshot(daemon: Daemon) -> Snapshot:
+def task_cpu_s(pid: int) -> float:
+    """The CPU time of the process's live threads, from their schedstat (nanoseconds:
+    psutil's figures move in 10 ms steps)."""
+    total_ns = 0
+    for tid in os.listdir(f"/proc/{pid}/task"):
+        with contextlib.suppress(OSError), open(f"/proc/{pid}/task/{tid}/schedstat") as f:
+            total_ns += int(f.read().split()[0])
+    return total_ns / 1e9
+
+
+def snapshot(daemon: Daemon, *, ends_window: bool = False) -> Snapshot:
+    """The figures now. The tick count comes from a `/metrics` scrape taken first; where
+    the snapshot `ends_window`, that scrape falls in the window, and one more scrape
+    afterwards measures what it cost the daemon (`window` takes it off)."""
     assert daemon.proc is not None
     proc = psutil.Process(daemon.proc.pid)
     ticks = read_tick_histogram(daemon.http.get("/metrics").text)
@@ -391,10 +407,15 @@ def snapshot(daemon: Daemon) -> Snapshot:
         with contextlib.suppress(psutil.Error):
             t = job_proc.cpu_times()
             jobs_cpu_s[job_proc.pid] = t.user + t.system + t.children_user + t.children_system
-    return Snapshot(time.monotonic(), times.user + times.system, own.user + own.system,
-                    machine.user + machine.system + machine.nice + machine.irq
-                    + machine.softirq + getattr(machine, "steal", 0.0),
-                    proc.memory_info().rss, jobs_cpu_s, threads, ticks)
+    taken = Snapshot(time.monotonic(), times.user + times.system, own.user + own.system,
+                     machine.user + machine.system + machine.nice + machine.irq
+                     + machine.softirq + getattr(machine, "steal", 0.0),
+                     proc.memory_info().rss, jobs_cpu_s, threads, ticks)
+    if ends_window:
+        before = task_cpu_s(proc.pid)
+        daemon.http.get("/metrics")
+        taken.scrape_cpu_s = task_cpu_s(proc.pid) - before
+    return taken
 
 
 @dataclass(frozen=True)
@@ -412,6 +433,7 @@ class Window:
     tick_p99_s: float
     ticks_over_interval: float
     thread_cpu_s: dict[int, float]  # per daemon thread, over the window
+    scrape_cpu_s: float = 0.0  # the benchmark's /metrics scrape in it: not in daemon_cores
 
 
 def window(name: str, start: Snapshot, end: Snapshot, rss_max_bytes: int,
@@ -420,8 +442,8 @@ def window(name: str, start: Snapshot, end: Snapshot, rss_max_bytes: int,
     ticks = end.ticks.count - start.ticks.count
     thread_cpu_s = {tid: cpu_s - start.daemon_threads_cpu_s.get(tid, 0.0)
                     for tid, cpu_s in end.daemon_threads_cpu_s.items()}
-    return Window(
-        name, seconds, (end.daemon_cpu_s - start.daemon_cpu_s) / seconds,
+    return Window(  # the daemon's CPU without the benchmark's own scrape of /metrics
+        name, seconds, (end.daemon_cpu_s - start.daemon_cpu_s - end.scrape_cpu_s) / seconds,
         (end.bench_cpu_s - start.bench_cpu_s) / seconds,
         sum(cpu_s - start.jobs_cpu_s[pid] for pid, cpu_s in end.jobs_cpu_s.items()
             if pid in start.jobs_cpu_s) / seconds,
@@ -429,7 +451,7 @@ def window(name: str, start: Snapshot, end: Snapshot, rss_max_bytes: int,
         end.daemon_rss_bytes, max(rss_max_bytes, end.daemon_rss_bytes, start.daemon_rss_bytes),
         ticks, (end.ticks.sum_s - start.ticks.sum_s) / ticks if ticks else float("nan"),
         histogram_quantile(0.99, start.ticks, end.ticks),
-        ticks_over(interval_s, start.ticks, end.ticks), thread_cpu_s)
+        ticks_over(interval_s, start.ticks, end.ticks), thread_cpu_s, end.scrape_cpu_s)
 
 
 def watch_rss(pid: int, stop: threading.Event) -> list[int]:
@@ -512,7 +534,7 @@ def measure_window(daemon: Daemon, name: str, seconds: float, interval_s: float,
     else:
         time.sleep(seconds)
         stats = {}
-    end = snapshot(daemon)
+    end = snapshot(daemon, ends_window=True)
     stop_rss.set()
     return window(name, start, end, max(rss, default=0), interval_s), stats
 
@@ -560,7 +582,9 @@ def tick_cost(w: Window, jobs: int) -> str:
     per_tick_s = w.daemon_cores * w.seconds / w.ticks
     return (f"daemon CPU {per_tick_s * 1000:.1f} ms per tick, "
             f"{per_tick_s * 1000 / max(jobs, 1):.2f} ms per job per tick, "
-            f"{per_tick_s / TICK_S * 100:.2f} % of a core at a {TICK_S:g} s tick")
+            f"{per_tick_s / TICK_S * 100:.2f} % of a core at a {TICK_S:g} s tick "
+            f"(the benchmark's own /metrics scrape, {w.scrape_cpu_s * 1000:.1f} ms, "
+            "not counted)")
 
 
 def render(args: argparse.Namespace, windows: list[Window], stats: dict[str, RouteStats],

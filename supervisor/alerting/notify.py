@@ -107,6 +107,7 @@ class Notifier:
         take it: written before anything else is done with the row, never re-sent."""
         self._database_unwritable = False
         self._wake = threading.Event()
+        self._enqueued = False
         self._should_exit = threading.Event()
         self._thread: threading.Thread | None = None
         self._http = httpx.Client(timeout=REQUEST_TIMEOUT_S)
@@ -120,6 +121,7 @@ class Notifier:
         payload = json.dumps(redact(message))
         outbox.add(session, self.destinations, kind=kind, job_id=job_id, alert_id=alert_id,
                    payload_json=payload, event_id=event_id, now=now)
+        self._enqueued = True
 
     def send_unrecorded(self, message: dict[str, Any]) -> None:
         """Queue a message in memory only (its outbox row could not be written): sent
@@ -133,6 +135,15 @@ class Notifier:
 
     def wake(self) -> None:
         self._wake.set()
+
+    def wake_if_enqueued(self) -> None:
+        """Wake the delivery thread if messages were enqueued since the last time: the
+        tick calls it once its writes are committed. A tick that enqueued nothing does
+        not wake it (each wake reads the outbox's head per destination: #15); it wakes
+        on its own when a retry is due."""
+        if self._enqueued:
+            self._enqueued = False
+            self._wake.set()
 
     def start(self) -> None:
         if not self.destinations:

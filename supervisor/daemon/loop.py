@@ -218,7 +218,7 @@ class Engine(JobChecks):
                 if JobState(job.state) is not JobState.RUNNING:
                     self.observer.forget(job.id)
                     self._shim_observes.pop((job.id, job.attempt), None)
-            self.notifier.wake()
+            self.notifier.wake_if_enqueued()
             for job in _pending_now(session, jobs):
                 with self.steps.isolated(session, f"job {job.id}"), \
                         self.steps.writing(session, "job start"):
