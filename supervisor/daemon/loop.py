@@ -27,6 +27,7 @@ from supervisor.observe.view import progress_json, stored_progress
 from supervisor.runtime import files
 from supervisor.runtime.launcher import (
     Attempt,
+    Backend,
     attempt_dir,
 )
 from supervisor.spec import JobState, stored_spec
@@ -306,13 +307,13 @@ class Engine(JobChecks):
             root, root_time, root_ticks = job.pid or -1, job.pid_create_time, job.pid_start_ticks
         return ObservedJob(job.id, stored_spec(job.spec_json), job.attempt,
                            root, root_time, job.pid, job.started_at, root_ticks,
-                           remote=self._observed_by_shim(job))
+                           remote=self._observed_by_shim(job, backend))
 
-    def _observed_by_shim(self, job: Job) -> bool:
+    def _observed_by_shim(self, job: Job, backend: Backend) -> bool:
         """The job's shim publishes its readings: always on a backend whose jobs run
         elsewhere; under JOBSUP_OBSERVE=shim, if its launch asked for them (a job launched
-        by a daemon without the setting is read here)."""
-        if not self.backend_for(job).observes_locally:
+        by a daemon without the setting is read here). `backend`: the job's."""
+        if not backend.observes_locally:
             return True
         if self.settings.observe != "shim":
             return False

@@ -413,17 +413,21 @@ class OutputScanner:
             self._forget(relative_dir)
 
     def _result(self, cost: _Cost) -> ScanResult:
-        states = self._dirs.values()
-        newest_ns = max(
-            (state.newest_mtime_ns for state in states if state.newest_mtime_ns is not None),
-            default=None,
-        )
+        files = bytes_total = waiting = 0
+        newest_ns: int | None = None
+        for state in self._dirs.values():  # one loop: most trees are one directory
+            files += len(state.files)
+            bytes_total += state.bytes_total
+            waiting += len(state.unsettled)
+            if state.newest_mtime_ns is not None and (newest_ns is None
+                                                      or state.newest_mtime_ns > newest_ns):
+                newest_ns = state.newest_mtime_ns
         return ScanResult(
-            files=sum(len(state.files) for state in states),
-            bytes=sum(state.bytes_total for state in states),
+            files=files,
+            bytes=bytes_total,
             dirs_statted=cost.dirs_statted,
             dirs_listed=cost.dirs_listed,
             files_statted=cost.files_statted,
             newest_mtime=newest_ns / 1e9 if newest_ns is not None else None,
-            waiting=sum(len(state.unsettled) for state in states),
+            waiting=waiting,
         )

@@ -5,9 +5,8 @@ after it. Apart from the loop (`daemon/loop.py`) so the tick reads as its steps.
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterator
-from contextlib import contextmanager
 from dataclasses import dataclass
+from types import TracebackType
 
 from sqlalchemy import event
 from sqlalchemy.exc import OperationalError
@@ -64,19 +63,13 @@ class TickSteps:
         self.database_full = False
         """The last write failed for lack of disk space (SQLITE_FULL)."""
 
-    @contextmanager
-    def isolated(self, session: Session, what: str) -> Iterator[None]:
+    def isolated(self, session: Session, what: str) -> _Isolated:
         """One step of the tick whose unexpected failure is logged and rolled back, so
         the steps after it still run: a bug in reading one job's output must not keep
         the pending jobs from starting, nor the other jobs from being watched."""
-        try:
-            yield
-        except Exception:
-            session.rollback()
-            log.exception("tick step failed (%s); the rest of the tick goes on", what)
+        return _Isolated(session, what)
 
-    @contextmanager
-    def writing(self, session: Session, what: str) -> Iterator[Written]:
+    def writing(self, session: Session, what: str) -> _Writing:
         """Commit what the block wrote. A full disk under the database is survived:
         the block's writes are rolled back (they are redone from the facts next tick)
         and the yielded outcome's `ok` stays False; other errors propagate.
@@ -85,24 +78,74 @@ class TickSteps:
         most ticks) commits nothing: there is nothing to lose, and a commit per job per
         tick was a good part of the tick's cost (#15). While the database is full every
         block commits, so the first commit that succeeds says it is writable again."""
-        outcome = Written()
-        _watch_writes(session)
-        try:
-            yield outcome
-            if not self.database_full and not has_writes(session):
-                outcome.ok = True
-                return
-            session.commit()
-            outcome.ok = True
-        except OperationalError as exc:
-            session.rollback()
-            if not store.is_disk_full(exc):
-                raise
-            if not self.database_full:
-                log.error("the database's disk is full (%s): keeping samples in memory and "
-                          "sending alerts unrecorded until space returns", what)
-            self.database_full = True
-            return
-        if self.database_full:
-            log.warning("the database is writable again")
-            self.database_full = False
+        return _Writing(self, session, what)
+
+
+class _Isolated:
+    """`TickSteps.isolated` (a class, not a generator: the tick enters two steps per
+    job, and a generator's context manager costs several times as much: #15)."""
+
+    __slots__ = ("session", "what")
+
+    def __init__(self, session: Session, what: str) -> None:
+        self.session, self.what = session, what
+
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, kind: type[BaseException] | None, error: BaseException | None,
+                 traceback: TracebackType | None) -> bool:
+        if not isinstance(error, Exception):  # none, or one that must end the tick
+            return False
+        self.session.rollback()
+        log.error("tick step failed (%s); the rest of the tick goes on", self.what,
+                  exc_info=error)
+        return True
+
+
+class _Writing:
+    """`TickSteps.writing`."""
+
+    __slots__ = ("steps", "session", "what", "outcome")
+
+    def __init__(self, steps: TickSteps, session: Session, what: str) -> None:
+        self.steps, self.session, self.what = steps, session, what
+        self.outcome = Written()
+
+    def __enter__(self) -> Written:
+        _watch_writes(self.session)
+        return self.outcome
+
+    def __exit__(self, kind: type[BaseException] | None, error: BaseException | None,
+                 traceback: TracebackType | None) -> bool:
+        steps, session = self.steps, self.session
+        if kind is None:
+            if not steps.database_full and not has_writes(session):
+                self.outcome.ok = True
+                return False
+            try:
+                session.commit()
+            except OperationalError as failed:
+                return self._failed(failed, raise_other=True)
+            self.outcome.ok = True
+            if steps.database_full:
+                log.warning("the database is writable again")
+                steps.database_full = False
+            return False
+        if isinstance(error, OperationalError):
+            return self._failed(error, raise_other=False)
+        return False
+
+    def _failed(self, error: OperationalError, *, raise_other: bool) -> bool:
+        """Roll back; a full disk is survived (True: the error is swallowed), anything
+        else goes on up (re-raised from a failed commit, else left to propagate)."""
+        self.session.rollback()
+        if not store.is_disk_full(error):
+            if raise_other:
+                raise error
+            return False
+        if not self.steps.database_full:
+            log.error("the database's disk is full (%s): keeping samples in memory and "
+                      "sending alerts unrecorded until space returns", self.what)
+        self.steps.database_full = True
+        return True
