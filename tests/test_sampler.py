@@ -397,6 +397,7 @@ def test_ten_targets_share_one_proc_pass(make_tree: Callable[..., JobTree]) -> N
     assert len(targets) == 10
     sampler = Sampler()
     sampler.sample(targets, time.time())
+    sampler.sample(targets, time.time())  # the trees' /proc files are kept open from here
     accesses = record_file_access()
     try:
         readings = sampler.sample(targets, time.time())
@@ -410,8 +411,59 @@ def test_ten_targets_share_one_proc_pass(make_tree: Callable[..., JobTree]) -> N
     assert_empty(readings["gone"])
     listed = [path for event, path in accesses if event in ("os.listdir", "os.scandir")]
     assert listed == ["/proc"]  # one directory pass for all ten jobs
-    root_stat = f"/proc/{trees[0].root}/stat"
-    assert [path for _, path in accesses].count(root_stat) == 1  # each stat read once
+    opened = [path for event, path in accesses if event == "open"]
+    assert len(opened) == len(set(opened))  # no file opened twice in a pass
+    for tree in trees:  # and the trees' own are re-read through their kept files
+        assert not {f"/proc/{p.pid}/{name}" for p in tree.psutil_tree()
+                    for name in ("stat", "io")} & set(opened)
+
+
+def open_fds() -> set[str]:
+    return set(os.listdir("/proc/self/fd"))
+
+
+def test_kept_proc_files_follow_the_trees(make_tree: Callable[..., JobTree]) -> None:
+    """From its second pass in a tree, a process's /proc stat and io stay open and are
+    re-read in place; the readings are the same as a fresh sampler's; a process that
+    exits has its files closed; the cap holds; `close` closes them all."""
+    tree = make_tree()
+    target = tree.target()
+    baseline = open_fds()
+    sampler = Sampler()
+    sampler.sample([target], time.time())
+    assert sampler.processes.kept == set()  # one pass: a short-lived child would churn
+    sampler.sample([target], time.time())
+    members = {p.pid for p in tree.psutil_tree()}
+    assert sampler.processes.kept == members and len(members) == 7
+    assert len(open_fds() - baseline) == 2 * len(members)  # stat and io of each
+
+    tree.touch("go-write")
+    wait_for(lambda: (tree.ctl / "written").exists(), 5, what="writer done")
+    kept, fresh = (s.sample([target], time.time())["job"] for s in (sampler, Sampler()))
+    assert (kept.num_procs, kept.num_threads, kept.status) \
+        == (fresh.num_procs, fresh.num_threads, fresh.status) == (7, 10, "sleeping")
+    assert kept.write_bytes == fresh.write_bytes >= WRITE_BYTES
+    assert kept.cpu_time_s == pytest.approx(fresh.cpu_time_s, abs=0.05)
+    assert abs(kept.rss_bytes - fresh.rss_bytes) <= 0.05 * fresh.rss_bytes
+
+    sleeper = tree.psutil_tree()[-1]  # a grandchild: one of sh's two sleeps
+    assert sleeper.pid in members
+    before = open_fds()
+    sleeper.kill()
+    wait_for(lambda: not procfs.is_same_process(sleeper.pid, sleeper.create_time()), 5,
+             what="sleep reaped")
+    assert sampler.sample([target], time.time())["job"].num_procs == 6
+    assert sleeper.pid not in sampler.processes.kept
+    assert len(before - open_fds()) == 2  # its two files closed
+
+    capped = Sampler()
+    capped.processes.keep_open = 3
+    for _ in range(2):
+        capped.sample([target], time.time())
+    assert len(capped.processes.kept) == 3
+    for done in (sampler, capped):
+        done.close()
+    assert open_fds() - baseline == set()
 
 
 def test_no_targets_reads_nothing() -> None:

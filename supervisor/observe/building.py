@@ -44,8 +44,9 @@ class JobViewBuilder:
         if isinstance(outcome, FileReading):
             state.reading = fresh = outcome
             items_done, items_total, metrics, source = items_from(spec, fresh)
-            backlog += self._backlog(job, state, outcome.shim[:-1], items_total,
-                                     counted=source == "files")
+            if len(outcome.shim) > 1:  # a remote job's readings older than its newest
+                backlog += self._backlog(job, state, outcome.shim[:-1], items_total,
+                                         counted=source == "files")
             state.noteitems_from(items_done, fresh.t)
             if fresh.stale is None:
                 self._remember(state, forecast.Observation(fresh.t, items_done,

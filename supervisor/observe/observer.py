@@ -226,6 +226,7 @@ class Observer(JobViewBuilder):
         to finish in their (daemon) threads; nothing waits for them."""
         self._workers.close()
         self._ending.clear()
+        self.sampler.close()
         if self.dir_watcher is not None:
             self.dir_watcher.close()
 
