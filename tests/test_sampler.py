@@ -452,6 +452,11 @@ def test_kept_proc_files_follow_the_trees(make_tree: Callable[..., JobTree]) -> 
     sleeper.kill()
     wait_for(lambda: not procfs.is_same_process(sleeper.pid, sleeper.create_time()), 5,
              what="sleep reaped")
+    assert sleeper.pid in sampler.processes.kept  # until the next pass, read as gone:
+    wait_for(lambda: sampler.processes.current_stat(sleeper.pid) is None, 5,
+             what="its kept stat read as gone")  # (a reaped process, pid reused or not)
+    live = sampler.processes.current_stat(tree.root)
+    assert live is not None and live[:5] == procfs.read_stat(tree.root)[:5]  # type: ignore[index]
     assert sampler.sample([target], time.time())["job"].num_procs == 6
     assert sleeper.pid not in sampler.processes.kept
     assert len(before - open_fds()) == 2  # its two files closed

@@ -63,7 +63,7 @@ class JobChecks(EngineBase):
 
         # a running shim has not recorded an exit yet (or has just done so: then the
         # exit watcher wakes the next tick as it ends), so its status file is not read
-        shim = backend.shim_state(attempt)
+        shim = backend.shim_state(attempt, self.observer.sampler.processes.current_stat)
         status = None if shim is ShimState.RUNNING else backend.read_exit(attempt)
         if status is not None:
             backend.forget(attempt)

@@ -132,6 +132,14 @@ class ProcessScan:
         """The pids whose /proc files are kept open."""
         return set(self._open)
 
+    def current_stat(self, pid: int) -> ProcStat | None:
+        """The process's stat now, from its kept file if any (it names the very process
+        the pass found: reaped, it reads None, even with its pid reused), else read."""
+        files = self._open.get(pid)
+        if files is not None:
+            return files.stat(pid)
+        return read_stat(pid, self.proc_root)
+
     def io_bytes(self, pid: int) -> tuple[int, int] | None:
         """`read_io_bytes` of a process of the last pass, from its kept file if any."""
         files = self._open.get(pid)

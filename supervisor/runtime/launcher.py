@@ -24,6 +24,7 @@ from supervisor.runtime import files
 from supervisor.runtime.fileio import atomic_write_json
 from supervisor.runtime.files import ExitStatus, WorkerInfo
 from supervisor.runtime.procfs import (
+    StatReader,
     all_stats,
     is_same_process,
     is_started_at,
@@ -220,9 +221,10 @@ class Backend(ABC):
         """What the shim recorded when the worker ended; None while it runs."""
 
     @abstractmethod
-    def shim_state(self, attempt: Attempt) -> ShimState:
+    def shim_state(self, attempt: Attempt, stat_of: StatReader | None = None) -> ShimState:
         """Whether the attempt's shim is the live process it was (pid and create time),
-        and whether it is stopped."""
+        and whether it is stopped. `stat_of`: where a local shim's /proc stat is read
+        (the tick's sampler, which keeps the jobs' files open), else `procfs.read_stat`."""
 
     def shim_alive(self, attempt: Attempt) -> bool:
         return self.shim_state(attempt) is not ShimState.GONE

@@ -34,6 +34,7 @@ from supervisor.runtime.launcher import (
     write_launch,
 )
 from supervisor.runtime.procfs import (
+    StatReader,
     all_stats,
     is_same_process,
     is_started_at,
@@ -122,8 +123,9 @@ class LocalBackend(Backend):
     def read_exit(self, attempt: Attempt) -> ExitStatus | None:
         return files.read_exit(attempt.dir)
 
-    def shim_state(self, attempt: Attempt) -> ShimState:
-        stat = read_stat(attempt.shim_pid) if attempt.shim_pid is not None else None
+    def shim_state(self, attempt: Attempt, stat_of: StatReader | None = None) -> ShimState:
+        stat = ((stat_of or read_stat)(attempt.shim_pid) if attempt.shim_pid is not None
+                else None)
         if (stat is None or stat.state in ("Z", "X")
                 or not is_started_at(stat, attempt.shim_start_ticks, attempt.shim_create_time)):
             return ShimState.GONE

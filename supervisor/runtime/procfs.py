@@ -16,7 +16,7 @@ from __future__ import annotations
 import errno
 import os
 import signal
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from functools import cache
 from typing import NamedTuple
 
@@ -87,6 +87,10 @@ def parse_stat(raw: bytes, pid: int | None = None) -> ProcStat | None:
         )
     except (IndexError, ValueError):
         return None
+
+
+StatReader = Callable[[int], "ProcStat | None"]
+"""pid -> its `ProcStat`, None when it is gone (`read_stat`, or a reader of kept files)."""
 
 
 @cache

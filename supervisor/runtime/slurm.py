@@ -52,6 +52,7 @@ from supervisor.runtime.launcher import (
     observe_request,
     write_launch,
 )
+from supervisor.runtime.procfs import StatReader
 from supervisor.runtime.slurm_jobs import (
     BATCH_SCRIPT,
     PENDING_REASONS,
@@ -184,7 +185,7 @@ class SlurmBackend(SlurmQueries, Backend):
                 shim_create_time: float | None, shim_start_ticks: int | None) -> Attempt:
         return Attempt(job_id, number, attempt_dir(self.jobs_dir, job_id, number))
 
-    def shim_state(self, attempt: Attempt) -> ShimState:
+    def shim_state(self, attempt: Attempt, stat_of: StatReader | None = None) -> ShimState:
         """RUNNING while SLURM lists the job as pending, running, completing or
         suspended, or cannot be asked; GONE once it lists a final state or none."""
         try:
