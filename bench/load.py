@@ -139,7 +139,7 @@ with make_sessionmaker(engine)() as session:
         session.add(Job(id=f"h{i:07x}", name=f"old{i}", spec_json=json.dumps(spec),
                         state="succeeded", reason="exit code 0", created_at=ended - 7200,
                         started_at=ended - 7000, ended_at=ended, attempt=1, restarts=0,
-                        exit_code=0, exit_reason="exit_code",
+                        exit_code=0, exit_reason="exit",
                         progress_json=json.dumps(progress)))
     session.commit()
 """
@@ -223,11 +223,12 @@ def submit_jobs(daemon: Daemon, count: int, job_ids: list[str], prefill: int = 0
         job_ids.append(response.json()["id"])
 
 
-def wait_all_running(daemon: Daemon, count: int, timeout_s: float = 120) -> None:
-    """Until `count` jobs run and each has made progress (its first item counted)."""
+def wait_all_running(daemon: Daemon, job_ids: list[str], timeout_s: float = 120) -> None:
+    """Until these jobs run and each has made progress (its first item counted)."""
     deadline = time.monotonic() + timeout_s
-    while True:
-        jobs = daemon.http.get("/api/v1/jobs").json()
+    count, ours = len(job_ids), set(job_ids)
+    while True:  # (not the --history jobs)
+        jobs = [j for j in daemon.http.get("/api/v1/jobs").json() if j["id"] in ours]
         running = [j for j in jobs if j["state"] == "running"]
         progressing = [j for j in running if (j["progress"]["items_done"] or 0) > 0]
         if len(progressing) == count:
@@ -749,7 +750,7 @@ def main() -> int:
         print(f"daemon pid {daemon.proc.pid if daemon.proc else '?'} on {daemon.url}, "
               f"data dir {data_dir}", flush=True)
         submit_jobs(daemon, args.jobs, job_ids, args.prefill)
-        wait_all_running(daemon, args.jobs)
+        wait_all_running(daemon, job_ids)
         print(f"{args.jobs} jobs running; settling {args.settle_seconds:g} s", flush=True)
         time.sleep(args.settle_seconds)
         idle, _ = measure_window(daemon, "idle (no clients)", args.idle_seconds, args.interval)

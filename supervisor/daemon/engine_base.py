@@ -29,7 +29,7 @@ from supervisor.runtime.local import LocalBackend
 from supervisor.spec import stored_spec
 from supervisor.storage import store
 from supervisor.storage.tables import Job, SampleRecord
-from supervisor.storage.transactions import TickSteps
+from supervisor.storage.transactions import TickSteps, watch_writes
 
 log = logging.getLogger(__name__)
 
@@ -72,6 +72,7 @@ class EngineBase:
         """Per sample tier, the cutoff of the last downsampling pass (None: none yet in
         this daemon; the first pass starts from `store.compaction_resume_point`)."""
         self.steps = TickSteps()
+        watch_writes(self.sessions)  # the tick's steps see what its sessions wrote
         self._unsaved_samples: list[SampleRecord] = []
         self._progress_stored: dict[str, tuple[float, str | None]] = {}
         self._finals_unsaved: set[str] = set()

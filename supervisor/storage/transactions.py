@@ -10,7 +10,7 @@ from types import TracebackType
 
 from sqlalchemy import event
 from sqlalchemy.exc import OperationalError
-from sqlalchemy.orm import ORMExecuteState, Session, SessionTransaction
+from sqlalchemy.orm import ORMExecuteState, Session, SessionTransaction, sessionmaker
 
 from supervisor.storage import store
 
@@ -43,12 +43,22 @@ def _ended(session: Session, transaction: SessionTransaction) -> None:
         session.info.pop(_WROTE, None)
 
 
+def watch_writes(target: Session | sessionmaker[Session]) -> None:
+    """Have a session, or every session a sessionmaker makes from now on, mark its writes
+    (`has_writes`). The engine does it once for its sessionmaker: three listeners added
+    to each tick's new session cost ~0.15 ms a tick (#15)."""
+    event.listen(target, "after_flush", _flushed)
+    event.listen(target, "do_orm_execute", _executed)
+    event.listen(target, "after_transaction_end", _ended)
+    if isinstance(target, sessionmaker):
+        target.configure(info={**target.kw.get("info", {}), _WATCHED: True})
+    else:
+        target.info[_WATCHED] = True
+
+
 def _watch_writes(session: Session) -> None:
     if not session.info.get(_WATCHED):
-        session.info[_WATCHED] = True
-        event.listen(session, "after_flush", _flushed)
-        event.listen(session, "do_orm_execute", _executed)
-        event.listen(session, "after_transaction_end", _ended)
+        watch_writes(session)
 
 
 def has_writes(session: Session) -> bool:
