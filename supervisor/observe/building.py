@@ -47,7 +47,7 @@ class JobViewBuilder:
             if len(outcome.shim) > 1:  # a remote job's readings older than its newest
                 backlog += self._backlog(job, state, outcome.shim[:-1], items_total,
                                          counted=source == "files")
-            state.noteitems_from(items_done, fresh.t)
+            state.note_items(items_done, fresh.t)
             if fresh.stale is None:
                 self._remember(state, forecast.Observation(fresh.t, items_done,
                                                            fresh.bytes_written))
@@ -113,7 +113,7 @@ class JobViewBuilder:
         samples = backlog_samples(job.job_id, newer, items_total=items_total, counted=counted)
         for sample, r in zip(samples, newer, strict=True):
             if sample.items_done is not None:
-                state.noteitems_from(sample.items_done, r.t)
+                state.note_items(sample.items_done, r.t)
                 self._remember(state, forecast.Observation(r.t, sample.items_done,
                                                            sample.bytes_written))
             state.note_activity(r.tree, sample.bytes_written, r.t)

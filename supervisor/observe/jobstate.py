@@ -68,7 +68,7 @@ class _JobState:
     """When the job's last sample was taken (a remote job's older readings become
     samples of their own only if newer)."""
 
-    def noteitems_from(self, items_done: int | None, now: float) -> None:
+    def note_items(self, items_done: int | None, now: float) -> None:
         if items_done is None:
             return
         if self.baseline_items is None or (

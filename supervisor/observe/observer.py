@@ -430,6 +430,6 @@ class Observer(JobViewBuilder):
             state.last_sample_t = rows[-1].t
         for row in rows:
             self._remember(state, forecast.Observation(row.t, row.items_done, row.bytes_written))
-            state.noteitems_from(row.items_done, row.t)
+            state.note_items(row.items_done, row.t)
         if rows:  # the daemon was down: count its restart as activity, not as a stall
             state.activity_at = max(state.activity_at or 0.0, rows[-1].t)
