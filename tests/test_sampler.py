@@ -411,6 +411,7 @@ def test_ten_targets_share_one_proc_pass(make_tree: Callable[..., JobTree]) -> N
     assert_empty(readings["gone"])
     listed = [path for event, path in accesses if event in ("os.listdir", "os.scandir")]
     assert listed == ["/proc"]  # one directory pass for all ten jobs
+    sampler.close()
     opened = [path for event, path in accesses if event == "open"]
     assert len(opened) == len(set(opened))  # no file opened twice in a pass
     for tree in trees:  # and the trees' own are re-read through their kept files
@@ -466,6 +467,8 @@ def test_kept_proc_files_follow_the_trees(make_tree: Callable[..., JobTree]) -> 
     for _ in range(2):
         capped.sample([target], time.time())
     assert len(capped.processes.kept) == 3
+    capped.sample([], time.time())  # no job left: its files go too
+    assert capped.processes.kept == set()
     for done in (sampler, capped):
         done.close()
     assert open_fds() - baseline == set()

@@ -99,3 +99,25 @@ def test_a_pending_job_survives_a_failing_neighbour(
     assert state(sessions, first) == "running"
     with sessions() as session:
         assert len(store.jobs_in_states(session, JobState.RUNNING)) == 2
+
+
+def test_a_stop_asked_during_a_tick_keeps_a_pending_job_from_starting(
+        engine: tuple[Engine, sessionmaker[Session]]) -> None:
+    """The tick reads its jobs once at its start (#15), but a pending job is read again
+    before its launch: a stop the API recorded meanwhile (here, during the alert step) is
+    seen, and the job ends `stopped` without an attempt, as it did when the pending jobs
+    were a query of their own."""
+    eng, sessions = engine
+    job_id = submit(sessions, "import time; time.sleep(30)", "stopped-mid-tick")
+    real = eng._alert
+
+    def alert_then_stop(*args: object, **kwargs: object) -> None:
+        real(*args, **kwargs)  # type: ignore[arg-type]
+        with sessions() as other:  # POST /jobs/{id}/stop, while the tick runs
+            store.request_stop(other, job_id, now=eng.clock())
+            other.commit()
+
+    eng._alert = alert_then_stop  # type: ignore[method-assign]
+    eng.tick()
+    job = _job(sessions, job_id)
+    assert (job.state, job.attempt) == (JobState.STOPPED, 0), (job.state, job.reason)

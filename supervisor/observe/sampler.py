@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 import resource
+import weakref
 from collections.abc import Collection, Iterable, Sequence
 from dataclasses import dataclass, field
 
@@ -76,6 +77,9 @@ class ProcessTable:
 NO_INODE = 1
 """The inode /proc's listing gives an entry it could not instantiate: no identity."""
 
+KEEP_OPEN_MAX = 4096
+"""Most processes whose /proc files a `ProcessScan` keeps open (8,192 descriptors)."""
+
 
 class ProcessScan:
     """The process table tick after tick, without re-reading the strangers: processes
@@ -89,14 +93,17 @@ class ProcessScan:
 
     def __init__(self, proc_root: str = "/proc", *, keep_open: int | None = None) -> None:
         """`keep_open`: most processes whose /proc files stay open (`_ProcFiles`);
-        default an eighth of the soft limit on open files (two files each)."""
+        default a sixteenth of the soft limit on open files (two files each: an eighth
+        of the descriptors), at most KEEP_OPEN_MAX."""
         self.proc_root = proc_root
         self._strangers: dict[int, int] = {}  # pid -> inode of /proc/<pid>
         self.reads = 0  # /proc/<pid>/stat reads in the last pass (tests, benchmarks)
         self._open: dict[int, _ProcFiles] = {}
         self._members: set[int] = set()  # the roots' trees of the last pass
-        self.keep_open = (keep_open if keep_open is not None
-                          else resource.getrlimit(resource.RLIMIT_NOFILE)[0] // 8)
+        self.keep_open = (keep_open if keep_open is not None else min(
+            KEEP_OPEN_MAX, resource.getrlimit(resource.RLIMIT_NOFILE)[0] // 16))
+        # a scan dropped without `close` (a test, a shim's publisher) closes its files
+        weakref.finalize(self, _close_all, self._open)
 
     def read(self, roots: Collection[int]) -> ProcessTable:
         with os.scandir(self.proc_root) as entries:
@@ -143,14 +150,14 @@ class ProcessScan:
     def io_bytes(self, pid: int) -> tuple[int, int] | None:
         """`read_io_bytes` of a process of the last pass, from its kept file if any."""
         files = self._open.get(pid)
-        if files is not None:
+        if files is not None and files.io_fd >= 0:
             return files.io_bytes()
-        return read_io_bytes(pid, self.proc_root)
+        return read_io_bytes(pid, self.proc_root)  # (an io file that would not open is
+        # tried again each pass, as one never kept: not ours at that moment, no fd left)
 
     def close(self) -> None:
-        for files in self._open.values():
-            files.close()
-        self._open.clear()
+        _close_all(self._open)
+        self._members = set()
 
     def _keep(self, members: set[int], listing: dict[int, int]) -> None:
         """Keep open the /proc files of the processes in the roots' trees two passes in
@@ -194,6 +201,12 @@ class ProcessScan:
         for walked in chain:
             verdicts[walked] = verdict
         return verdict
+
+
+def _close_all(kept: dict[int, _ProcFiles]) -> None:
+    for files in kept.values():
+        files.close()
+    kept.clear()
 
 
 class _ProcFiles:
@@ -322,6 +335,8 @@ class Sampler:
 
     def sample(self, targets: Sequence[TreeTarget], now: float) -> dict[str, TreeReading]:
         if not targets:
+            if self.processes.kept:  # the last jobs ended: their files go
+                self.processes.close()
             return {}
         table = self.processes.read([target.root_pid for target in targets])
         gpu_by_pid = self.gpu.memory_by_pid(now)

@@ -59,7 +59,6 @@ times, and joining a `Path` costs ~3 us of Python each time (#15)."""
 
 
 @functools.lru_cache(maxsize=PATHS_CACHED)
-@functools.lru_cache(maxsize=PATHS_CACHED)
 def attempt_dir(jobs_dir: Path, job_id: str, number: int) -> Path:
     return jobs_dir / job_id / f"attempt-{number}"
 

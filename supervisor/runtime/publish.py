@@ -152,7 +152,7 @@ class Publisher:
     def _tree(self, errors: list[str]) -> dict[str, Any]:
         """The shim's descendants in one /proc pass (the daemon's `ProcessScan`: the node's
         other processes are read once, not every interval)."""
-        from supervisor.observe.sampler import STATUS_NAMES, ProcessScan, read_io_bytes
+        from supervisor.observe.sampler import STATUS_NAMES, ProcessScan
         from supervisor.runtime.procfs import CLOCK_TICKS, PAGE_SIZE
 
         tree: dict[str, Any] = dict(status=None, num_procs=0, num_threads=0, cpu_time_s=0.0,
@@ -169,7 +169,7 @@ class Publisher:
         live = [p for p in procs if p.state not in ("Z", "X")]
         worker = table.procs.get(self.worker_pid)
         for proc in live:
-            io = read_io_bytes(proc.pid)
+            io = self._processes.io_bytes(proc.pid)
             if io is not None:
                 tree["read_bytes"] += io[0]
                 tree["write_bytes"] += io[1]

@@ -46,7 +46,11 @@ def _ended(session: Session, transaction: SessionTransaction) -> None:
 def watch_writes(target: Session | sessionmaker[Session]) -> None:
     """Have a session, or every session a sessionmaker makes from now on, mark its writes
     (`has_writes`). The engine does it once for its sessionmaker: three listeners added
-    to each tick's new session cost ~0.15 ms a tick (#15)."""
+    to each tick's new session cost ~0.15 ms a tick (#15). Once per target."""
+    watched = (target.kw.get("info", {}) if isinstance(target, sessionmaker)
+               else target.info)
+    if watched.get(_WATCHED):
+        return
     event.listen(target, "after_flush", _flushed)
     event.listen(target, "do_orm_execute", _executed)
     event.listen(target, "after_transaction_end", _ended)
