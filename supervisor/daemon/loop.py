@@ -327,6 +327,7 @@ class Engine(JobChecks):
             self._shim_observes[key] = launch is not None and "observe" in launch
         return self._shim_observes[key]
 
+
 def _pending_now(session: Session, jobs: Sequence[Job]) -> Sequence[Job]:
     """The pending jobs as they are now, read again (a stop asked through the API since
     the tick's first read must be seen before a launch), but only when the tick's read
