@@ -70,8 +70,9 @@ test)
     .venv/bin/ruff check .
     .venv/bin/mypy
     set +e
-    # 3 workers, one test file each at a time: most tests wait on real processes
-    .venv/bin/pytest -n 3 --dist loadfile "$@"
+    # 3 workers, one test file each at a time: most tests wait on real processes; the
+    # files start longest first (tests/file_order.py), not by their number of tests
+    .venv/bin/pytest -n 3 --dist loadfile --no-loadscope-reorder "$@"
     rc=$?
     set -e
     if [ "$rc" -eq 5 ]; then

@@ -17,11 +17,18 @@ from sqlalchemy.orm import Session, sessionmaker
 
 from supervisor.alerting.notify import Destination, Notifier
 from supervisor.storage.database import make_engine, make_sessionmaker, upgrade
+from tests.file_order import file_seconds, longest_files_first
 from tests.helpers import Clock, Daemon, Receiver, make_model
 from tests.postgres import PostgresServer
 from tests.slurm_cluster import SlurmCluster, running
 
 DATABASES = ("sqlite", "postgresql")
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """The longest files first (`tests/file_order.py`): with `--dist loadfile`, the run
+    does not end on one worker's late 2-minute file."""
+    longest_files_first(items, file_seconds())
 
 
 def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
