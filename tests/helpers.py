@@ -324,6 +324,14 @@ def identity(data_dir: Path, job_id: str, name: str) -> Recorded:
 
 
 # -- worker tests: a tiny random Llama and a conversations file --------------------------
+def worker_env(**extra: str) -> dict[str, str]:
+    """The environment for a worker process on tiny torch models: this one's, with one
+    intra-op thread (`OMP_NUM_THREADS=1`), as the `one_thread` fixture does in-process.
+    On a busy 2-core machine two spinning OpenMP threads made a 384-sample CPU extraction
+    cost 61 s of CPU instead of 14 s; tiny ops gain nothing from the second thread."""
+    return {**os.environ, "OMP_NUM_THREADS": "1", **extra}
+
+
 def make_model(path: Path) -> Path:
     from workers.tiny import build_tiny_llama
 

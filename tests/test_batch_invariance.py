@@ -23,7 +23,7 @@ from transformers import (
     Qwen3MoeForCausalLM,
 )
 
-from tests.helpers import make_conversations
+from tests.helpers import make_conversations, worker_env
 from workers.batch_invariance import (
     CheckError,
     check_batch_invariance,
@@ -282,7 +282,8 @@ def test_nothing_to_check() -> None:
 
 def extract(*args: str | Path) -> subprocess.CompletedProcess[str]:
     return subprocess.run([sys.executable, "-m", "workers.extract", *map(str, args)],
-                          capture_output=True, text=True, timeout=300, cwd=REPO)
+                          capture_output=True, text=True, timeout=300, cwd=REPO,
+                          env=worker_env())
 
 
 @pytest.mark.slow

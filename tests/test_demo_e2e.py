@@ -19,7 +19,8 @@ REPO = Path(__file__).resolve().parent.parent
 
 @pytest.mark.timeout(600)
 def test_demo_runs_the_whole_pipeline(make_daemon, tmp_path: Path) -> None:
-    daemon: Daemon = make_daemon(env={"JOBSUP_SAMPLE_INTERVAL": "1"})
+    # the jobs inherit OMP_NUM_THREADS=1, as tests/helpers.py's `worker_env` gives workers
+    daemon: Daemon = make_daemon(env={"JOBSUP_SAMPLE_INTERVAL": "1", "OMP_NUM_THREADS": "1"})
     env = {k: v for k, v in os.environ.items() if not k.startswith("JOBSUP_")}
     result = subprocess.run(
         [sys.executable, "-m", "supervisor", "demo", "--url", daemon.url,

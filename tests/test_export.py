@@ -19,7 +19,7 @@ import torch
 from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from tests.helpers import make_conversations, make_model
+from tests.helpers import make_conversations, make_model, worker_env
 from workers import export
 from workers.common import record_messages, tokenize_conversation
 from workers.generate import load_prompts
@@ -34,7 +34,8 @@ SAMPLES = 8
 
 def extract(*args: str | Path) -> None:
     result = subprocess.run([sys.executable, "-m", "workers.extract", *map(str, args)],
-                            capture_output=True, text=True, timeout=300, cwd=REPO)
+                            capture_output=True, text=True, timeout=300, cwd=REPO,
+                            env=worker_env())
     assert result.returncode == 0, result.stderr[-3000:]
 
 

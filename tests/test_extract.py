@@ -16,18 +16,19 @@ import torch
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from tests.helpers import make_conversations, saved, wait_for
+from tests.helpers import make_conversations, saved, wait_for, worker_env
 from workers.common import tokenize_conversation
 from workers.extractor import capture_layers, pack_batches
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("one_thread")]
 
 REPO = Path(__file__).resolve().parent.parent
 
 
 def extract(*args: str | Path, check: bool = True) -> subprocess.CompletedProcess[str]:
     result = subprocess.run([sys.executable, "-m", "workers.extract", *map(str, args)],
-                            capture_output=True, text=True, timeout=300, cwd=REPO)
+                            capture_output=True, text=True, timeout=300, cwd=REPO,
+                            env=worker_env())
     if check:
         assert result.returncode == 0, result.stderr[-3000:]
     return result
@@ -102,7 +103,7 @@ def test_resume_after_sigkill_completes_without_duplicates(tiny_model: Path,
     args = [sys.executable, "-m", "workers.extract", "--model", str(tiny_model),
             "--data", str(data), "--out", str(out), "--batch-tokens", "64", "--writers", "2"]
     proc = subprocess.Popen(args, cwd=REPO, stdout=subprocess.DEVNULL,
-                            stderr=subprocess.DEVNULL)
+                            stderr=subprocess.DEVNULL, env=worker_env())
     try:
         wait_for(lambda: len(list(out.glob("rows_*/*.safetensors"))) >= 40, 120,
                  what="some samples written")
@@ -186,7 +187,7 @@ def test_full_disk_stops_cleanly(tiny_model: Path, tmp_path: Path) -> None:
                f"grep -c tmp; umount {disk}")
     prefix = [] if os.geteuid() == 0 else ["unshare", "--user", "--map-root-user", "--mount"]
     result = subprocess.run([*prefix, "sh", "-c", command], capture_output=True, text=True,
-                            timeout=300, cwd=REPO)
+                            timeout=300, cwd=REPO, env=worker_env())
     assert "rc=4" in result.stdout, result.stdout + result.stderr[-2000:]
     assert "error: disk full" in result.stderr and "rerun the same command" in result.stderr
     assert result.stdout.strip().endswith("0")  # no temp file left behind

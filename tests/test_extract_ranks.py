@@ -15,7 +15,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from tests.helpers import make_conversations, wait_for
+from tests.helpers import make_conversations, wait_for, worker_env
 
 pytestmark = pytest.mark.slow
 
@@ -25,7 +25,7 @@ REPO = Path(__file__).resolve().parent.parent
 def run(*args: object, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
     return subprocess.run([sys.executable, "-m", "workers.extract", *map(str, args)],
                           capture_output=True, text=True, timeout=300, cwd=REPO,
-                          env={**os.environ, **(env or {})})
+                          env=worker_env(**(env or {})))
 
 
 def manifest(out: Path) -> list[dict]:
@@ -65,7 +65,7 @@ def test_a_failing_rank_fails_the_job(tiny_model: Path, tmp_path: Path) -> None:
     parent = subprocess.Popen(
         [sys.executable, "-m", "workers.extract", "--model", str(tiny_model), "--data", str(data),
          "--out", str(out), "--ranks", "2", "--device", "cpu", "--batch-tokens", "64"],
-        cwd=REPO, stderr=subprocess.PIPE, text=True)
+        cwd=REPO, stderr=subprocess.PIPE, text=True, env=worker_env())
     try:
         ranks = wait_for(lambda: len(psutil.Process(parent.pid).children()) == 2
                          and psutil.Process(parent.pid).children(), 30, what="two ranks")

@@ -5,7 +5,6 @@ so the cross-device moves themselves are checked on the GPU machine
 
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -15,7 +14,7 @@ import torch
 from safetensors.torch import load_file
 from transformers import AutoConfig
 
-from tests.helpers import make_conversations
+from tests.helpers import make_conversations, worker_env
 from workers.split import balanced_assignment, parse_devices, plan_device_map
 
 REPO = Path(__file__).resolve().parent.parent
@@ -24,7 +23,7 @@ REPO = Path(__file__).resolve().parent.parent
 def run(*args: object) -> subprocess.CompletedProcess[str]:
     return subprocess.run([sys.executable, "-m", "workers.extract", *map(str, args)],
                           capture_output=True, text=True, timeout=300, cwd=REPO,
-                          env={**os.environ, "CUDA_VISIBLE_DEVICES": ""})
+                          env=worker_env(CUDA_VISIBLE_DEVICES=""))
 
 
 @pytest.mark.parametrize("sizes,parts", [

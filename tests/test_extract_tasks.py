@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers import make_conversations, wait_for
+from tests.helpers import make_conversations, wait_for, worker_env
 from workers.hidden_files import rank_summary, ranks_finished
 from workers.ranks import LaunchError, Task, global_ranks, in_shard, launcher_task
 
@@ -84,9 +84,8 @@ def start_tasks(model: Path, data: Path, out: Path, progress: Path, *extra: str,
     launch's identity, and every task the same JOBSUP_PROGRESS_FILE."""
     procs = []
     for rank in range(tasks):
-        env = {**os.environ, "RANK": str(rank), "WORLD_SIZE": str(tasks),
-               "JOBSUP_JOB_ID": "tasks", "JOBSUP_ATTEMPT": str(attempt),
-               "JOBSUP_PROGRESS_FILE": str(progress)}
+        env = worker_env(RANK=str(rank), WORLD_SIZE=str(tasks), JOBSUP_JOB_ID="tasks",
+                         JOBSUP_ATTEMPT=str(attempt), JOBSUP_PROGRESS_FILE=str(progress))
         procs.append(subprocess.Popen(
             [sys.executable, "-m", "workers.extract", "--model", str(model), "--data",
              str(data), "--out", str(out), "--device", "cpu", "--dtype", "fp32", *extra],

@@ -15,7 +15,7 @@ from typing import Any
 import httpx
 import pytest
 
-from tests.helpers import PY, REPO, free_port, wait_for
+from tests.helpers import PY, REPO, free_port, wait_for, worker_env
 from workers.openai_backend import backoff_s, parse_answer, parse_retry_after
 from workers.tiny import build_tiny_llama
 
@@ -38,7 +38,7 @@ class StubServer:
         with open(log_path, "wb") as log:
             self.proc = subprocess.Popen(
                 [PY, "-m", "workers.stub_server", str(model), "--port", str(self.port),
-                 *flags], stdout=log, stderr=subprocess.STDOUT, cwd=REPO)
+                 *flags], stdout=log, stderr=subprocess.STDOUT, cwd=REPO, env=worker_env())
 
     def wait_ready(self, timeout: float = 60) -> StubServer:
         wait_for(self._ready, timeout, interval=0.2, what=f"stub server; log:\n{self.log()}")
@@ -101,10 +101,8 @@ def generate_cmd(*args: str | Path) -> list[str]:
 
 def generate(*args: str | Path, env: dict[str, str] | None = None,
              timeout: float = 90) -> subprocess.CompletedProcess[str]:
-    import os
-
     return subprocess.run(generate_cmd(*args), capture_output=True, text=True, cwd=REPO,
-                          timeout=timeout, env={**os.environ, **(env or {})})
+                          timeout=timeout, env=worker_env(**(env or {})))
 
 
 def records(path: Path) -> list[dict[str, Any]]:

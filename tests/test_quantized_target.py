@@ -27,7 +27,7 @@ from transformers import (  # noqa: E402
     AutoTokenizer,
 )
 
-from tests.helpers import make_conversations  # noqa: E402
+from tests.helpers import make_conversations, worker_env  # noqa: E402
 from workers.common import tokenize_conversation  # noqa: E402
 from workers.extractor import capture_layers  # noqa: E402
 from workers.tiny_int4 import EXPERT, build_tiny_int4_target, library_dequantized  # noqa: E402
@@ -157,7 +157,7 @@ def test_extraction_equals_the_quantized_models_hidden_states(
         [sys.executable, "-m", "workers.extract", "--model", str(path), "--data", str(data),
          "--out", str(out), "--dtype", "fp32", "--batch-tokens", "4096", "--device", "cpu",
          "--limit", "8"],
-        capture_output=True, text=True, timeout=300, cwd=REPO)
+        capture_output=True, text=True, timeout=300, cwd=REPO, env=worker_env())
     assert result.returncode == 0, result.stderr[-3000:]
     manifest = [json.loads(line) for line in (out / "manifest.jsonl").read_text().splitlines()]
     files = {entry["id"]: load_file(out / entry["file"]) for entry in manifest}

@@ -29,9 +29,10 @@ REPO = Path(__file__).resolve().parent.parent
 @pytest.fixture(scope="module")
 def daemon(cluster: SlurmCluster, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Daemon]:
     """A daemon whose default backend is `slurm` (JOBSUP_SAMPLE_INTERVAL 1: progress
-    read every second)."""
+    read every second); its jobs inherit OMP_NUM_THREADS=1 (`worker_env`)."""
     d = Daemon(tmp_path_factory.mktemp("slurm-extract") / "data",
-               {"JOBSUP_BACKEND": "slurm", "JOBSUP_SAMPLE_INTERVAL": "1"}).start()
+               {"JOBSUP_BACKEND": "slurm", "JOBSUP_SAMPLE_INTERVAL": "1",
+                "OMP_NUM_THREADS": "1"}).start()
     try:
         yield d
     finally:

@@ -9,7 +9,6 @@ model's tensors."""
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -17,7 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.helpers import make_conversations, saved
+from tests.helpers import make_conversations, saved, worker_env
 from workers.common import tokenize_conversation
 from workers.extractor import capture_layers
 from workers.tiny import LAYOUTS, build_tiny_target
@@ -25,7 +24,7 @@ from workers.tiny import LAYOUTS, build_tiny_target
 pytestmark = pytest.mark.slow
 
 REPO = Path(__file__).resolve().parent.parent
-ENV = {**os.environ, "CUDA_VISIBLE_DEVICES": ""}
+ENV = worker_env(CUDA_VISIBLE_DEVICES="")
 
 
 @pytest.fixture(scope="module", params=LAYOUTS)

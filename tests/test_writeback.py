@@ -18,7 +18,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from tests.helpers import make_conversations, make_model
+from tests.helpers import make_conversations, make_model, worker_env
 from workers import hidden_files
 from workers.extract import parse_args
 from workers.hidden_files import (
@@ -116,7 +116,8 @@ def test_the_worker_records_its_mode_and_leaves_the_page_cache(
     result = subprocess.run([sys.executable, "-m", "workers.extract", "--model", str(tiny),
                              "--data", str(data), "--out", str(out), "--limit", "12",
                              "--device", "cpu", "--writers", "2", *flags],
-                            capture_output=True, text=True, timeout=300, cwd=REPO)
+                            capture_output=True, text=True, timeout=300, cwd=REPO,
+                            env=worker_env())
     assert result.returncode == 0, result.stderr[-3000:]
     assert json.loads((out / "extract_config.json").read_text())["writeback"] == mode
     files = sorted(out.glob("rows_*/*.safetensors"))

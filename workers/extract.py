@@ -59,11 +59,8 @@ import sys
 import time
 from collections.abc import Iterator, Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
-
-from workers.batch_invariance import CheckError, check_batch_invariance, format_report
 from workers.common import (
     JsonlStats,
     ProgressReporter,
@@ -76,7 +73,6 @@ from workers.common import (
     write_json,
 )
 from workers.extract_parent import run_parent
-from workers.extractor import Extractor, Sample, Stats, capture_layers
 from workers.hidden_files import (
     DEFAULT_WRITEBACK,
     PRENORM_KEY,
@@ -88,19 +84,32 @@ from workers.hidden_files import (
     restore_manifest,
 )
 from workers.ranks import LaunchError, in_shard, launcher_task, run_identity
-from workers.split import parse_devices
 from workers.target import Target, TargetError, load_target, load_tokenizer
+
+if TYPE_CHECKING:  # imported where used: the parent of the ranks never loads torch
+    import torch
+
+    from workers.extractor import Sample, Stats
 
 log = logging.getLogger("workers.extract")
 
 EXIT_DISK_FULL = 4
-DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+DTYPES = ("bf16", "fp16", "fp32")
+"""--dtype's names (`torch_dtype`)."""
+
+
+def torch_dtype(name: str) -> torch.dtype:
+    import torch
+
+    return {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[name]
 
 
 def load_samples(data: Path, tokenizer: Any, *, max_length: int | None, on_too_long: str,
                  stats: Stats, limit: int | None) -> Iterator[Sample]:
     """Tokenized samples in file order; the index is the record's ordinal among valid
     records, so it is stable across resumes of the same file."""
+    from workers.extractor import Sample
+
     jsonl = JsonlStats()
     seen: set[str] = set()
     index = 0
@@ -135,6 +144,8 @@ def load_samples(data: Path, tokenizer: Any, *, max_length: int | None, on_too_l
 def load_model(path: Path, *, device: str, dtype: torch.dtype) -> tuple[Target, Any]:
     """The target (a causal LM, or a multimodal model's language model: see
     workers/target.py) on `device`, or split over a comma-separated list of devices."""
+    from workers.split import parse_devices
+
     try:
         tokenizer = load_tokenizer(path)
         return load_target(path, device=parse_devices(device), dtype=dtype), tokenizer
@@ -228,6 +239,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         parser.error("--gpus and --gpus-per-model pick the CUDA devices (from cuda:0); "
                      "to choose them, give --device cuda:2,cuda:3 alone")
     if args.device is None:
+        import torch
+
         args.device = "cuda" if torch.cuda.is_available() else "cpu"
     if args.dtype == "auto":
         on_gpu = args.device.startswith("cuda") or args.gpus is not None
@@ -242,6 +255,8 @@ def rank_devices(args: argparse.Namespace) -> list[str]:
         return [args.device]
     per_model = args.gpus_per_model
     if args.gpus is not None or per_model > 1:
+        import torch
+
         available = torch.cuda.device_count()
         wanted = per_model if args.gpus is None else (
             available if args.gpus == "all" else int(args.gpus))
@@ -270,24 +285,38 @@ def main(argv: Sequence[str] | None = None) -> int:
     setup_logging(args.verbose, prefix=prefix)
     require_file(args.model, "model")
     require_file(args.data, "data file")
-    if args.device.startswith("cuda") and not torch.cuda.is_available():
-        fail("--device cuda but no CUDA device is available (use --device cpu)")
+    if args.device.startswith("cuda"):  # torch only here: a parent of CPU ranks never loads it
+        import torch
+
+        if not torch.cuda.is_available():
+            fail("--device cuda but no CUDA device is available (use --device cpu)")
+        if task is not None and args.device == "cuda" and torch.cuda.device_count() > 1:
+            local = int(os.environ.get("LOCAL_RANK", "0") or 0)  # tasks sharing a node's GPUs
+            args.device = f"cuda:{local % torch.cuda.device_count()}"
     check_prenorm_setting(args.out, args.keep_prenorm_last)
     args.out.mkdir(parents=True, exist_ok=True)
-    if task is not None and args.device == "cuda" and torch.cuda.device_count() > 1:
-        local = int(os.environ.get("LOCAL_RANK", "0") or 0)  # tasks sharing a node's GPUs
-        args.device = f"cuda:{local % torch.cuda.device_count()}"
     devices = rank_devices(args)
     if len(devices) > 1 or task is not None:
         return run_parent(args, sys.argv[1:] if argv is None else argv, devices, task)
     args.device = devices[0]
+    return extract_here(args)
+
+
+def extract_here(args: argparse.Namespace) -> int:
+    """The extraction in this process: alone, or as one rank of a parent's."""
+    import torch
+
+    from workers.batch_invariance import CheckError, check_batch_invariance, format_report
+    from workers.extractor import Extractor, Stats, capture_layers
+    from workers.split import parse_devices
+
     first = torch.device(parse_devices(args.device)[0])
     if first.type == "cuda" and first.index is not None:
         torch.cuda.set_device(first)  # else CUDA puts a context on GPU 0 for every rank
     progress = ProgressReporter(None, "sample")
     progress.update(0, force=True)  # the model load can take minutes: say we are alive
     t0 = time.monotonic()
-    target, tokenizer = load_model(args.model, device=args.device, dtype=DTYPES[args.dtype])
+    target, tokenizer = load_model(args.model, device=args.device, dtype=torch_dtype(args.dtype))
     log.info("loaded %s (%s) in %.1f s: %d layers, hidden %d, capturing layers %s",
              args.model, type(target.model).__name__, time.monotonic() - t0,
              target.num_layers, target.hidden_size, capture_layers(target.num_layers))
@@ -366,6 +395,8 @@ def check_prenorm_setting(out: Path, keep: bool) -> None:
 
 
 def write_config(args: argparse.Namespace, target: Target) -> None:
+    from workers.extractor import capture_layers
+
     config = {"model": str(args.model), "num_layers": target.num_layers,
               "hidden_size": target.hidden_size, "vocab_size": target.vocab_size,
               "aux_layer_ids": capture_layers(target.num_layers),

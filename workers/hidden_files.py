@@ -27,12 +27,14 @@ import threading
 from collections import deque
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
 from safetensors import safe_open
 
 from workers.common import read_jsonl, replace_file, write_json
+
+if TYPE_CHECKING:
+    import torch
 
 log = logging.getLogger(__name__)
 
@@ -61,8 +63,14 @@ class DiskFull(Exception):
     the file whose writeback failed, is already removed."""
 
 
-SAFETENSORS_DTYPES = {torch.bfloat16: "BF16", torch.float16: "F16", torch.float32: "F32",
-                      torch.int64: "I64", torch.uint8: "U8"}
+@functools.cache
+def safetensors_dtypes() -> dict[torch.dtype, str]:
+    """The safetensors name of each dtype a sample file holds. A function, not a constant:
+    the parent of the ranks reads these files' manifests and never imports torch."""
+    import torch
+
+    return {torch.bfloat16: "BF16", torch.float16: "F16", torch.float32: "F32",
+            torch.int64: "I64", torch.uint8: "U8"}
 
 
 def safetensors_parts(tensors: dict[str, torch.Tensor],
@@ -70,13 +78,16 @@ def safetensors_parts(tensors: dict[str, torch.Tensor],
     """The safetensors file as a list of buffers: the header, then each tensor's bytes
     straight from its (CPU, contiguous) memory. Written with `write`, which releases the
     GIL, this avoids `safetensors.save`'s copy of every sample into one bytes object."""
+    import torch
+
+    dtypes = safetensors_dtypes()
     header: dict[str, Any] = {"__metadata__": metadata}
     parts: list[memoryview] = []
     offset = 0
     for name, tensor in tensors.items():
         tensor = tensor.contiguous()
         size = tensor.numel() * tensor.element_size()
-        header[name] = {"dtype": SAFETENSORS_DTYPES[tensor.dtype], "shape": list(tensor.shape),
+        header[name] = {"dtype": dtypes[tensor.dtype], "shape": list(tensor.shape),
                         "data_offsets": [offset, offset + size]}
         flat = tensor.reshape(-1).view(torch.uint8)  # 1-D: len() of the view is its bytes
         parts.append(memoryview(flat.numpy()) if size else memoryview(b""))
