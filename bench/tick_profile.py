@@ -19,6 +19,7 @@ import argparse
 import collections
 import contextlib
 import cProfile
+import gc
 import importlib
 import io
 import os
@@ -57,6 +58,8 @@ def main() -> None:
                         help="ticks before measuring (the jobs' first readings: walks)")
     parser.add_argument("--interval", type=float, default=2.0, help="seconds between ticks")
     parser.add_argument("--profile", action="store_true", help="also print a cProfile")
+    parser.add_argument("--no-parts", action="store_true",
+                        help="time no part of the tick (under a sampling profiler: py-spy)")
     parser.add_argument("--part", action="append", default=[], metavar="MODULE:CALLABLE",
                         help="also time this function or Class.method (repeatable), e.g. "
                              "supervisor.observe.sampler:ProcessScan.read")
@@ -97,7 +100,7 @@ def main() -> None:
         threading.setprofile(start_profile)
     spent: collections.Counter[str] = collections.Counter()
     calls: collections.Counter[str] = collections.Counter()
-    parts = PARTS + [tuple(extra.split(":")) for extra in args.part]
+    parts = ([] if args.no_parts else PARTS) + [tuple(extra.split(":")) for extra in args.part]
     for module_name, path in parts:
         _time_part(module_name, path, spent, calls)
     engine = Engine(settings, sessions)
@@ -115,25 +118,31 @@ def main() -> None:
             session.commit()
     try:
         _run(engine, args.warmup, args.interval, None)
+        heap = _settle_heap()
         spent.clear()
         calls.clear()
+        gc_spent = _GcTimer()
         before_process, before_others = os.times(), _other_threads_cpu()
         profile = cProfile.Profile(time.thread_time) if args.profile else None
         tick_cpu, ticks = _run(engine, args.seconds, args.interval, profile)
         after_process, after_others = os.times(), _other_threads_cpu()
+        gc_spent.stop()
     finally:
         engine.observer.close()
         engine.backend.close()
         _kill_jobs(settings.jobs_dir)
     process = (after_process.user + after_process.system
                - before_process.user - before_process.system)
-    per_job = 1000 / ticks / args.jobs
-    print(f"source {source}: {args.jobs} jobs, {ticks} ticks {args.interval:g} s apart")
+    per_job = 1000 / ticks / max(args.jobs, 1)  # --jobs 0: per tick
+    print(f"source {source}: {args.jobs} jobs, {ticks} ticks {args.interval:g} s apart; "
+          f"heap as the daemon's: {heap}")
     print("| what | ms per job per tick | calls per tick |")
     print("| --- | ---: | ---: |")
     print(f"| process | {process * per_job:.3f} | |")
     print(f"| tick thread | {tick_cpu * per_job:.3f} | |")
     print(f"| other threads | {(after_others - before_others) * per_job:.3f} | |")
+    print(f"| garbage collections (tick thread) | {gc_spent.seconds * per_job:.3f} "
+          f"| {gc_spent.collections / ticks:.2f} |")
     for _, path in parts:
         if calls[path]:
             print(f"| {path} | {spent[path] * per_job:.3f} | {calls[path] / ticks:.0f} |")
@@ -148,6 +157,40 @@ def main() -> None:
         stats.sort_stats("cumulative").print_stats(50)
         stats.sort_stats("tottime").print_stats(30)
         print(out.getvalue())
+
+
+def _settle_heap() -> str:
+    """The heap as the daemon leaves it before serving (`app.settle_heap`; a tree from
+    before it: collected and frozen, as its `serve` did)."""
+    app = importlib.import_module("supervisor.daemon.app")
+    settle = getattr(app, "settle_heap", None)
+    if settle is None:
+        gc.collect()
+        gc.freeze()
+        return f"collected, frozen, thresholds {gc.get_threshold()}"
+    settle()
+    return f"app.settle_heap, thresholds {gc.get_threshold()}"
+
+
+class _GcTimer:
+    """The thread CPU the tick thread (this one) spends in garbage collections."""
+
+    def __init__(self) -> None:
+        self.seconds, self.collections, self._began = 0.0, 0, 0.0
+        self._thread = threading.get_ident()
+        gc.callbacks.append(self._note)
+
+    def _note(self, phase: str, _info: dict[str, int]) -> None:
+        if threading.get_ident() != self._thread:
+            return
+        if phase == "start":
+            self._began = time.thread_time()
+        else:
+            self.seconds += time.thread_time() - self._began
+            self.collections += 1
+
+    def stop(self) -> None:
+        gc.callbacks.remove(self._note)
 
 
 def _time_part(module_name: str, path: str, spent: collections.Counter[str],
