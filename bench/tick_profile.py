@@ -117,8 +117,8 @@ def main() -> None:
                        jobs_dir=settings.jobs_dir)
             session.commit()
     try:
+        heap = _settle_heap()  # as `serve` does before the daemon's first tick
         _run(engine, args.warmup, args.interval, None)
-        heap = _settle_heap()
         spent.clear()
         calls.clear()
         gc_spent = _GcTimer()
@@ -136,7 +136,7 @@ def main() -> None:
     per_job = 1000 / ticks / max(args.jobs, 1)  # --jobs 0: per tick
     print(f"source {source}: {args.jobs} jobs, {ticks} ticks {args.interval:g} s apart; "
           f"heap as the daemon's: {heap}")
-    print("| what | ms per job per tick | calls per tick |")
+    print(f"| what | ms per {'job per ' if args.jobs else ''}tick | calls per tick |")
     print("| --- | ---: | ---: |")
     print(f"| process | {process * per_job:.3f} | |")
     print(f"| tick thread | {tick_cpu * per_job:.3f} | |")

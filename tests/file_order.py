@@ -5,7 +5,8 @@
 the end keeps the run going minutes after the others are done; started first, the long
 files overlap with everything else. `FILE_SECONDS` (`tests/file_seconds.json`) holds each
 file's measured seconds on the CI machine's size (2 cores); a file not listed there (a
-new one) counts as `NEW_FILE_S` until the list is refreshed:
+new one) counts as `NEW_FILE_S` until the list is refreshed (files the report lacks keep
+their time):
 
     .venv/bin/pytest -n 3 --dist loadfile --junitxml=/tmp/suite.xml
     .venv/bin/python -m tests.file_order /tmp/suite.xml
@@ -57,11 +58,21 @@ def seconds_from_junit(report: Path) -> dict[str, float]:
     `--junitxml` report, rounded to a tenth."""
     totals: dict[str, float] = defaultdict(float)
     for case in ElementTree.parse(report).getroot().iter("testcase"):
-        module = case.get("classname", "").split(".")
-        # classname is `tests.test_x` or `tests.test_x.TestClass`
-        parts = [part for part in module if not part[:1].isupper()]
-        totals["/".join(parts) + ".py"] += float(case.get("time", 0.0))
+        # classname is `tests.test_x` or `tests.test_x.TestClass`; "" for a collection
+        # error or a module-level skip, which name no test file
+        parts = [part for part in case.get("classname", "").split(".")
+                 if part and not part[:1].isupper()]
+        if parts:
+            totals["/".join(parts) + ".py"] += float(case.get("time", 0.0))
     return {name: round(total, 1) for name, total in sorted(totals.items())}
+
+
+def refreshed(known: dict[str, float], measured: dict[str, float],
+              root: Path) -> dict[str, float]:
+    """`known` updated with `measured`: a file the report lacks (a run of a few files,
+    `-m` filtered, or the file skipped) keeps its last time while it exists."""
+    kept = {name: seconds for name, seconds in known.items() if (root / name).is_file()}
+    return dict(sorted({**kept, **measured}.items()))
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -74,8 +85,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     if not seconds:
         print(f"error: no test cases in {args[0]}", file=sys.stderr)
         return 1
-    FILE_SECONDS_PATH.write_text(json.dumps(seconds, indent=1, sort_keys=True) + "\n")
-    print(f"{len(seconds)} files, {sum(seconds.values()):.0f} s in all -> {FILE_SECONDS_PATH}")
+    merged = refreshed(file_seconds(), seconds, FILE_SECONDS_PATH.parent.parent)
+    FILE_SECONDS_PATH.write_text(json.dumps(merged, indent=1) + "\n")
+    print(f"{len(seconds)} files measured, {len(merged)} listed, "
+          f"{sum(merged.values()):.0f} s in all -> {FILE_SECONDS_PATH}")
     return 0
 
 

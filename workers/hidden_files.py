@@ -66,7 +66,9 @@ class DiskFull(Exception):
 @functools.cache
 def safetensors_dtypes() -> dict[torch.dtype, str]:
     """The safetensors name of each dtype a sample file holds. A function, not a constant:
-    the parent of the ranks reads these files' manifests and never imports torch."""
+    importing this module does not import torch (the parent of the ranks reads the
+    manifests without it; only a resume that rebuilds lost manifest lines loads it,
+    through safetensors)."""
     import torch
 
     return {torch.bfloat16: "BF16", torch.float16: "F16", torch.float32: "F32",

@@ -214,10 +214,13 @@ class _Server(uvicorn.Server):
 
 GC_YOUNG_THRESHOLD = 10_000
 """Container objects allocated (net) before the collector looks at the youngest
-generation: Python's default is 700, which a tick of 40 jobs passes about once, each
-time walking what the tick still holds; at 10,000 a collection comes every dozen ticks
-or so. Only reference cycles wait for it (a tick makes few): the memory it holds back
-is a few MB at most (#15)."""
+generation (process-wide: the API's threads too). CPython 3.11-3.13's default is 700,
+which a tick of 40 jobs passes about once, each time walking what the tick still holds;
+at 10,000 a collection comes every dozen ticks or so. What waits longer is garbage in
+reference cycles (anything else is freed at once), and the older generations, collected
+every 10 and 100 young collections as before. The daemon's code makes few cycles (an
+exception kept with its traceback would be one), so what that holds back is what
+~30 s of them hold (#15)."""
 
 
 def settle_heap() -> None:
