@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any, NamedTuple
 
 import httpx
+import psutil
 import pytest
 
 from supervisor.runtime import files
@@ -24,6 +25,14 @@ from supervisor.runtime.fileio import read_json
 
 REPO = Path(__file__).resolve().parent.parent
 PY = sys.executable
+
+
+PORT_TRIES = 3
+"""Ports a daemon's first start tries (`Daemon.start`)."""
+
+
+class PortTaken(AssertionError):
+    """The daemon exited: its port was taken before it could bind it."""
 
 
 def free_port() -> int:
@@ -65,26 +74,57 @@ class Daemon:
         return self.log_dir / f"daemon-{self.starts}.log"
 
     def start(self, wait: bool = True) -> Daemon:
-        self.starts += 1
-        self.data_dir.mkdir(parents=True, exist_ok=True)
-        with open(self.log_path, "wb") as log:
-            self.proc = subprocess.Popen(
-                [PY, "-m", "supervisor", "serve", "--port", str(self.port),
-                 "--data-dir", str(self.data_dir)],
-                stdout=log, stderr=subprocess.STDOUT, env=self.env, cwd=self.cwd,
-            )
-        if wait:
-            wait_for(self._healthy, 20, what=f"daemon on {self.url}; log:\n{self.log()}")
-        return self
+        first = self.starts == 0
+        for attempt in range(PORT_TRIES):
+            self.starts += 1
+            self.data_dir.mkdir(parents=True, exist_ok=True)
+            with open(self.log_path, "wb") as log:
+                self.proc = subprocess.Popen(
+                    [PY, "-m", "supervisor", "serve", "--port", str(self.port),
+                     "--data-dir", str(self.data_dir)],
+                    stdout=log, stderr=subprocess.STDOUT, env=self.env, cwd=self.cwd,
+                )
+            if not wait:
+                return self
+            try:
+                wait_for(self._healthy, 20, what=f"daemon on {self.url}; log:\n{self.log()}")
+                return self
+            except PortTaken:
+                # `free_port` closed the port it found, and another test's process (a
+                # daemon of another xdist worker) took it before this daemon could bind
+                # it. A new port, on a first start only: a restarted daemon keeps its URL
+                # (a test, or its Prometheus, holds it)
+                if not first or attempt == PORT_TRIES - 1:
+                    raise
+                self.port = free_port()
+                self.url = f"http://127.0.0.1:{self.port}"
+                self.http.base_url = httpx.URL(self.url)  # (its headers kept: a token)
+        raise AssertionError("unreachable")
 
     def _healthy(self) -> bool:
+        """Our daemon answers /healthz on its port. Another process answering there (a
+        daemon of another test that took the port first) is not it: ours then exits,
+        unable to bind (`PortTaken`)."""
         assert self.proc is not None
         if self.proc.poll() is not None:
-            raise AssertionError(f"daemon exited {self.proc.returncode}:\n{self.log()}")
+            error = PortTaken if "address already in use" in self.log() else AssertionError
+            raise error(f"daemon exited {self.proc.returncode}:\n{self.log()}")
         try:
-            return self.http.get("/healthz").status_code == 200
+            if self.http.get("/healthz").status_code != 200:
+                return False
         except httpx.TransportError:
             return False
+        return self._listening()
+
+    def _listening(self) -> bool:
+        """The daemon's process holds the listening socket of its port."""
+        assert self.proc is not None
+        try:
+            sockets = psutil.Process(self.proc.pid).net_connections(kind="tcp")
+        except psutil.Error:
+            return False
+        return any(s.status == psutil.CONN_LISTEN and s.laddr and s.laddr.port == self.port
+                   for s in sockets)
 
     def log(self) -> str:
         try:
