@@ -144,9 +144,7 @@ def build_app(settings: Settings, guard: LockGuard | None = None) -> FastAPI:
 
     @asynccontextmanager
     async def lifespan(_app: FastAPI) -> AsyncIterator[None]:
-        engine.start()
-        log.info("jobsup daemon ready on http://%s:%d (data dir %s)", settings.host,
-                 settings.port, settings.data_dir)
+        engine.start()  # "ready" is logged once the port is bound (`_Server.main_loop`)
         try:
             yield
         finally:
@@ -186,7 +184,12 @@ class _Server(uvicorn.Server):
     _loop: asyncio.AbstractEventLoop | None = None
     _exit_requested: asyncio.Event | None = None
 
+    ready_line = ""
+    """Logged when the server is up: its lifespan has started and its port is bound."""
+
     async def main_loop(self) -> None:
+        if self.ready_line:
+            log.info("%s", self.ready_line)
         self._loop, self._exit_requested = asyncio.get_running_loop(), asyncio.Event()
         if self.should_exit:  # asked before the loop was there to wake
             return
@@ -243,6 +246,8 @@ def serve(settings: Settings) -> None:
         app = build_app(settings, guard)
         server = _Server(uvicorn.Config(app, host=settings.host, port=settings.port,
                                         log_level="warning", access_log=False))
+        server.ready_line = (f"jobsup daemon ready on http://{settings.host}:{settings.port} "
+                             f"(data dir {settings.data_dir})")
         guard.exit = server.stop
         settle_heap()
         server.run()
