@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -17,7 +16,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file
 
-from tests.helpers import make_conversations, make_model
+from tests.helpers import make_conversations, make_model, worker_env
 from workers import extract, serving, vocab
 from workers.draft import (
     DraftConfig,
@@ -33,7 +32,7 @@ from workers.train_data import ExtractedData
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 REPO = Path(__file__).resolve().parent.parent
-ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
+ENV = worker_env()
 N = 8
 """Decoder layers of the target in the config tests (and of tests.helpers.make_model's Llama)."""
 

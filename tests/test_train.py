@@ -19,7 +19,7 @@ import torch.nn.functional as F
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
-from tests.helpers import make_conversations, make_model, wait_for
+from tests.helpers import make_conversations, make_model, wait_for, worker_env
 from workers import extract, vocab
 from workers.draft import DraftConfig, Eagle3Draft, ttt_losses
 from workers.train import (
@@ -34,7 +34,7 @@ from workers.train_data import ExtractedData, load_batch
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 REPO = Path(__file__).resolve().parent.parent
-ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
+ENV = worker_env()
 LM_HEAD_SHARPENING = 30.0
 """A random tiny Llama's lm_head gives near-uniform distributions (entropy ~ ln 64 over
 the draft vocabulary), which no draft can beat by much; scaled x30 the target's

@@ -52,6 +52,7 @@ from typing import Any
 from workers.common import ProgressReporter, setup_logging, write_json
 from workers.eval_checks import Lossless, layer_error, layer_report
 from workers.heldout import select_prompts
+from workers.target import DTYPE_NAMES
 
 log = logging.getLogger("workers.evaluate")
 
@@ -62,7 +63,7 @@ EXIT_CODES = """exit codes:
   2  usage error (bad flag, missing file, a draft that does not fit the target)
   3  vLLM or SGLang would feed the draft other layers than it was trained on"""
 EXIT_LOSSY, EXIT_USAGE, EXIT_LAYERS = 1, 2, 3
-DTYPES = ("auto", "bf16", "fp16", "fp32")
+DTYPES = ("auto", *DTYPE_NAMES)
 TIE_TOLERANCE = {"bf16": 2.0**-5, "fp16": 2.0**-8, "fp32": 2.0**-14}
 """Relative logit spread under which a divergence from greedy decoding counts as a
 numerical near-tie, by dtype: 8 units in the last place for bf16 and fp16; fp32 leaves
@@ -101,14 +102,11 @@ def target_num_layers(target_config: Mapping[str, Any]) -> int:
 # -- models ------------------------------------------------------------------------------
 
 def load_target_model(path: Path, device: str, dtype: str) -> tuple[Any, Any]:
-    import torch
+    from workers.target import TargetError, load_target, load_tokenizer, torch_dtype
 
-    from workers.target import TargetError, load_target, load_tokenizer
-
-    torch_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
     try:
         tokenizer = load_tokenizer(path)
-        model = load_target(path, device=device, dtype=torch_dtype[dtype]).model
+        model = load_target(path, device=device, dtype=torch_dtype(dtype)).model
     except (OSError, ValueError, TargetError) as exc:
         raise EvalError(f"--target: cannot load a model from {path}: {exc}") from None
     if not tokenizer.chat_template:

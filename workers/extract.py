@@ -84,7 +84,14 @@ from workers.hidden_files import (
     restore_manifest,
 )
 from workers.ranks import LaunchError, in_shard, launcher_task, run_identity
-from workers.target import Target, TargetError, load_target, load_tokenizer
+from workers.target import (
+    DTYPE_NAMES,
+    Target,
+    TargetError,
+    load_target,
+    load_tokenizer,
+    torch_dtype,
+)
 
 if TYPE_CHECKING:  # imported where used: the parent of the ranks never loads torch
     import torch
@@ -94,14 +101,6 @@ if TYPE_CHECKING:  # imported where used: the parent of the ranks never loads to
 log = logging.getLogger("workers.extract")
 
 EXIT_DISK_FULL = 4
-DTYPES = ("bf16", "fp16", "fp32")
-"""--dtype's names (`torch_dtype`)."""
-
-
-def torch_dtype(name: str) -> torch.dtype:
-    import torch
-
-    return {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[name]
 
 
 def load_samples(data: Path, tokenizer: Any, *, max_length: int | None, on_too_long: str,
@@ -165,7 +164,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--device", default=None,
                         help="device (default cuda if any, else cpu), or a comma-separated "
                              "list to split the model over (e.g. cuda:2,cuda:3)")
-    parser.add_argument("--dtype", choices=["auto", *sorted(DTYPES)], default="auto",
+    parser.add_argument("--dtype", choices=["auto", *sorted(DTYPE_NAMES)], default="auto",
                         help="compute and storage dtype (auto: bf16 on CUDA, fp32 on CPU, "
                              "where bf16 matmuls run many times slower)")
     parser.add_argument("--max-length", type=int, default=4096,

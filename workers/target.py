@@ -100,6 +100,18 @@ def load_config(path: Path) -> Any:
         raise TargetError(f"{path}: cannot read its config.json: {exc}") from None
 
 
+DTYPE_NAMES = ("bf16", "fp16", "fp32")
+"""The `--dtype` names the workers take (`torch_dtype`)."""
+
+
+def torch_dtype(name: str) -> Any:
+    """The torch dtype of a `DTYPE_NAMES` name (torch is imported here, not with the
+    module: the extraction's parent of ranks never loads it)."""
+    import torch
+
+    return {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[name]
+
+
 def load_target(path: Path, *, device: str | list[str] = "cpu", dtype: Any = "auto") -> Target:
     """The model at `path` on `device` in evaluation mode; a list of devices splits its
     decoder layers over them (workers/split.py)."""
