@@ -54,3 +54,42 @@ def test_open_alerts_of_long_ended_jobs_are_read_at_once_and_age_out(tmp_path: P
         with sessions() as session:
             assert store.alerts(session, state=AlertState.FIRING) == []
             assert len(store.alerts(session, state=AlertState.RESOLVED)) == 3
+
+
+def test_firing_alerts_are_read_again_only_once_one_may_have_opened(tmp_path: Path) -> None:
+    """A tick that found no firing alert, and opened none, lets the next tick skip
+    reading them (#15); a tick that opens one has the next read them again: the alert
+    then resolves as it would have."""
+    clock = Clock()
+    with in_process_engine(tmp_path / "data", clock=clock) as (engine, sessions):
+        statements: list[str] = []
+
+        def executed(_conn: Any, _cursor: Any, statement: str, *_args: Any) -> None:
+            statements.append(statement)
+
+        def alert_reads_of_a_tick() -> int:
+            statements.clear()
+            engine.tick()
+            return len([s for s in statements if s.lstrip().startswith("SELECT")
+                        and "FROM alerts" in s])
+
+        event.listen(sessions.kw["bind"], "before_cursor_execute", executed)
+        assert alert_reads_of_a_tick() == 1  # a new daemon: it cannot know
+        assert alert_reads_of_a_tick() == 0  # none found, none opened
+        with sessions() as session:  # a job fails: `crashed` opens on the next tick
+            job = store.create_job(session, spec=JobSpec(name="j", command=["true"]), now=T0)
+            job.attempt = 1
+            store.transition(session, job, JobState.FAILED, now=clock(), reason="exit 1")
+            session.commit()
+        assert alert_reads_of_a_tick() == 0
+        with sessions() as session:
+            assert [a.rule for a in store.alerts(session, state=AlertState.FIRING)] \
+                == [rules.CRASHED]
+        assert alert_reads_of_a_tick() == 1  # it opened one: read again, found firing
+        assert alert_reads_of_a_tick() == 1
+        clock.advance(engine.settings.ended_alert_ttl_s + 1)
+        assert alert_reads_of_a_tick() == 1  # resolved on this read
+        with sessions() as session:
+            assert store.alerts(session, state=AlertState.FIRING) == []
+        assert alert_reads_of_a_tick() == 1  # (it found one firing then)
+        assert alert_reads_of_a_tick() == 0

@@ -1,6 +1,8 @@
-"""The daemon's HTTP server (`app._Server`): its housekeeping loop wakes once a second
-instead of uvicorn's ten times, so asking it to exit must wake it at once: from another
-thread (`stop`, the PostgreSQL lock guard's way) and through a signal (`handle_exit`)."""
+"""The daemon's HTTP server (`app._Server`): its loop sleeps until it is asked to exit,
+instead of waking ten times a second as uvicorn's does, so asking it to exit must wake it
+at once: from another thread (`stop`, the PostgreSQL lock guard's way) and through a
+signal (`handle_exit`); and the Date header, which uvicorn's wakes renewed, is renewed by
+the requests."""
 
 from __future__ import annotations
 
@@ -8,6 +10,7 @@ import signal
 import socket
 import threading
 import time
+from email.utils import parsedate_to_datetime
 from typing import Any
 
 import httpx
@@ -30,9 +33,8 @@ def free_port() -> int:
         return int(sock.getsockname()[1])
 
 
-def running_server(monkeypatch: pytest.MonkeyPatch) -> tuple[_Server, threading.Thread, int]:
-    """A server whose housekeeping would sleep 30 s: only a wake-up ends it sooner."""
-    monkeypatch.setattr(_Server, "HOUSEKEEPING_S", 30.0)
+def running_server() -> tuple[_Server, threading.Thread, int]:
+    """A server up, answering; its loop asleep with no timeout: only a wake-up ends it."""
     port = free_port()
     server = _Server(uvicorn.Config(hello, host="127.0.0.1", port=port, lifespan="off",
                                     log_level="warning"))
@@ -44,22 +46,39 @@ def running_server(monkeypatch: pytest.MonkeyPatch) -> tuple[_Server, threading.
         time.sleep(0.02)
     response = httpx.get(f"http://127.0.0.1:{port}/")
     assert (response.status_code, response.text) == (200, "hi")
-    assert response.headers["date"]  # uvicorn's Date header, set by the housekeeping
+    assert response.headers["date"]
     return server, thread, port
 
 
-def test_stop_from_another_thread_ends_the_server_at_once(
-        monkeypatch: pytest.MonkeyPatch) -> None:
-    server, thread, _ = running_server(monkeypatch)
+def test_stop_from_another_thread_ends_the_server_at_once() -> None:
+    server, thread, _ = running_server()
     time.sleep(0.3)  # the housekeeping loop is asleep
     server.stop()
     thread.join(10)
     assert not thread.is_alive()  # not the 30 s of its sleep
 
 
-def test_a_signal_ends_the_server_at_once(monkeypatch: pytest.MonkeyPatch) -> None:
-    server, thread, _ = running_server(monkeypatch)
+def test_a_signal_ends_the_server_at_once() -> None:
+    server, thread, _ = running_server()
     time.sleep(0.3)
     server.handle_exit(signal.SIGTERM, None)  # what uvicorn's handler calls, in this thread
     thread.join(10)
     assert not thread.is_alive()
+
+
+def test_the_date_header_is_of_the_request_s_second() -> None:
+    """No loop wakes to renew it: a request a few seconds after the last still gets its
+    own second's Date, not the one the server started with."""
+    server, thread, port = running_server()
+    try:
+        with httpx.Client(base_url=f"http://127.0.0.1:{port}") as client:  # one connection
+            first = parsedate_to_datetime(client.get("/").headers["date"])
+            time.sleep(2.2)
+            before = time.time()
+            second = parsedate_to_datetime(client.get("/").headers["date"])
+            after = time.time()
+    finally:
+        server.stop()
+        thread.join(10)
+    assert (second - first).total_seconds() >= 2
+    assert int(before) - 1 <= second.timestamp() <= after  # (the header has whole seconds)

@@ -13,11 +13,12 @@ import os
 import socket
 import sys
 import time
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator, MutableMapping
 from contextlib import asynccontextmanager, contextmanager, suppress
+from email.utils import formatdate
 from pathlib import Path
 from types import FrameType
-from typing import IO
+from typing import IO, Any
 
 import uvicorn
 from fastapi import FastAPI
@@ -174,12 +175,13 @@ def build_app(settings: Settings, guard: LockGuard | None = None) -> FastAPI:
 
 
 class _Server(uvicorn.Server):
-    """uvicorn's server with its housekeeping loop (the Date header, the exit check)
-    woken once a second, and at once when asked to exit (`stop`, or a signal). uvicorn's
-    own wakes ten times a second: 3.4 ms of CPU each second on the 2-core VM, an idle
-    daemon's largest cost, as much as ~15 running jobs' ticks (#15)."""
-
-    HOUSEKEEPING_S = 1.0
+    """uvicorn's server without its housekeeping wake-ups. uvicorn's loop wakes ten times
+    a second to renew the Date header and to see whether it should exit; on the 2-core VM
+    a thread woken from sleep costs ~0.1 ms of CPU, and an asyncio wake with a timeout
+    ~0.3-0.4 ms: an idle daemon's largest cost, as much as ~10 running jobs' ticks (#15).
+    Here the loop sleeps until it is asked to exit (`stop`, from any thread, or a
+    signal: `handle_exit`), and the Date header is renewed by the requests themselves
+    (`_DateRenewer`), at most once a second, as uvicorn's loop did."""
 
     _loop: asyncio.AbstractEventLoop | None = None
     _exit_requested: asyncio.Event | None = None
@@ -187,17 +189,31 @@ class _Server(uvicorn.Server):
     ready_line = ""
     """Logged when the server is up: its lifespan has started and its port is bound."""
 
+    def __init__(self, config: uvicorn.Config) -> None:
+        super().__init__(config)
+        self._date_second = -1
+        config.app = _DateRenewer(config.app, self)  # (before `config.load` wraps it)
+
     async def main_loop(self) -> None:
         if self.ready_line:
             log.info("%s", self.ready_line)
         self._loop, self._exit_requested = asyncio.get_running_loop(), asyncio.Event()
-        if self.should_exit:  # asked before the loop was there to wake
+        if await self.on_tick(0):  # the Date header; asked to exit before the loop was up
             return
-        counter = 0
-        while not await self.on_tick(counter):
-            counter = (counter + 10) % 864000  # `on_tick` renews the Date header every 10th
-            with suppress(TimeoutError):
-                await asyncio.wait_for(self._exit_requested.wait(), self.HOUSEKEEPING_S)
+        while not self.should_exit:
+            await self._exit_requested.wait()
+            self._exit_requested.clear()
+
+    def renew_date(self) -> None:
+        """uvicorn's default headers with a Date of this second (as its `on_tick`)."""
+        now = time.time()
+        if int(now) == self._date_second:
+            return
+        self._date_second = int(now)
+        date = ([(b"date", formatdate(now, usegmt=True).encode())]
+                if self.config.date_header else [])
+        # in place: the request's cycle took the list before the app was called
+        self.server_state.default_headers[:] = date + self.config.encoded_headers
 
     def handle_exit(self, sig: int, frame: FrameType | None) -> None:
         super().handle_exit(sig, frame)
@@ -213,6 +229,22 @@ class _Server(uvicorn.Server):
         if loop is not None and event is not None:
             with suppress(RuntimeError):  # the loop has closed: nothing waits
                 loop.call_soon_threadsafe(event.set)
+
+
+class _DateRenewer:
+    """ASGI wrapper of the daemon's app: each request renews the server's Date header
+    first (`_Server.renew_date`: a clock read, and the header once a second). A response
+    uvicorn makes without calling the app (a malformed request's 400) carries the Date of
+    the last request."""
+
+    def __init__(self, app: Any, server: _Server) -> None:
+        self.app, self.server = app, server
+
+    async def __call__(self, scope: MutableMapping[str, Any], receive: Callable[[], Any],
+                       send: Callable[[Any], Any]) -> None:
+        if scope["type"] != "lifespan":
+            self.server.renew_date()
+        await self.app(scope, receive, send)
 
 
 GC_YOUNG_THRESHOLD = 10_000

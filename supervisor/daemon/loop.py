@@ -204,8 +204,7 @@ class Engine(JobChecks):
         self._shims_seen_alive = {}
         with self.sessions() as session:
             # one query for the running, pending and lately ended jobs (#15)
-            jobs = store.jobs_of_tick(session, (JobState.RUNNING, JobState.PENDING),
-                                      ended_since=self.alerting.ended_since(now))
+            jobs = store.jobs_of_tick(session, ended_since=self.alerting.ended_since(now))
             running = [job for job in jobs if job.state == JobState.RUNNING]
             ended_lately = [job for job in jobs if JobState(job.state).ended]
             for job in running:

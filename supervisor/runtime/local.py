@@ -223,7 +223,7 @@ class ExitWatcher:
 
     def _run(self) -> None:
         while not self._closed:
-            events = self._poll.poll(1000)
+            events = self._poll.poll()  # no timeout: `add` and `close` write the wake pipe
             exited = False
             with self._lock:
                 for fd, _mask in events:
