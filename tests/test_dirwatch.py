@@ -239,3 +239,18 @@ def test_a_root_whose_parent_is_replaced_is_found_again(tmp_path: Path,
     assert same_totals(scanner.scan(LATER), root)
     write(root / "d.bin", 4)  # the new root is watched
     assert same_totals(scanner.scan(LATER), root)
+
+
+def test_a_scan_after_the_tick_s_drain_takes_it_without_reading_again(
+        tmp_path: Path, watcher: DirWatcher) -> None:
+    """The tick drains the queue once before its readings (`DirWatcher.drain`); a job's
+    scan right after takes what that drain read, not what came since: that is its next
+    scan's, which reads the queue again (#15: a read of an empty queue per job)."""
+    scanner = OutputScanner(str(tmp_path), "*.txt", watcher=watcher)
+    assert scanner.scan(LATER).files == 0
+    write(tmp_path / "a.txt", 1)
+    watcher.drain()
+    write(tmp_path / "b.txt", 2)  # after the drain
+    assert (scanner.scan(LATER).files, scanner.scan(LATER).files) == (1, 2)
+    write(tmp_path / "c.txt", 3)
+    assert scanner.scan(LATER).files == 3  # no drain since: it reads the queue itself
