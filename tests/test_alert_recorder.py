@@ -12,7 +12,7 @@ import pytest
 from sqlalchemy import event
 
 from supervisor.alerting import rules
-from supervisor.alerting.recorder import RECENTLY_ENDED_S
+from supervisor.alerting.recorder import FIRING_REREAD_S, RECENTLY_ENDED_S
 from supervisor.spec import AlertState, JobSpec, JobState
 from supervisor.storage import store
 from tests.helpers import T0, Clock, in_process_engine
@@ -92,4 +92,7 @@ def test_firing_alerts_are_read_again_only_once_one_may_have_opened(tmp_path: Pa
         with sessions() as session:
             assert store.alerts(session, state=AlertState.FIRING) == []
         assert alert_reads_of_a_tick() == 1  # (it found one firing then)
+        assert alert_reads_of_a_tick() == 0
+        clock.advance(FIRING_REREAD_S)
+        assert alert_reads_of_a_tick() == 1  # read again now and then all the same
         assert alert_reads_of_a_tick() == 0

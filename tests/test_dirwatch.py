@@ -245,7 +245,8 @@ def test_a_scan_after_the_tick_s_drain_takes_it_without_reading_again(
         tmp_path: Path, watcher: DirWatcher) -> None:
     """The tick drains the queue once before its readings (`DirWatcher.drain`); a job's
     scan right after takes what that drain read, not what came since: that is its next
-    scan's, which reads the queue again (#15: a read of an empty queue per job)."""
+    scan's, which reads the queue again (#15: a read of an empty queue per job); a final
+    scan (the job has ended) reads it whatever the drain."""
     scanner = OutputScanner(str(tmp_path), "*.txt", watcher=watcher)
     assert scanner.scan(LATER).files == 0
     write(tmp_path / "a.txt", 1)
@@ -254,3 +255,6 @@ def test_a_scan_after_the_tick_s_drain_takes_it_without_reading_again(
     assert (scanner.scan(LATER).files, scanner.scan(LATER).files) == (1, 2)
     write(tmp_path / "c.txt", 3)
     assert scanner.scan(LATER).files == 3  # no drain since: it reads the queue itself
+    watcher.drain()
+    write(tmp_path / "d.txt", 4)  # the job's last file, after the drain
+    assert scanner.scan(LATER, final=True).files == 4  # a final scan reads the queue

@@ -31,6 +31,10 @@ LOG_TAIL_LINES = 20
 RECENTLY_ENDED_S = 600.0
 """Ended jobs are evaluated for this long after their end (see `record`)."""
 
+FIRING_REREAD_S = 60.0
+"""The firing alerts are read at least this often, even when the recorder knows of
+none (`AlertRecorder._none_firing`)."""
+
 
 class AlertRecorder:
     def __init__(self, settings: Settings, observer: Observer, notifier: Notifier):
@@ -49,10 +53,14 @@ class AlertRecorder:
         self._none_firing = False
         """The last read of the firing alerts found none, and `record` has opened none
         since: the next one need not read them (a query of ~0.5 ms a tick, most ticks
-        of a healthy daemon: #15). Sound because alerts are opened only here
-        (`store.open_alert`'s one caller in the daemon), and nothing else makes a
-        resolved alert fire again; a write that fails leaves it False, so the next
-        tick reads what the database holds."""
+        of a healthy daemon: #15), for up to FIRING_REREAD_S. This assumes that alerts
+        are opened only here (`store.open_alert`'s one caller in the daemon) and that
+        nothing else makes a resolved alert fire again; a pass that fails leaves it
+        False, so the next tick reads what the database holds. Where the assumption
+        breaks (another daemon on the same database while this one had lost its lock),
+        the read every FIRING_REREAD_S catches up, and the unique index on firing
+        alerts (job, rule) refuses a duplicate meanwhile."""
+        self._firing_read_at = 0.0
 
     def forget_sent(self, recorded: Iterable[tuple[str, str]]) -> None:
         """These alerts sent unrecorded are now in the database (its commit succeeded)."""
@@ -85,8 +93,11 @@ class AlertRecorder:
         queue the messages of recent successes. `recorded` receives the alerts sent
         unrecorded earlier that this records. `ended_lately`: the jobs that ended since
         `ended_since(now)`, where the caller read them already (else they are read)."""
-        open_rows = ([] if self._none_firing
-                     else store.alerts(session, state=AlertState.FIRING))
+        if self._none_firing and now - self._firing_read_at < FIRING_REREAD_S:
+            open_rows: Sequence[Alert] = []
+        else:
+            open_rows = store.alerts(session, state=AlertState.FIRING)
+            self._firing_read_at = now
         self._none_firing = False  # until this pass is known to have opened none
         if ended_lately is None:
             ended_lately = store.jobs_ended_since(session, self.ended_since(now))

@@ -10,8 +10,10 @@ import gc
 import ipaddress
 import logging
 import os
+import signal
 import socket
 import sys
+import threading
 import time
 from collections.abc import AsyncIterator, Callable, Iterator, MutableMapping
 from contextlib import asynccontextmanager, contextmanager, suppress
@@ -180,8 +182,10 @@ class _Server(uvicorn.Server):
     a thread woken from sleep costs ~0.1 ms of CPU, and an asyncio wake with a timeout
     ~0.3-0.4 ms: an idle daemon's largest cost, as much as ~10 running jobs' ticks (#15).
     Here the loop sleeps until it is asked to exit (`stop`, from any thread, or a
-    signal: `handle_exit`), and the Date header is renewed by the requests themselves
-    (`_DateRenewer`), at most once a second, as uvicorn's loop did."""
+    signal: `handle_exit`), and the Date header is renewed as each response starts
+    (`_DateRenewer`), at most once a second, as uvicorn's loop did. What else uvicorn's
+    loop checked (`limit_max_requests`, `callback_notify`) is not used: `serve` sets
+    neither."""
 
     _loop: asyncio.AbstractEventLoop | None = None
     _exit_requested: asyncio.Event | None = None
@@ -200,9 +204,13 @@ class _Server(uvicorn.Server):
         self._loop, self._exit_requested = asyncio.get_running_loop(), asyncio.Event()
         if await self.on_tick(0):  # the Date header; asked to exit before the loop was up
             return
-        while not self.should_exit:
-            await self._exit_requested.wait()
-            self._exit_requested.clear()
+        undo = _wake_on_signals(self._loop)
+        try:
+            while not self.should_exit:
+                await self._exit_requested.wait()
+                self._exit_requested.clear()
+        finally:
+            undo()
 
     def renew_date(self) -> None:
         """uvicorn's default headers with a Date of this second (as its `on_tick`)."""
@@ -212,7 +220,7 @@ class _Server(uvicorn.Server):
         self._date_second = int(now)
         date = ([(b"date", formatdate(now, usegmt=True).encode())]
                 if self.config.date_header else [])
-        # in place: the request's cycle took the list before the app was called
+        # in place: the request's cycle took the list before it called the app
         self.server_state.default_headers[:] = date + self.config.encoded_headers
 
     def handle_exit(self, sig: int, frame: FrameType | None) -> None:
@@ -231,20 +239,58 @@ class _Server(uvicorn.Server):
                 loop.call_soon_threadsafe(event.set)
 
 
+def _wake_on_signals(loop: asyncio.AbstractEventLoop) -> Callable[[], None]:
+    """Have a signal wake the loop, whichever thread the kernel delivers it to; the
+    undoing. uvicorn's handlers (`signal.signal`) run in the main thread once it runs
+    Python code again: a signal delivered to another thread (the main one had one
+    pending, or blocks it) left it asleep in `epoll_wait`, with no timeout to end the
+    sleep now (`_Server`). The interpreter writes the signal's number to a wakeup fd that
+    the loop watches. Only in the main thread (elsewhere there are no handlers)."""
+    if threading.current_thread() is not threading.main_thread():
+        return lambda: None
+    reader, writer = socket.socketpair()
+    reader.setblocking(False)
+    writer.setblocking(False)
+
+    def drained() -> None:
+        with suppress(OSError):
+            while reader.recv(4096):
+                pass
+
+    loop.add_reader(reader.fileno(), drained)
+    previous = signal.set_wakeup_fd(writer.fileno(), warn_on_full_buffer=False)
+
+    def undo() -> None:
+        signal.set_wakeup_fd(previous)
+        loop.remove_reader(reader.fileno())
+        reader.close()
+        writer.close()
+
+    return undo
+
+
 class _DateRenewer:
-    """ASGI wrapper of the daemon's app: each request renews the server's Date header
-    first (`_Server.renew_date`: a clock read, and the header once a second). A response
-    uvicorn makes without calling the app (a malformed request's 400) carries the Date of
-    the last request."""
+    """ASGI wrapper of the daemon's app: each HTTP response renews the server's Date
+    header as it starts (`_Server.renew_date`: a clock read, and the header once a
+    second), so the Date is of the second the response began, as with uvicorn's loop.
+    Responses uvicorn makes without the app (a malformed request's 400) are untouched."""
 
     def __init__(self, app: Any, server: _Server) -> None:
         self.app, self.server = app, server
 
     async def __call__(self, scope: MutableMapping[str, Any], receive: Callable[[], Any],
                        send: Callable[[Any], Any]) -> None:
-        if scope["type"] != "lifespan":
-            self.server.renew_date()
-        await self.app(scope, receive, send)
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        renew = self.server.renew_date
+
+        async def dated(message: MutableMapping[str, Any]) -> None:
+            if message["type"] == "http.response.start":
+                renew()
+            await send(message)
+
+        await self.app(scope, receive, dated)
 
 
 GC_YOUNG_THRESHOLD = 10_000

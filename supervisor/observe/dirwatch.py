@@ -9,7 +9,9 @@ listing, and not even the one `stat` per directory per scan (docs/architecture.m
 
 One inotify instance serves every scanner of a process (the per-user limit on
 instances is 128 by default; watches are plentiful): scanners subscribe to directories;
-each scan drains whatever the kernel has queued and hands every subscriber its share.
+each scan drains whatever the kernel has queued and hands every subscriber its share
+(once the engine's tick has drained the queue before its readings, each scanner's next
+regular scan takes its share of that drain without reading the queue again).
 When the kernel's queue overflowed, every subscriber is told to list all its
 directories again.
 
@@ -223,17 +225,20 @@ class DirWatcher:
                     return False
             return True
 
-    def changes(self, subscriber: object) -> Changes:
+    def changes(self, subscriber: object, *, read: bool = False) -> Changes:
         """Read what the kernel queued, share it out, and take `subscriber`'s share. The
-        first call for a subscriber after a `drain` does not read the queue again: the
-        tick drains it before its readings, and each of those taken right after in the
-        tick thread (most jobs, most ticks) found it empty, at ~5 us a read (#15); what
-        came since is its next reading's, as if it had been taken at the drain."""
+        first call for a subscriber after a `drain` does not read the queue again unless
+        asked to (`read`: a job's final reading, which must see what came up to its
+        end): the tick drains it before its readings, and each of those taken right
+        after in the tick thread (most jobs, most ticks) found it empty, at ~5 us a read
+        (#15); what came since is its next reading's, as if it had been taken at the
+        drain."""
         with self._lock:
             key = id(subscriber)
-            if key in self._fresh:
+            if key in self._fresh and not read:
                 self._fresh.discard(key)
             else:
+                self._fresh.discard(key)
                 self._drain()
             taken = self._pending.get(key)
             if taken is None:

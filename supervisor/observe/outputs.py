@@ -132,7 +132,7 @@ class OutputScanner:
         cost = _Cost()
         listed: set[str] = set()
         if self.watcher is not None:
-            self._take_changes(self.watcher.changes(self))
+            self._take_changes(self.watcher.changes(self, read=final))
             self._check_root(cost)
         pending = [""]
         while pending:
