@@ -8,13 +8,11 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
 import sys
 import threading
 import time
 from email.utils import parsedate_to_datetime
-from pathlib import Path
 from typing import Any
 
 import httpx
@@ -22,21 +20,15 @@ import pytest
 import uvicorn
 
 from supervisor.daemon.app import _Server
+from tests.helpers import REPO, free_port
 
 pytestmark = pytest.mark.timeout(60)
 
-REPO = Path(__file__).resolve().parents[1]
 
 
 async def hello(scope: dict[str, Any], receive: Any, send: Any) -> None:
     await send({"type": "http.response.start", "status": 200, "headers": []})
     await send({"type": "http.response.body", "body": b"hi"})
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 def running_server() -> tuple[_Server, threading.Thread, int]:
@@ -94,10 +86,7 @@ SIGNALLED_SERVER = r"""
 import signal, sys, threading, time
 import uvicorn
 from supervisor.daemon import app
-
-async def hello(scope, receive, send):
-    await send({"type": "http.response.start", "status": 200, "headers": []})
-    await send({"type": "http.response.body", "body": b"hi"})
+from tests.test_server_loop import hello
 
 if sys.argv[2] == "no-wakeup":  # the check of the test itself: without the wakeup fd
     app._wake_on_signals = lambda loop: (lambda: None)

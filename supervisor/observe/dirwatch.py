@@ -235,10 +235,9 @@ class DirWatcher:
         drain."""
         with self._lock:
             key = id(subscriber)
-            if key in self._fresh and not read:
-                self._fresh.discard(key)
-            else:
-                self._fresh.discard(key)
+            drained = key in self._fresh and not read
+            self._fresh.discard(key)
+            if not drained:
                 self._drain()
             taken = self._pending.get(key)
             if taken is None:
