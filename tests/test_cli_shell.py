@@ -123,8 +123,7 @@ def test_watch_on_a_real_terminal(make_daemon, bin_dir: Path,
                            name=WATCHED_NAME)
     short = daemon.submit([sys.executable, "-c", "import time; time.sleep(600)"], name="nap")
     daemon.wait_state(ticker["id"], "running")
-    wait_for(lambda: (daemon.job(ticker["id"])["progress"]["items_done"] or 0) >= 2, 20,
-             what="progress of the ticker")
+    daemon.wait_state(short["id"], "running")  # its row is asserted below
     env = shell_env(bin_dir, daemon.url)
     for width, header in ((80, NARROW_COLUMNS),
                           (200, ("ID", "NAME", "STATE", "PROGRESS", "RATE", "ETA", "WRITTEN",
@@ -142,10 +141,17 @@ def test_watch_on_a_real_terminal(make_daemon, bin_dir: Path,
                                    text=True, capture_output=True, timeout=10).stdout
             return [line for line in shown.splitlines() if line.strip()]
 
+        def ticker_rated(lines: list[str]) -> bool:
+            """The ticker's row with its count and a rate: a rate is read from two steps
+            of progress after the daemon's first reading (`HistoryBuilder`), so it can
+            reach the screen a tick or two after the count does."""
+            row = next((line for line in lines if line.lstrip().startswith(ticker["id"])), "")
+            return bool(re.search(r"\d+/1000000", row) and re.search(r"\d+\.\d\d/s", row))
+
         try:
-            lines = wait_for(lambda: (s := screen()) and len(s) >= 3
-                             and "/1000000" in "".join(s) and s, 30,
-                             what=f"the live table at {width} columns")
+            lines = wait_for(lambda: (s := screen()) and len(s) >= 3 and ticker_rated(s) and s,
+                             60, interval=0.3,
+                             what=f"the live table at {width} columns, with the rate")
         except AssertionError as exc:
             raise AssertionError(f"{exc}; the screen:\n" + "\n".join(screen())) from None
         assert lines[0].split() == list(header), lines
