@@ -29,6 +29,10 @@ PY = sys.executable
 
 PORT_TRIES = 3
 """Ports a daemon's first start tries (`Daemon.start`)."""
+DAEMON_START_S = 60.0
+"""How long `Daemon.start` waits for /healthz: a start takes ~1-2 s, but 20 s did not
+always do on 2 loaded cores (its imports and migrations competing with three test files'
+jobs and a busy loop: #33); a daemon that fails to start exits, which is seen at once."""
 
 
 class PortTaken(AssertionError):
@@ -87,7 +91,7 @@ class Daemon:
             if not wait:
                 return self
             try:
-                wait_for(self._healthy, 20, what=f"daemon on {self.url}; log:\n{self.log()}")
+                wait_for(self._healthy, DAEMON_START_S, what=f"daemon on {self.url}")
                 return self
             except PortTaken:
                 # `free_port` closed the port it found, and another test's process (a
@@ -99,6 +103,8 @@ class Daemon:
                 self.port = free_port()
                 self.url = f"http://127.0.0.1:{self.port}"
                 self.http.base_url = httpx.URL(self.url)  # (its headers kept: a token)
+            except AssertionError as exc:  # what it logged by then, not at its start
+                raise AssertionError(f"{exc}; its log:\n{self.log()}") from None
         raise AssertionError("unreachable")
 
     def _healthy(self) -> bool:

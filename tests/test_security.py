@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import json
 import socket
+import stat
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -104,14 +105,36 @@ def test_metrics_public_keeps_everything_else_behind_the_token(
     assert schema["paths"]["/healthz"]["get"]["security"] == []
 
 
-def test_jobs_never_see_the_token(make_daemon: Callable[..., Daemon]) -> None:
-    daemon = make_daemon(env={"JOBSUP_TOKEN": TOKEN})
+@pytest.mark.parametrize("variable", ["JOBSUP_TOKEN", "jobsup_token", "Jobsup_Token"])
+def test_jobs_never_see_the_token(make_daemon: Callable[..., Daemon], variable: str) -> None:
+    """However the variable is spelled: settings are read case-insensitively, so each
+    spelling turns the token on, and none may reach a job or its files (#30 item 10)."""
+    daemon = make_daemon(env={variable: TOKEN})
+    assert daemon.http.get("/api/v1/jobs").status_code == 401  # the token is on
     daemon.http.headers["Authorization"] = f"Bearer {TOKEN}"
-    job = daemon.submit(python_job(
-        "import os; print(os.environ.get('JOBSUP_TOKEN'),"
-        f" any({TOKEN!r} in v for v in os.environ.values()))"), name="no-token")
+    job = daemon.submit(python_job(  # (the token reversed: the command is in job.json)
+        "import os; print(any(k.upper() == 'JOBSUP_TOKEN' for k in os.environ),"
+        f" any({TOKEN[::-1]!r}[::-1] in v for v in os.environ.values()))"), name="no-token")
     daemon.wait_state(job["id"], "succeeded")
-    assert daemon.logs(job["id"]).split() == ["None", "False"]
+    assert daemon.logs(job["id"]).split() == ["False", "False"]
+    job_dir = daemon.data_dir / "jobs" / job["id"]
+    written = [f for f in job_dir.rglob("*") if f.is_file()]
+    assert any(f.name == "launch.json" for f in written)
+    assert not [f for f in written if TOKEN.encode() in f.read_bytes()]
+
+
+def test_job_records_holding_the_env_are_the_owners_only(make_daemon: Callable[..., Daemon]
+                                                         ) -> None:
+    """job.json and launch.json hold the job's env (an HF_TOKEN, say): mode 0600, not
+    readable by other users of the machine (#30 item 11)."""
+    daemon = make_daemon()
+    job = daemon.submit(python_job("pass"), name="private", env={"HF_TOKEN": "hf_secret"})
+    daemon.wait_state(job["id"], "succeeded")
+    job_dir = daemon.data_dir / "jobs" / job["id"]
+    records = [job_dir / "job.json", job_dir / "attempt-1" / "launch.json"]
+    assert all(b"hf_secret" in f.read_bytes() for f in records)
+    modes = {f.name: oct(stat.S_IMODE(f.stat().st_mode)) for f in job_dir.rglob("*.json")}
+    assert modes and set(modes.values()) == {"0o600"}, modes
 
 
 def test_token_is_compared_with_compare_digest(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -22,6 +22,10 @@ JSON_MAX_BYTES = 16 << 20
 launch.json and job.json hold a whole spec, env included, whose request may be up to
 `max_body_bytes` (1 MiB by default; written with \\u escapes it can grow 3x). Callers
 reading a file only a job writes pass a smaller cap (progress.PROGRESS_MAX_BYTES)."""
+PRIVATE_MODE = 0o600
+"""Mode of every file the supervisor side writes under a job's directory: job.json and
+launch.json hold the job's env (an HF_TOKEN, say), which no other user of the machine
+may read (docs/security.md)."""
 TAIL_MAX_BYTES = 256 * 1024
 """`tail_lines` reads at most this much of a file's end, whatever `n` is."""
 TAIL_LINE_MAX_BYTES = 4096
@@ -83,11 +87,12 @@ def temp_path(target: Path) -> Path:
 
 
 def _temp_file(target: Path, data: bytes, *, fsync: bool) -> Path:
-    """`data` in `temp_path(target)`, on disk when `fsync`; on failure (a full disk)
-    no temp file is left behind."""
+    """`data` in `temp_path(target)` (mode `PRIVATE_MODE`), on disk when `fsync`; on
+    failure (a full disk) no temp file is left behind."""
     tmp = temp_path(target)
     try:
-        with open(tmp, "wb") as f:
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, PRIVATE_MODE)
+        with open(fd, "wb") as f:
             f.write(data)
             f.flush()
             if fsync:

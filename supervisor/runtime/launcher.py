@@ -34,9 +34,16 @@ from supervisor.spec import ExitReason, JobSpec
 
 log = logging.getLogger(__name__)
 
-SCRUBBED_ENV = ("JOBSUP_TOKEN", "JOBSUP_SLACK_WEBHOOK_URL", "JOBSUP_WEBHOOK_URL",
-                "JOBSUP_DATABASE_URL", "JOBSUP_WEBHOOK_SECRET", "PGPASSWORD", "PGPASSFILE")
-"""Daemon settings a job must not inherit (secrets)."""
+SCRUBBED_ENV = frozenset({"JOBSUP_TOKEN", "JOBSUP_SLACK_WEBHOOK_URL", "JOBSUP_WEBHOOK_URL",
+                          "JOBSUP_DATABASE_URL", "JOBSUP_WEBHOOK_SECRET", "PGPASSWORD",
+                          "PGPASSFILE"})
+"""Daemon settings a job must not inherit (secrets), upper-case: see `scrubbed_env`."""
+
+
+def scrubbed_env(environ: Mapping[str, str]) -> dict[str, str]:
+    """`environ` without `SCRUBBED_ENV`, matched whatever the case: settings are read
+    case-insensitively, so `jobsup_token=X jobsup serve` turns the token on too."""
+    return {k: v for k, v in environ.items() if k.upper() not in SCRUBBED_ENV}
 
 
 # built per job per tick, not changed once shown: not frozen (4x the cost to build: #15)
@@ -77,7 +84,7 @@ def progress_path(jobs_dir: Path, job_id: str) -> Path:
 
 def job_environment(base: Mapping[str, str], spec: JobSpec, job_id: str, number: int,
                     progress_file: Path) -> dict[str, str]:
-    env = {k: v for k, v in base.items() if k not in SCRUBBED_ENV}
+    env = scrubbed_env(base)
     env.update(spec.env)
     env["JOBSUP_JOB_ID"] = job_id
     env["JOBSUP_ATTEMPT"] = str(number)

@@ -22,7 +22,6 @@ from supervisor.runtime import files
 from supervisor.runtime.fileio import create_json_exclusive
 from supervisor.runtime.files import ExitStatus, WorkerInfo
 from supervisor.runtime.launcher import (
-    SCRUBBED_ENV,
     Attempt,
     Backend,
     LaunchFate,
@@ -30,6 +29,7 @@ from supervisor.runtime.launcher import (
     _package_root_on_path,
     attempt_dir,
     observe_request,
+    scrubbed_env,
     worker_group_alive,
     write_launch,
 )
@@ -70,7 +70,7 @@ class LocalBackend(Backend):
                 [sys.executable, "-m", "supervisor.runtime.shim", str(adir)],
                 stdin=subprocess.DEVNULL, stdout=shim_log, stderr=subprocess.STDOUT,
                 start_new_session=True, close_fds=True, cwd="/",
-                env={**{k: v for k, v in os.environ.items() if k not in SCRUBBED_ENV},
+                env={**scrubbed_env(os.environ),
                      "PYTHONPATH": _package_root_on_path()},
             )
         self._children[proc.pid] = proc

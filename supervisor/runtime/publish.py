@@ -33,6 +33,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, cast
 
 from supervisor.runtime import files
+from supervisor.runtime.fileio import PRIVATE_MODE
 
 if TYPE_CHECKING:
     from supervisor.observe.gpu import GpuReader
@@ -117,7 +118,7 @@ class Publisher:
             if size and size + len(line) > self.max_bytes:
                 os.replace(self.path, self.rotated)
             fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC,
-                         0o644)
+                         PRIVATE_MODE)
             try:
                 os.write(fd, line)
             finally:

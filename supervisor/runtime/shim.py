@@ -39,7 +39,7 @@ from types import FrameType
 from typing import Any
 
 from supervisor.runtime import files
-from supervisor.runtime.fileio import atomic_write_json, create_json_exclusive
+from supervisor.runtime.fileio import PRIVATE_MODE, atomic_write_json, create_json_exclusive
 from supervisor.runtime.procfs import (
     all_stats,
     create_time,
@@ -288,7 +288,8 @@ def worker_environment(launch: files.Launch, own: Mapping[str, str]) -> dict[str
 
 def reserve_status(path: Path) -> None:
     """Create the status file at its full size, holding `files.RESERVED`, on disk."""
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o644)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC,
+                 PRIVATE_MODE)
     try:
         _write_all(fd, _padded(files.RESERVED))
         os.fsync(fd)

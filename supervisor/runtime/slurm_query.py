@@ -15,7 +15,7 @@ import time
 from pathlib import Path
 
 from supervisor.runtime.fileio import read_json
-from supervisor.runtime.launcher import SCRUBBED_ENV, Attempt
+from supervisor.runtime.launcher import Attempt, scrubbed_env
 from supervisor.runtime.slurm_jobs import SlurmJob, job_name, parse_exit_code
 
 log = logging.getLogger(__name__)
@@ -48,7 +48,7 @@ class SlurmQueries:
 
     # -- the scheduler's tools --------------------------------------------------------
     def _run(self, argv: list[str]) -> subprocess.CompletedProcess[str]:
-        env = {k: v for k, v in os.environ.items() if k not in SCRUBBED_ENV}
+        env = scrubbed_env(os.environ)
         return subprocess.run(argv, capture_output=True, text=True, env=env,
                               timeout=COMMAND_TIMEOUT_S, stdin=subprocess.DEVNULL)
 
