@@ -101,12 +101,14 @@ def target_num_layers(target_config: Mapping[str, Any]) -> int:
 
 # -- models ------------------------------------------------------------------------------
 
-def load_target_model(path: Path, device: str, dtype: str) -> tuple[Any, Any]:
+def load_target_model(path: Path, device: str, dtype: str, experts: str = "auto"
+                      ) -> tuple[Any, Any]:
     from workers.target import TargetError, load_target, load_tokenizer, torch_dtype
 
     try:
         tokenizer = load_tokenizer(path)
-        model = load_target(path, device=device, dtype=torch_dtype(dtype)).model
+        model = load_target(path, device=device, dtype=torch_dtype(dtype),
+                            experts=experts).model
     except (OSError, ValueError, TargetError) as exc:
         raise EvalError(f"--target: cannot load a model from {path}: {exc}") from None
     if not tokenizer.chat_template:
@@ -181,7 +183,7 @@ def evaluate(args: argparse.Namespace, progress: ProgressReporter) -> dict[str, 
                         f"--skip {args.skip} and {len(selection.excluded)} seen in training)")
     log.info("loading %s on %s", args.target, args.device)
     started = time.monotonic()
-    model, tokenizer = load_target_model(args.target, args.device, args.dtype)
+    model, tokenizer = load_target_model(args.target, args.device, args.dtype, args.experts)
     embedding = model.get_input_embeddings().weight.detach()
     draft = load_trained_draft(args.draft, embedding, num_layers)
     baseline = None if args.no_baseline else untrained_draft(draft, args.seed)
@@ -322,6 +324,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     add("--device", default=None, help="torch device (default: cuda if available, else cpu)")
     add("--dtype", choices=DTYPES, default="auto",
         help="target and draft dtype (auto: bf16 on CUDA, fp32 on CPU)")
+    add("--experts", choices=("auto", "packed", "dequantized"), default="auto",
+        help="a pack-quantized INT4 target's routed experts kept packed or dequantized "
+             "to bf16 (auto: packed)")
     add("--seed", type=int, default=0, help="the untrained baseline's init (default 0)")
     add("--no-baseline", action="store_true", help="skip the untrained-draft baseline")
     add("--tie-tolerance", type=float, metavar="R",

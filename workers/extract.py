@@ -86,6 +86,7 @@ from workers.hidden_files import (
 from workers.ranks import LaunchError, in_shard, launcher_task, run_identity
 from workers.target import (
     DTYPE_NAMES,
+    EXPERTS,
     Target,
     TargetError,
     load_target,
@@ -140,14 +141,17 @@ def load_samples(data: Path, tokenizer: Any, *, max_length: int | None, on_too_l
     stats.malformed_lines = jsonl.malformed
 
 
-def load_model(path: Path, *, device: str, dtype: torch.dtype) -> tuple[Target, Any]:
+def load_model(path: Path, *, device: str, dtype: torch.dtype, experts: str = "auto"
+               ) -> tuple[Target, Any]:
     """The target (a causal LM, or a multimodal model's language model: see
-    workers/target.py) on `device`, or split over a comma-separated list of devices."""
+    workers/target.py) on `device`, or split over a comma-separated list of devices;
+    `experts`: how a packed-INT4 checkpoint's routed experts are held."""
     from workers.split import parse_devices
 
     try:
         tokenizer = load_tokenizer(path)
-        return load_target(path, device=parse_devices(device), dtype=dtype), tokenizer
+        return load_target(path, device=parse_devices(device), dtype=dtype,
+                           experts=experts), tokenizer
     except TargetError as exc:
         fail(f"--model: {exc}")
 
@@ -167,6 +171,11 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--dtype", choices=["auto", *sorted(DTYPE_NAMES)], default="auto",
                         help="compute and storage dtype (auto: bf16 on CUDA, fp32 on CPU, "
                              "where bf16 matmuls run many times slower)")
+    parser.add_argument("--experts", choices=EXPERTS, default="auto",
+                        help="a compressed-tensors pack-quantized INT4 checkpoint's routed "
+                             "experts: packed (kept INT4, the Triton kernel on CUDA), or "
+                             "dequantized to bf16 by transformers (4x the memory); auto: "
+                             "packed (recorded in extract_config.json)")
     parser.add_argument("--max-length", type=int, default=4096,
                         help="longest sample in tokens (default 4096)")
     parser.add_argument("--on-too-long", choices=("truncate", "skip"), default="truncate")
@@ -315,7 +324,8 @@ def extract_here(args: argparse.Namespace) -> int:
     progress = ProgressReporter(None, "sample")
     progress.update(0, force=True)  # the model load can take minutes: say we are alive
     t0 = time.monotonic()
-    target, tokenizer = load_model(args.model, device=args.device, dtype=torch_dtype(args.dtype))
+    target, tokenizer = load_model(args.model, device=args.device, dtype=torch_dtype(args.dtype),
+                                   experts=args.experts)
     log.info("loaded %s (%s) in %.1f s: %d layers, hidden %d, capturing layers %s",
              args.model, type(target.model).__name__, time.monotonic() - t0,
              target.num_layers, target.hidden_size, capture_layers(target.num_layers))
@@ -399,7 +409,7 @@ def write_config(args: argparse.Namespace, target: Target) -> None:
     config = {"model": str(args.model), "num_layers": target.num_layers,
               "hidden_size": target.hidden_size, "vocab_size": target.vocab_size,
               "aux_layer_ids": capture_layers(target.num_layers),
-              "dtype": args.dtype, "max_length": args.max_length,
+              "dtype": args.dtype, "experts": target.experts, "max_length": args.max_length,
               "keep_prenorm_last": args.keep_prenorm_last, "writeback": args.writeback}
     (args.out / "extract_config.json").write_text(json.dumps(config, indent=2) + "\n")
 

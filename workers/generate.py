@@ -107,7 +107,8 @@ def run_transformers(args: argparse.Namespace, prompts: list[Prompt], output: Ou
         # the checkpoint's dtype on a GPU; fp32 on a CPU, where bf16 matmuls crawl. A
         # multimodal target (Kimi-K2.5) generates from text alone through its wrapper.
         dtype = torch.float32 if torch.device(device).type == "cpu" else "auto"
-        model = load_target(args.model, device=device, dtype=dtype).model
+        model = load_target(args.model, device=device, dtype=dtype,
+                            experts=args.experts).model
     except (OSError, ValueError, TargetError) as exc:
         raise RunError(f"cannot load a model from {args.model}: {exc}", 2) from None
     if not tokenizer.chat_template:
@@ -210,6 +211,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         help="abort (exit 3) after K prompts in a row failed all their retries")
     add("--batch-size", type=positive(int), default=8, help="transformers: prompts per batch")
     add("--device", help="transformers: torch device (default: cuda if available, else cpu)")
+    add("--experts", choices=("auto", "packed", "dequantized"), default="auto",
+        help="transformers: a pack-quantized INT4 checkpoint's routed experts kept packed "
+             "or dequantized to bf16 (auto: packed)")
     add("--limit", type=positive(int), help="only the first N valid prompts")
     add("--wait-for-server", type=float, default=0.0, metavar="SECONDS",
         help="openai: wait up to SECONDS for the server to answer before starting")
