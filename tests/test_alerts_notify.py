@@ -194,8 +194,16 @@ time.sleep(600)                # hang
     assert "stalled" in receiver.texts()[0] and "no new item" in receiver.texts()[0]
     (alert,) = daemon.job(job["id"])["alerts"]
     assert alert["rule"] == "stalled"
+    # it says so everywhere: rate 0 and no ETA, not the last rate and a sliding ETA (#32)
+    forecast = daemon.job(job["id"])["forecast"]
+    assert forecast["rate_items_per_s"] == 0 and forecast["eta_s"] is None, forecast
+    blocks = json.dumps(receiver.posts[0][1]["blocks"])
+    assert "0 items/s" in blocks and "ETA" not in blocks, blocks
     metrics = daemon.http.get("/metrics").text
-    assert f'jobsup_job_stalled{{job_id="{job["id"]}",job_name="hangs"}} 1.0' in metrics
+    labels = f'{{job_id="{job["id"]}",job_name="hangs"}}'
+    assert f"jobsup_job_stalled{labels} 1.0" in metrics
+    assert f"jobsup_job_rate_items_per_second{labels} 0.0" in metrics
+    assert f"jobsup_job_eta_seconds{labels}" not in metrics
     daemon.http.post(f"/api/v1/jobs/{job['id']}/stop")
     wait_for(lambda: len(receiver.posts) >= 2, 15, what="the resolved message after the stop")
     resolved = receiver.texts()[1]

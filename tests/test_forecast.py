@@ -357,13 +357,15 @@ def test_preflight() -> None:
 
 
 def test_long_trace_is_fast_enough_for_every_tick() -> None:
-    """Three days of per-item progress sampled every 2 s: one forecast well under a tick."""
+    """Three days of per-item progress sampled every 2 s: one forecast well under a tick.
+    In CPU seconds, not wall seconds: on 2 loaded cores the wall time was 8x the CPU time
+    (1.3-1.7 s against 0.15-0.22 s, load average 7), and this bound is on our work."""
     import time
 
     trace = steady_trace(rate=0.5, until_items=130_000, load_s=0)
-    started = time.perf_counter()
+    started = time.process_time()
     forecast = forecast_job(trace, items_total=200_000, now=trace[-1].t, disk_free_bytes=GB)
-    assert time.perf_counter() - started < 2.0
+    assert time.process_time() - started < 2.0
     assert forecast.rate_items_per_s == pytest.approx(0.5, rel=0.01)
     assert math.isfinite(forecast.eta_s or math.nan)
 
@@ -397,3 +399,32 @@ def test_the_per_tick_forecaster_matches_the_pure_forecast() -> None:
     forecaster.add(restart)
     again = forecaster.forecast(items_total=5000, now=restart.t, disk_free_bytes=900 * GB)
     assert again.rate_items_per_s is None  # a new run: no rate read from the old one
+
+
+def test_a_stalled_job_has_rate_0_and_no_eta() -> None:
+    """No new item for longer than the job's stall timeout: rate 0, no ETA, no disk-full
+    time (#32: the last rate and a sliding ETA were shown beside the `stalled` badge); a
+    pause shorter than that keeps the rate and holds the ETA; a new item brings it back."""
+    trace = steady_trace(rate=2.0, until_items=100, bytes_per_item=MB, time_jitter_s=0.0,
+                         seed=3)
+    last = trace[-1]
+    paused = forecast_job(trace, items_total=1000, now=last.t + 19, disk_free_bytes=GB,
+                          stall_timeout_s=20)
+    assert paused.rate_items_per_s == pytest.approx(2.0, rel=0.05)
+    assert paused.eta_s is not None and paused.disk_full_in_s is not None
+    stalled = forecast_job(trace, items_total=1000, now=last.t + 21, disk_free_bytes=GB,
+                           stall_timeout_s=20)
+    assert stalled.rate_items_per_s == 0.0
+    assert stalled.eta_s is None and stalled.eta_at is None and stalled.disk_full_in_s is None
+    assert stalled.projected_total_bytes == paused.projected_total_bytes  # what is known
+    forecaster = JobForecaster()
+    for obs in trace:
+        forecaster.add(obs)
+    held = forecaster.forecast(items_total=1000, now=last.t + 21, disk_free_bytes=GB,
+                               stall_timeout_s=20)
+    assert held.rate_items_per_s == 0.0 and held.eta_s is None  # the per-tick one too
+    again = Observation(last.t + 22, (last.items_done or 0) + 1, last.bytes_written + MB)
+    forecaster.add(again)
+    resumed = forecaster.forecast(items_total=1000, now=again.t, disk_free_bytes=GB,
+                                  stall_timeout_s=20)
+    assert resumed.rate_items_per_s and resumed.rate_items_per_s > 0 and resumed.eta_s

@@ -174,7 +174,7 @@ def facts(kind: str, job: dict[str, Any], run_s: float | None) -> list[tuple[str
     done, total = p.get("items_done"), p.get("items_total")
     if done is not None:
         out.append(("progress", f"{done}/{total} items" if total else f"{done} items"))
-    if running and f.get("rate_items_per_s"):
+    if running and f.get("rate_items_per_s") is not None:  # 0: stalled, and no ETA
         out.append(("rate", f"{f['rate_items_per_s']:.3g} items/s"))
     if running and f.get("eta_s") is not None:
         out.append(("ETA", f"{format_duration(f['eta_s'])} (at {f.get('eta_at')})"))

@@ -49,6 +49,8 @@ def state_text(state: str) -> Text:
 def rate_text(rate: float | None) -> str:
     if rate is None:
         return "-"
+    if rate == 0:  # stalled (`forecast.is_stalled`)
+        return "0/s"
     return f"{rate:.2f}/s" if rate >= 0.1 else f"{rate * 3600:.1f}/h"
 
 

@@ -77,7 +77,7 @@ class JobViewBuilder:
         state.note_activity(tree, progress.bytes_written, now)
         job_forecast = state.forecaster.forecast(
             items_total=progress.items_total, now=now, disk_free_bytes=free_bytes,
-            declared_bytes_per_item=spec.bytes_per_item)
+            declared_bytes_per_item=spec.bytes_per_item, stall_timeout_s=spec.stall_timeout_s)
         resources = ResourceRecord(
             status=tree.status, num_procs=tree.num_procs, num_threads=tree.num_threads,
             cpu_percent=round(tree.cpu_percent, 1), rss_bytes=tree.rss_bytes,

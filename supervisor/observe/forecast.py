@@ -31,8 +31,8 @@ __all__ = [  # the rate's names are re-exported: callers import them from here
     "DiskRunway", "HistoryBuilder", "JobDiskDemand", "JobForecast", "JobRunway",
     "Observation", "ProgressHistory", "ProgressPoint", "RateEstimate", "disk_demand",
     "disk_runway", "estimate_bytes_per_item", "estimate_rate", "forecast_from",
-    "forecast_job", "preflight", "progress_history", "rate_from_points", "with_runway",
-    "with_share",
+    "forecast_job", "is_stalled", "preflight", "progress_history", "rate_from_points",
+    "with_runway", "with_share",
 ]
 
 
@@ -87,14 +87,20 @@ def forecast_job(
     now: float,
     disk_free_bytes: int | None,
     declared_bytes_per_item: float | None = None,
+    stall_timeout_s: float | None = None,
 ) -> JobForecast:
     """Rate, ETA and disk outlook of one job, as if it had its filesystem to itself.
 
     ETA: remaining items / rate, counted from the last progress point, less the time
     already spent waiting for the next one, but never less than one typical gap between
     points. So between bursts the ETA counts down one second per second as expected, and
-    when progress stops it holds still (and `eta_at` slips) instead of falling to 0: a
-    stall is the `stalled` alert's business, the ETA keeps saying "at the rate we saw".
+    when progress pauses it holds still (`eta_at` slips) instead of falling to 0.
+
+    Once no new item has come for `stall_timeout_s` (the job's own, as the `stalled`
+    alert counts it after the first item), the job is stalled and the forecast says so:
+    rate 0, no ETA, no disk-full time (nothing grows). Before, a stalled job kept its last
+    rate and an ETA that slid forever, in the API, the table, the page and the stall
+    alert's own text (#32). A new item brings the rate back.
 
     `declared_bytes_per_item` (e.g. from the job's spec) is used until the job's own
     output gives a measured value.
@@ -102,14 +108,26 @@ def forecast_job(
     history = progress_history(observations)
     return forecast_from(history, _rate(history) if history else None,
                          items_total=items_total, now=now, disk_free_bytes=disk_free_bytes,
-                         declared_bytes_per_item=declared_bytes_per_item)
+                         declared_bytes_per_item=declared_bytes_per_item,
+                         stall_timeout_s=stall_timeout_s)
+
+
+def is_stalled(history: ProgressHistory | None, *, now: float,
+               stall_timeout_s: float | None) -> bool:
+    """No new item for more than `stall_timeout_s` since the last one (after the first
+    item: before it there is no rate to hold, and the `stalled` rule watches activity)."""
+    return (stall_timeout_s is not None and history is not None and bool(history.points)
+            and now - history.points[-1].t > stall_timeout_s)
 
 
 def forecast_from(history: ProgressHistory | None, estimate: RateEstimate | None, *,
                   items_total: int | None, now: float, disk_free_bytes: int | None,
-                  declared_bytes_per_item: float | None = None) -> JobForecast:
+                  declared_bytes_per_item: float | None = None,
+                  stall_timeout_s: float | None = None) -> JobForecast:
     """`forecast_job` from a job's history and a rate estimated from it (perhaps a few
     seconds earlier: see `JobForecaster`)."""
+    if estimate is not None and is_stalled(history, now=now, stall_timeout_s=stall_timeout_s):
+        estimate = replace(estimate, rate_items_per_s=0.0)
     rate = estimate.rate_items_per_s if estimate else None
     items_done = history.items_done if history else None
     remaining_items = None

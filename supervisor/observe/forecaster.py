@@ -39,7 +39,8 @@ class JobForecaster:
         self.builder.add(obs)
 
     def forecast(self, *, items_total: int | None, now: float, disk_free_bytes: int | None,
-                 declared_bytes_per_item: float | None = None) -> JobForecast:
+                 declared_bytes_per_item: float | None = None,
+                 stall_timeout_s: float | None = None) -> JobForecast:
         builder = self.builder
         points = len(builder.points)
         stale = (self._estimated_at is None or now - self._estimated_at >= RATE_REFRESH_S
@@ -57,4 +58,5 @@ class JobForecaster:
             history = builder.history(self._sample_interval_s)
         return forecast_from(history, self._estimate, items_total=items_total, now=now,
                              disk_free_bytes=disk_free_bytes,
-                             declared_bytes_per_item=declared_bytes_per_item)
+                             declared_bytes_per_item=declared_bytes_per_item,
+                             stall_timeout_s=stall_timeout_s)
