@@ -237,3 +237,32 @@ def test_packed_split_over_devices_computes_the_same(int4: tuple[str, Path]) -> 
         b = split.model(input_ids=ids, output_hidden_states=True).hidden_states
     for x, y in zip(a, b, strict=True):
         assert torch.equal(x, y)
+
+
+def test_a_packed_load_reports_its_bytes_and_rate_in_the_progress_file(
+        int4: tuple[str, Path], tmp_path: Path) -> None:
+    """The load's GB read and GB/s reach the job's progress file as metrics while it
+    loads (the seed's 24-minute load was silent), at done 0: a load is no item."""
+    from workers.common import ProgressReporter
+    from workers.extract import load_model
+
+    _, path = int4
+    progress_file = tmp_path / "progress.json"
+    written: list[dict[str, object]] = []
+    reporter = ProgressReporter(None, "sample", path=str(progress_file), min_interval_s=0)
+    original = reporter.update
+
+    def update(done: int, metrics: dict[str, float] | None = None, **kw: bool) -> None:
+        original(done, metrics, **kw)
+        written.append(json.loads(progress_file.read_text()))
+
+    reporter.update = update  # type: ignore[method-assign]  # (records each file written)
+    target, _ = load_model(path, device="cpu", dtype=torch.float32, experts="packed",
+                           progress=reporter)
+    assert target.experts == "packed" and written
+    assert all(w["done"] == 0 for w in written)
+    gb = [w["metrics"]["load_gb"] for w in written]  # type: ignore[index]
+    assert gb == sorted(gb) and gb[-1] > 0
+    stored = sum(f.stat().st_size for f in path.glob("*.safetensors")) / 1e9
+    assert gb[-1] <= stored  # the tensors' bytes, read once
+    assert all(w["metrics"]["load_gb_per_s"] > 0 for w in written)  # type: ignore[index]

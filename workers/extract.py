@@ -141,17 +141,27 @@ def load_samples(data: Path, tokenizer: Any, *, max_length: int | None, on_too_l
     stats.malformed_lines = jsonl.malformed
 
 
-def load_model(path: Path, *, device: str, dtype: torch.dtype, experts: str = "auto"
-               ) -> tuple[Target, Any]:
+def load_model(path: Path, *, device: str, dtype: torch.dtype, experts: str = "auto",
+               progress: ProgressReporter | None = None) -> tuple[Target, Any]:
     """The target (a causal LM, or a multimodal model's language model: see
     workers/target.py) on `device`, or split over a comma-separated list of devices;
-    `experts`: how a packed-INT4 checkpoint's routed experts are held."""
+    `experts`: how a packed-INT4 checkpoint's routed experts are held. A packed load
+    reports its GB read and GB/s in `progress`'s metrics (`load_gb`, `load_gb_per_s`):
+    the seed's 24-minute load was silent."""
     from workers.split import parse_devices
+
+    started = time.monotonic()
+
+    def loading(bytes_read: int) -> None:
+        if progress is not None:
+            gb = bytes_read / 1e9
+            progress.update(0, {"load_gb": gb,
+                                "load_gb_per_s": gb / max(time.monotonic() - started, 1e-3)})
 
     try:
         tokenizer = load_tokenizer(path)
         return load_target(path, device=parse_devices(device), dtype=dtype,
-                           experts=experts), tokenizer
+                           experts=experts, on_bytes_read=loading), tokenizer
     except TargetError as exc:
         fail(f"--model: {exc}")
 
@@ -325,7 +335,7 @@ def extract_here(args: argparse.Namespace) -> int:
     progress.update(0, force=True)  # the model load can take minutes: say we are alive
     t0 = time.monotonic()
     target, tokenizer = load_model(args.model, device=args.device, dtype=torch_dtype(args.dtype),
-                                   experts=args.experts)
+                                   experts=args.experts, progress=progress)
     log.info("loaded %s (%s) in %.1f s: %d layers, hidden %d, capturing layers %s",
              args.model, type(target.model).__name__, time.monotonic() - t0,
              target.num_layers, target.hidden_size, capture_layers(target.num_layers))

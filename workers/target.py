@@ -27,6 +27,7 @@ loaded one of two ways (`experts`, the workers' `--experts`):
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -127,17 +128,19 @@ def torch_dtype(name: str) -> Any:
 
 
 def load_target(path: Path, *, device: str | list[str] = "cpu", dtype: Any = "auto",
-                experts: str = "auto") -> Target:
+                experts: str = "auto",
+                on_bytes_read: Callable[[int], None] | None = None) -> Target:
     """The model at `path` on `device` in evaluation mode; a list of devices splits its
     decoder layers over them (workers/split.py). `experts`: see the module docstring;
-    the choice made is `Target.experts`."""
+    the choice made is `Target.experts`. `on_bytes_read(bytes so far)` as a packed
+    checkpoint's shards are read (a job's progress during a load of many minutes)."""
     config = load_config(path)
     cls = model_class(config)
     devices = [device] if isinstance(device, str) else list(device)
     mode = experts_mode_for(path, experts, devices)
     try:
         if mode == "packed":
-            model = load_packed(path, devices, dtype, config, cls)
+            model = load_packed(path, devices, dtype, config, cls, on_bytes_read)
         elif len(devices) > 1:
             from workers.split import load_split
 
@@ -167,7 +170,8 @@ def experts_mode_for(path: Path, experts: str, devices: list[str]) -> str:
     return "packed" if experts == "auto" else experts
 
 
-def load_packed(path: Path, devices: list[str], dtype: Any, config: Any, cls: Any) -> Any:
+def load_packed(path: Path, devices: list[str], dtype: Any, config: Any, cls: Any,
+                on_bytes_read: Callable[[int], None] | None = None) -> Any:
     """The packed model on `devices[0]`, or its decoder layers split over `devices` as
     workers/split.py plans and moves them; refused before any read when a GPU cannot
     hold its share (workers/eagle3/load_plan.py)."""
@@ -194,7 +198,7 @@ def load_packed(path: Path, devices: list[str], dtype: Any, config: Any, cls: An
         device_map = plan_device_map(config, devices, dtype) if len(devices) > 1 else None
         model, report = load_packed_model(path, device=devices[0], dtype=dtype,
                                           config=config, model_cls=cls,
-                                          device_map=device_map)
+                                          device_map=device_map, progress=on_bytes_read)
     except (UnsupportedScheme, FileNotFoundError, ValueError) as exc:
         raise TargetError(f"{path}: {exc}") from None
     if device_map is not None:
