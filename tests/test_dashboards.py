@@ -254,6 +254,27 @@ def test_alertmanager_titles_name_the_job_and_the_machine(tmp_path: Path) -> Non
         "[RESOLVED] JobsupDaemonDown on 10.0.0.9:8765")
 
 
+def test_alertmanager_escapes_what_a_job_is_named(tmp_path: Path) -> None:
+    """A job name is anyone's text: Slack must show it, not act on it (#32 item 7). Its
+    `<!channel>` would notify everyone, and `<URL|text>` would be a disguised link."""
+    amtool = _tool("amtool", "prometheus-alertmanager")
+    hostile = "<!channel> <https://evil.example|click me> & co"
+    escaped = "&lt;!channel&gt; &lt;https://evil.example|click me&gt; &amp; co"
+    labels = {"alertname": "JobsupJobStalled", "severity": "warning", "job": "jobsup",
+              "instance": "127.0.0.1:8765", "hostname": "<!here>", "job_id": "a1",
+              "job_name": hostile}
+    data = _notification("slack", labels)
+    data["alerts"][0]["annotations"] = {"summary": f"{hostile} is stalled",
+                                        "description": f"job {hostile} on <!here>"}
+    for config in (r["slack_configs"][0]
+                   for r in yaml.safe_load(ALERTMANAGER_YML.read_text())["receivers"]):
+        title = _render(amtool, config["title"], data, tmp_path)
+        assert title == f"[FIRING:1] JobsupJobStalled {escaped} on &lt;!here&gt;", title
+        text = _render(amtool, config["text"], data, tmp_path)
+        assert text.startswith(f"*{escaped} is stalled*\njob {escaped} on &lt;!here&gt;"), text
+        assert "<" not in title + text and ">" not in title + text
+
+
 def test_compose_file_mounts_exist() -> None:
     compose = (DOCKER / "compose.yaml").read_text()
     paths = re.findall(r"^\s*- (\.\.?/[^:\s]+):", compose, re.MULTILINE)
