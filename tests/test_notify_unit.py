@@ -378,6 +378,7 @@ def test_the_event_is_versioned_and_carries_host_attempt_cause_links() -> None:
     assert msg["links"] == {
         "job": "http://jobs.example:8765/api/v1/jobs/a1b2c3",
         "logs": "http://jobs.example:8765/api/v1/jobs/a1b2c3/logs?tail=200",
+        "page": "http://jobs.example:8765/jobs/a1b2c3",
         "grafana": "https://grafana.example/d/jobsup/jobsup?var-job_name=extract-hidden"}
     plain = compose("firing", JOB, alert=ALERT, log_tail=[],
                     context=MessageContext(host="h", public_url="http://127.0.0.1:8765/"))

@@ -183,8 +183,10 @@ def test_links_in_the_context_block() -> None:
     slack = compose("firing", JOB, alert=ALERT, log_tail=[], context=CONTEXT)["slack"]
     (context,) = [b for b in slack["blocks"] if b["type"] == "context"]
     text = " ".join(e["text"] for e in context["elements"])
-    assert "<http://jobs.example:8765/api/v1/jobs/a1b2c3|job>" in text
-    assert "<http://jobs.example:8765/api/v1/jobs/a1b2c3/logs?tail=200|log>" in text
+    # the job's page, for people, not the API's JSON (#32 item 6)
+    assert "<http://jobs.example:8765/jobs/a1b2c3|job>" in text
+    assert "<http://jobs.example:8765/jobs/a1b2c3#log|log>" in text
+    assert "/api/" not in text
     # the URL's own `&` escaped, as Slack wants inside a link
     assert ("<https://grafana.example/d/jobsup/jobsup?orgId=1&amp;var-job_name=extract-hidden"
             "|Grafana>") in text

@@ -193,12 +193,16 @@ def facts(kind: str, job: dict[str, Any], run_s: float | None) -> list[tuple[str
 
 
 def links(job: dict[str, Any], context: MessageContext) -> dict[str, str | None]:
-    base = context.public_url.rstrip("/") + f"/api/v1/jobs/{quote(str(job['id']))}"
+    """The job in the API and its log there (for programs: the webhook's readers), its
+    page (for people: Slack's "job" and "log" open it, not raw JSON) and Grafana."""
+    root, job_id = context.public_url.rstrip("/"), quote(str(job["id"]))
+    base = f"{root}/api/v1/jobs/{job_id}"
     grafana = None
     if context.grafana_url:
         sep = "&" if "?" in context.grafana_url else "?"
         grafana = f"{context.grafana_url}{sep}var-job_name={quote(str(job['name']), safe='')}"
-    return {"job": base, "logs": base + "/logs?tail=200", "grafana": grafana}
+    return {"job": base, "logs": base + "/logs?tail=200", "page": f"{root}/jobs/{job_id}",
+            "grafana": grafana}
 
 
 def headline(kind: str, job: dict[str, Any], alert: dict[str, Any] | None) -> str:
@@ -276,7 +280,7 @@ def slack_message(kind: str, event: dict[str, Any], pairs: list[tuple[str, str]]
         blocks.append({"type": "section", "text": _mrkdwn(text)})
     urls = event["links"]
     elements = [f"job `{escape(str(job['id']))}` on `{escape(host)}`",
-                _link(urls["job"], "job"), _link(urls["logs"], "log")]
+                _link(urls["page"], "job"), _link(f"{urls['page']}#log", "log")]
     if urls.get("grafana"):
         elements.append(_link(urls["grafana"], "Grafana"))
     blocks.append({"type": "context", "elements": [
