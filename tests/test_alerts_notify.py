@@ -92,7 +92,7 @@ def test_a_crashed_job_arrives_in_block_kit_with_host_attempt_cause_tail_and_lin
     (long_line,) = [line for line in tail.split("\n") if "xxx" in line]
     assert len(long_line) == 300 and long_line.endswith("x…")  # capped, not the tail cut
     assert tail.endswith("RuntimeError: NCCL error: unhandled system error\n```")
-    assert f"<https://jobs.example/api/v1/jobs/{job['id']}|job>" in whole
+    assert f"<https://jobs.example/jobs/{job['id']}|job>" in whole  # its page, not JSON
     assert "<https://grafana.example/d/jobsup/jobsup?var-job_name=train-draft|Grafana>" in whole
     for absent in ("ETA", "*rate*", "*disk*", "*written*"):  # an ended job, no output dir
         assert absent not in whole
