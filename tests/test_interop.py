@@ -335,6 +335,34 @@ def test_released_speculators_train_finds_the_exported_vocab(
         "--target-layer-ids", "2", "4", "5", "--draft-vocab-size", str(DRAFT_VOCAB)]
 
 
+def test_printed_train_line_runs_in_released_speculators_train(
+        setup: dict[str, Path], speculators_out: Path, tmp_path: Path) -> None:
+    """The `speculators train` line the export printed, run as printed by the released
+    CLI (`--dry-run`: it builds and saves the draft, then stops before training): it
+    takes our d2t/t2d, the draft vocabulary size and the layer ids. A subprocess: its
+    CLI configures the root logger of the process it runs in."""
+    line = json.loads((speculators_out / "export.json").read_text())["train_command"]
+    argv = shlex.split(line)
+    assert argv[:2] == ["speculators", "train"]
+    save = tmp_path / "dry"
+    result = subprocess.run(
+        [sys.executable, "-c", "from speculators.__main__ import app; app()", *argv[1:],
+         "--dry-run", "--save-path", str(save)],
+        capture_output=True, text=True, timeout=300, cwd=tmp_path, env=worker_env())
+    assert result.returncode == 0, result.stderr[-3000:]
+    log = result.stdout + result.stderr
+    assert "d2t-64.npy" in log and "Using full verifier vocab" not in log
+    config = json.loads((save / "config.json").read_text())
+    assert config["draft_vocab_size"] == DRAFT_VOCAB
+    assert config["eagle_aux_hidden_state_layer_ids"] == [2, 4, 5]
+    saved = load_file(save / "model.safetensors")
+    vocab = load_file(setup["vocab"])
+    assert torch.equal(saved["d2t"], vocab["d2t"]) and torch.equal(saved["t2d"], vocab["t2d"])
+    # speculators' own drafts carry the embedding (the target's, saved in bf16), as the
+    # export's OUT/draft does
+    assert torch.equal(saved[EMBED_KEY], target_embedding(setup["model"]).to(torch.bfloat16))
+
+
 # -- speculators 0.9.0: the draft ----------------------------------------------------------
 
 def speculators_cli(line: str) -> None:
