@@ -211,6 +211,13 @@ def test_errors_are_clear(setup: dict[str, Path], tmp_path: Path,
             run_export("--to", "speculators", "--out", tmp_path / "d", *args)
         assert exit_info.value.code == 2
         assert message in capsys.readouterr().err
+    (tmp_path / "train" / "draft").mkdir(parents=True)
+    (tmp_path / "train" / "draft" / "config.json").write_text("{}")
+    with pytest.raises(SystemExit):  # OUT/draft would be the trained draft itself
+        run_export("--to", "speculators", "--out", tmp_path / "train", "--draft",
+                   tmp_path / "train" / "draft", "--target", setup["model"])
+    assert "replacing --draft" in capsys.readouterr().err
+    assert (tmp_path / "train" / "draft" / "config.json").read_text() == "{}"
     with pytest.raises(SystemExit):
         run_export("--to", "specforge", "--out", tmp_path / "d", "--draft", setup["plain"],
                    "--target", setup["model"])

@@ -478,6 +478,10 @@ def export_draft(args: argparse.Namespace) -> dict[str, Any]:
     if not (args.draft / "config.json").is_file():
         raise ExportError(f"--draft {args.draft}: no config.json (give the draft directory "
                           "workers.train wrote: OUT/train/draft)")
+    written, draft_dir = (args.out / speculators_draft.DRAFT_DIR).resolve(), args.draft.resolve()
+    if written == draft_dir or draft_dir in written.parents:
+        raise ExportError(f"--out {args.out} would write {written}, replacing --draft "
+                          f"{args.draft}; give --out a directory of its own")
     try:
         draft, layers = speculators_draft.write_speculators_draft(args.draft, args.target,
                                                                   args.out)
