@@ -385,9 +385,13 @@ def export_and_convert(draft: Path, target: Path, out: Path,
     return out / CONVERTED_DIR
 
 
-def load_speculators_draft(converted: Path, attention: str = "eager") -> Any:
+def load_speculators_draft(converted: Path, attention: str | None = None) -> Any:
+    """`Eagle3DraftModel.from_pretrained(converted)`, as a user calls it; `attention`
+    replaces its default (flex attention, which compiles on a CPU) for a forward pass."""
     from speculators.models.eagle3 import Eagle3DraftModel, Eagle3SpeculatorConfig
 
+    if attention is None:
+        return Eagle3DraftModel.from_pretrained(converted).eval()
     config = Eagle3SpeculatorConfig.from_pretrained(converted)
     config.transformer_layer_config._attn_implementation = attention  # noqa: SLF001
     return Eagle3DraftModel.from_pretrained(converted, config=config).eval()
@@ -462,7 +466,7 @@ def test_speculators_step0_logits_equal_load_draft(setup: dict[str, Path],
     with torch.no_grad():
         hidden = next(mine.unroll(aux[None], ids[None], 1))
         expected = mine.logits(hidden)[0, :length]
-    theirs = load_speculators_draft(converted)
+    theirs = load_speculators_draft(converted, attention="eager")
     captured: list[torch.Tensor] = []
     handle = theirs.lm_head.register_forward_hook(lambda _m, _a, out: captured.append(out))
     with torch.no_grad():
