@@ -9,8 +9,8 @@ load as it is:
   built still holds the NaN it initialised it with (`DraftVocabMixin._init_vocab`, then
   `_load_verifier_weights`: `if ... self.embed_tokens.weight.isnan().any()`), but
   transformers' `from_pretrained` allocates a missing weight without initialising it:
-  uninitialised memory, so the check passes or fails by chance (2 of 20 loads right on a
-  tiny Llama, std from 1e-42 to 1e+35 otherwise). OUT/draft/ therefore carries the
+  uninitialised memory, so the check passes or fails by chance (2 and 6 of 20 loads right
+  in two runs on a tiny Llama, std from 1e-42 to 1e+35 otherwise). OUT/draft/ therefore carries the
   target's `embed_tokens.weight`, which its converter keeps and its loader then reads.
 - **The layer ids.** `speculators convert` does not read the draft's
   `eagle_aux_hidden_state_layer_ids`; without `--algorithm-kwargs` it writes `null` and
