@@ -424,8 +424,7 @@ def test_speculators_loads_the_targets_embedding_every_time(setup: dict[str, Pat
                                                             converted: Path) -> None:
     """Defect 2: without embed_tokens in the file, speculators' loader kept whatever
     memory transformers allocated (NaN check by chance): 2 and 6 of 20 loads right in
-    two runs, measured.
-    With it: the target's embedding in each of 20 loads in a row."""
+    two runs, measured. With it: the target's embedding in each of 20 loads in a row."""
     embedding = target_embedding(setup["model"])
     for attempt in range(20):
         model = load_speculators_draft(converted)
