@@ -18,6 +18,7 @@ Every sample is compared with the extraction's own files, bit for bit."""
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import shlex
 import subprocess
@@ -47,6 +48,14 @@ pytestmark = [
                                ":DeprecationWarning"),
     pytest.mark.filterwarnings("ignore:flash_attn is not found:UserWarning"),
 ]
+
+# a failure, never a skip: these tests are the interop check. Looked up, not imported:
+# importing them imports torch's inductor, whose warning is filtered for the tests only
+for package in ("specforge", "speculators", "hs_connectors"):
+    if importlib.util.find_spec(package) is None:
+        pytest.fail(f"{package} is not installed: ./dev.sh test installs SpecForge and "
+                    "speculators (pip install --no-deps -r requirements-interop.txt)",
+                    pytrace=False)
 
 REPO = Path(__file__).resolve().parent.parent
 SAMPLES = 12
