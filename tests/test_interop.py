@@ -387,10 +387,12 @@ def speculators_cli(line: str) -> None:
 
 def export_and_convert(draft: Path, target: Path, out: Path,
                        capsys: pytest.CaptureFixture[str]) -> Path:
+    """The printed line, run with the converter's own check added (`--validate-device
+    cpu`: it loads the result back with its legacy Eagle3Speculator class)."""
     printed = run_export(capsys, "--to", "speculators", "--draft", draft, "--target", target,
                          "--out", out).strip().splitlines()
     assert len(printed) == 1 and printed[0].startswith("speculators convert ")
-    speculators_cli(printed[0])
+    speculators_cli(printed[0] + " --validate-device cpu")
     return out / CONVERTED_DIR
 
 
