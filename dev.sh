@@ -3,8 +3,8 @@
 #   ./dev.sh demo [ARGS]   set up .venv and run the demo under the jobsup daemon
 #   ./dev.sh test [ARGS]   set up .venv and run lint, type checks and the test suite
 #                          (ARGS go to pytest: -m "not slow" runs the fast tier only)
-# Setup is idempotent: the venv is (re)installed only when pyproject.toml or
-# constraints.txt changed. Nothing needs to be installed by hand.
+# Setup is idempotent: the venv is (re)installed only when pyproject.toml,
+# constraints.txt or requirements-interop.txt changed. Nothing needs to be installed by hand.
 set -euo pipefail
 cd "$(dirname "$0")"
 
@@ -23,7 +23,7 @@ find_python() {
 
 setup_venv() {
     local stamp want
-    want=$(cat pyproject.toml constraints.txt | sha256sum | cut -d' ' -f1)
+    want=$(cat pyproject.toml constraints.txt requirements-interop.txt | sha256sum | cut -d' ' -f1)
     stamp=.venv/.jobsup-setup
     if [ -x .venv/bin/python ] && [ "$(cat "$stamp" 2>/dev/null)" = "$want" ]; then
         return
@@ -33,6 +33,10 @@ setup_venv() {
     # constraints.txt pins torch to the release whose CPU build pip finds locally
     .venv/bin/python -m pip install --quiet --disable-pip-version-check \
         -c constraints.txt -e '.[dev,workers,postgresql]'
+    # SpecForge and speculators for the interop tests, without their dependencies: their
+    # torch/transformers pins would replace ours (requirements-interop.txt says which)
+    .venv/bin/python -m pip install --quiet --disable-pip-version-check --no-deps \
+        -r requirements-interop.txt
     echo "$want" >"$stamp"
 }
 

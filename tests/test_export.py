@@ -1,14 +1,15 @@
 """workers.export: a tiny extraction exported to SpecForge's and speculators' offline
-formats, read back the way each tool's own loader reads it (written from their source:
-SpecForge specforge/data/preprocessing.py `list_local_files` + `OfflineEagle3Dataset`;
-speculators src/speculators/train/data.py `ArrowDataset` + hs_connectors `FileTransfer`),
-and checked against our files and the model's own forward pass. Also: the pre-norm
-option, the refusal without it, resume, progress, and `conversations` inputs."""
+formats: the files' layout, dtypes and shapes, read with the tools' own file readers
+(SpecForge `list_local_files` / `load_feature_file`, hs-connectors `FileTransfer`), the
+vocabulary files, the pre-norm option, the refusal without it, resume, progress, and
+`conversations` inputs. tests/test_interop.py reads the same exports through the tools'
+datasets and training loaders and compares every sample with the extraction.
+
+"""
 
 from __future__ import annotations
 
 import json
-import os
 import shutil
 import subprocess
 import sys
@@ -17,7 +18,7 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
-from transformers import AutoModelForCausalLM, AutoTokenizer
+from transformers import AutoTokenizer
 
 from tests.helpers import make_conversations, make_model, worker_env
 from workers import export
@@ -66,50 +67,29 @@ def run_export(*args: str | Path) -> int:
     return export.main([str(a) for a in args])
 
 
-# -- SpecForge: what its offline loader does -----------------------------------------------
+# -- the two formats, read with the tools' own file readers -------------------------------
 
-def specforge_list_local_files(path: Path) -> list[str]:
-    """specforge/data/preprocessing.py list_local_files: every *.ckpt / *.ckpt.gz under
-    the directory (os.walk), sorted."""
-    found = [os.path.join(r, f) for r, _, files in os.walk(path) for f in files]
-    return sorted(f for f in found if f.endswith((".ckpt", ".ckpt.gz")))
+def test_specforge_export_layout_and_dtypes(setup: dict[str, Path], tmp_path: Path) -> None:
+    from specforge.data.preprocessing import list_local_files
+    from specforge.runtime.data_plane.feature_store import load_feature_file
 
-
-def specforge_process(path: str, max_len: int = 2048) -> dict[str, torch.Tensor]:
-    """OfflineEagle3Dataset._open_file (torch.load, mmap) + process_data. We load with
-    weights_only=True (they pass False): it also proves the file holds tensors only."""
-    data = torch.load(path, weights_only=True, mmap=True)
-    assert set(data) == {"input_ids", "loss_mask", "aux_hidden_state", "hidden_state"}
-    loss_mask = data["loss_mask"][:max_len][None, :].clone()
-    loss_mask[0, -1] = 0
-    return {"hidden_state": data["aux_hidden_state"].squeeze(0)[:max_len][None, :],
-            "target": data["hidden_state"].squeeze(0)[:max_len][None, :],
-            "input_ids": data["input_ids"][:max_len][None, :], "loss_mask": loss_mask,
-            "raw": data}
-
-
-def test_specforge_export_reads_back_as_specforge_reads_it(setup: dict[str, Path],
-                                                          tmp_path: Path) -> None:
     out = tmp_path / "sf"
     assert run_export("--to", "specforge", "--hidden-states", setup["plain"], "--out", out,
                       "--vocab", setup["vocab"]) == 0
-    files = specforge_list_local_files(out)
+    files = list_local_files(str(out))
     assert len(files) == SAMPLES
     expected = ours(setup["plain"])
     for path in files:
         name = Path(path)
         index = int(name.name[len("data_"):-len(".ckpt")])
         assert name.parent.name == "rows_0-2000"  # their rows_<a>-<a+2000>/data_<i>.ckpt
-        got, mine = specforge_process(path), expected[index]
-        raw, length = got["raw"], mine["input_ids"].numel()
+        raw, length = load_feature_file(path), expected[index]["input_ids"].numel()
         assert raw["aux_hidden_state"].shape == (1, length, 3 * 64)
         assert raw["hidden_state"].shape == (1, length, 64)
         assert raw["input_ids"].dtype == raw["loss_mask"].dtype == torch.int64
         assert raw["aux_hidden_state"].dtype == torch.float32  # the extraction's dtype
-        assert torch.equal(got["hidden_state"][0], mine["aux_hidden_states"])
-        assert torch.equal(got["target"][0], mine["hidden_state"])
-        assert torch.equal(got["input_ids"][0], mine["input_ids"])
-        assert raw["loss_mask"].tolist() == mine["loss_mask"].tolist()
+        # tensors only: SpecForge loads with weights_only=False, we prove it need not
+        assert set(torch.load(path, weights_only=True)) == set(raw)
     mapping = torch.load(out / "vocab_mapping" / "vocab_mapping.pt", weights_only=True)
     vocab = load_file(setup["vocab"])
     assert torch.equal(mapping["d2t"], vocab["d2t"]) and mapping["d2t"].dtype == torch.int64
@@ -117,71 +97,38 @@ def test_specforge_export_reads_back_as_specforge_reads_it(setup: dict[str, Path
     assert json.loads((out / "export.json").read_text())["aux_layer_ids"] == [2, 4, 5]
 
 
-# -- speculators: what its offline loader does ---------------------------------------------
-
-def speculators_item(data_path: Path, dataset: object, index: int) -> dict[str, torch.Tensor]:
-    """ArrowDataset._get_raw_data with FileTransfer(data_path / "hidden_states")."""
-    loaded = load_file(data_path / "hidden_states" / f"hs_{index}.safetensors")
-    assert set(loaded) == {"hidden_states", "token_ids"}
-    row = dataset[index]  # type: ignore[index]
-    assert torch.equal(loaded["token_ids"], row["input_ids"])  # else they drop the sample
-    return {"hidden_states": loaded["hidden_states"][:, :-1].flatten(1),
-            "input_ids": loaded["token_ids"],
-            "verifier_last_hidden_states": loaded["hidden_states"][:, -1],
-            "loss_mask": row["loss_mask"], "raw": loaded["hidden_states"]}
-
-
-def prenorm_by_forward(model_dir: Path, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(input of model.norm, HF's last hidden state) from the model's own forward."""
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
-    seen: list[torch.Tensor] = []
-    handle = model.model.norm.register_forward_pre_hook(lambda _m, args: seen.append(args[0]))
-    with torch.no_grad():
-        hidden = model(ids[None], output_hidden_states=True).hidden_states
-    handle.remove()
-    return seen[0][0], hidden[-1][0]
-
-
-def test_speculators_export_reads_back_as_speculators_reads_it(setup: dict[str, Path],
-                                                              tmp_path: Path) -> None:
+def test_speculators_export_layout_and_dtypes(setup: dict[str, Path], tmp_path: Path) -> None:
     import datasets  # the workers extra has it
     import numpy as np
+    from hs_connectors import FileTransfer
+
     out = tmp_path / "spec"
     assert run_export("--to", "speculators", "--hidden-states", setup["prenorm"], "--out", out,
                       "--vocab", setup["vocab"]) == 0
     dataset = datasets.load_from_disk(str(out))
     assert set(dataset.column_names) == {"input_ids", "loss_mask", "seq_len"}
     assert len(dataset) == SAMPLES  # every tiny sample has assistant tokens
-    lengths = list(dataset.with_format(None)["seq_len"])  # ArrowDataset's approx lengths
     expected = ours(setup["prenorm"])
-    assert sorted(expected) == list(range(SAMPLES))  # rows follow our index order
+    transfer = FileTransfer(out / "hidden_states")
     for index in range(SAMPLES):
-        got, mine = speculators_item(out, dataset, index), expected[index]
+        loaded, mine = transfer.get_cached(index), expected[index]
+        assert loaded is not None and set(loaded) == {"hidden_states", "token_ids"}
         length = mine["input_ids"].numel()
-        assert lengths[index] == length
-        assert got["raw"].shape == (length, 4, 64) and got["raw"].dtype == torch.float32
-        assert got["input_ids"].dtype == torch.int64
-        assert torch.equal(got["hidden_states"], mine["aux_hidden_states"])
-        for slot in range(3):  # the three aux layers, low|mid|high
-            assert torch.equal(got["raw"][:, slot], mine["aux_hidden_states"][:, 64 * slot:
-                                                                              64 * (slot + 1)])
-        assert torch.equal(got["verifier_last_hidden_states"], mine[PRENORM_KEY])
-        assert got["loss_mask"].tolist() == mine["loss_mask"].tolist()
-        assert got["loss_mask"].dtype == torch.int64
-    # the pre-norm state is the input of the model's final norm, not HF's last hidden
-    # state (which is after the norm, and is what our hidden_state holds)
-    ids = expected[0]["input_ids"]
-    before_norm, hf_last = prenorm_by_forward(setup["model"], ids)
-    last = speculators_item(out, dataset, 0)["verifier_last_hidden_states"]
-    torch.testing.assert_close(last, before_norm, atol=1e-4, rtol=1e-4)
-    torch.testing.assert_close(expected[0]["hidden_state"], hf_last, atol=1e-4, rtol=1e-4)
-    assert not torch.allclose(last, hf_last, atol=1e-2)
-    # train.py's default mapping files: DATA_PATH/d2t.npy, t2d.npy (np.load)
+        assert loaded["hidden_states"].shape == (length, 4, 64)
+        assert loaded["hidden_states"].dtype == torch.float32
+        assert loaded["token_ids"].dtype == torch.int64
+        for slot in range(3):  # the three aux layers, low|mid|high, then the pre-norm state
+            assert torch.equal(loaded["hidden_states"][:, slot],
+                               mine["aux_hidden_states"][:, 64 * slot:64 * (slot + 1)])
+        assert torch.equal(loaded["hidden_states"][:, 3], mine[PRENORM_KEY])
+    # the mapping under both names: d2t-<N>.npy for the released CLI, d2t.npy for the
+    # repository's scripts/train.py (tests/test_interop.py runs the CLI's lookup)
     vocab = load_file(setup["vocab"])
-    d2t, t2d = np.load(out / "d2t.npy"), np.load(out / "t2d.npy")
-    assert d2t.dtype == np.int64 and t2d.dtype == np.bool_
-    assert torch.equal(torch.from_numpy(d2t), vocab["d2t"])
-    assert torch.equal(torch.from_numpy(t2d), vocab["t2d"])
+    for suffix in ("-64", ""):
+        d2t, t2d = np.load(out / f"d2t{suffix}.npy"), np.load(out / f"t2d{suffix}.npy")
+        assert d2t.dtype == np.int64 and t2d.dtype == np.bool_
+        assert torch.equal(torch.from_numpy(d2t), vocab["d2t"])
+        assert torch.equal(torch.from_numpy(t2d), vocab["t2d"])
 
 
 def test_speculators_export_refuses_without_the_prenorm_state(
@@ -230,7 +177,9 @@ def test_rerun_skips_complete_outputs_and_reports_progress(
     assert all(f.stat().st_mtime_ns == stamps[f] for f in files if f != files[3])
     assert files[3].is_file()
     if to == "specforge":  # the temp file is not something SpecForge lists
-        assert len(specforge_list_local_files(out)) == SAMPLES
+        from specforge.data.preprocessing import list_local_files
+
+        assert len(list_local_files(str(out))) == SAMPLES
 
 
 def test_errors_are_clear(setup: dict[str, Path], tmp_path: Path,
@@ -254,6 +203,25 @@ def test_errors_are_clear(setup: dict[str, Path], tmp_path: Path,
         run_export("--to", "specforge", "--hidden-states", setup["plain"],
                    "--out", setup["plain"] / "inside")
     assert "overlap" in capsys.readouterr().err
+    for args, message in (
+            ((), "give --hidden-states (the features), --draft"),
+            (("--draft", setup["plain"]), "--draft needs --target"),
+            (("--draft", setup["plain"], "--target", setup["model"]), "no config.json")):
+        with pytest.raises(SystemExit) as exit_info:
+            run_export("--to", "speculators", "--out", tmp_path / "d", *args)
+        assert exit_info.value.code == 2
+        assert message in capsys.readouterr().err
+    (tmp_path / "train" / "draft").mkdir(parents=True)
+    (tmp_path / "train" / "draft" / "config.json").write_text("{}")
+    with pytest.raises(SystemExit):  # OUT/draft would be the trained draft itself
+        run_export("--to", "speculators", "--out", tmp_path / "train", "--draft",
+                   tmp_path / "train" / "draft", "--target", setup["model"])
+    assert "replacing --draft" in capsys.readouterr().err
+    assert (tmp_path / "train" / "draft" / "config.json").read_text() == "{}"
+    with pytest.raises(SystemExit):
+        run_export("--to", "specforge", "--out", tmp_path / "d", "--draft", setup["plain"],
+                   "--target", setup["model"])
+    assert "--draft is for --to speculators" in capsys.readouterr().err
     with pytest.raises(SystemExit) as exit_info:
         run_export("--help")
     assert exit_info.value.code == 0

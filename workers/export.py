@@ -1,5 +1,6 @@
 """Export a `workers.extract` output to another trainer's offline format:
-`python -m workers.export --to specforge|speculators --hidden-states DIR --out OUT`.
+`python -m workers.export --to specforge|speculators --hidden-states DIR --out OUT`;
+and, for speculators, a trained draft: `--draft DIR --target TARGET` (either or both).
 
 Sample by sample (one sample in memory per --workers thread, never the dataset), each
 output written to a temp name and renamed, so a rerun skips what is complete and an
@@ -21,11 +22,20 @@ interrupted run (or a full disk, exit 4) resumes where it stopped.
   aux layers, then the last layer's output BEFORE the final norm, as vLLM's
   extract_hidden_states writes it with layer ids [2, N//2, N-3, N]) and `token_ids` [S]
   int64. Samples without assistant tokens are left out, as speculators' own
-  preprocessing drops them. With --vocab: OUT/d2t.npy and OUT/t2d.npy, where its
-  trainer looks for them.
+  preprocessing drops them. With --vocab (N draft ids): OUT/d2t-<N>.npy and
+  OUT/t2d-<N>.npy, where the released `speculators train --data-path OUT
+  --draft-vocab-size N` (0.9.0, train/cli.py `parse_vocab_mappings`) looks for them,
+  and the same arrays as OUT/d2t.npy and OUT/t2d.npy, where the repository's older
+  scripts/train.py looks; the export prints the `speculators train` line.
   The pre-norm state is not in a default extraction, and the normed `hidden_state`
   cannot stand in for it (speculators applies the target's norm itself, and RMSNorm
   cannot be undone): extract with `python -m workers.extract --keep-prenorm-last`.
+
+--to speculators --draft DIR --target TARGET: OUT/draft/ = the draft `workers.train`
+wrote plus the target's `embed_tokens` (speculators' loader needs it in the file; vLLM
+and SGLang do not, so out/train/draft/ never holds it), and the exact `speculators
+convert` line, printed, that makes OUT/speculators_draft/ with the draft's layer ids
+(workers/speculators_draft.py says why both).
 
 --vocab takes the d2t/t2d file of `workers.vocab` (or a draft checkpoint that has them).
 Progress goes to $JOBSUP_PROGRESS_FILE; OUT/export.json records what was exported.
@@ -39,6 +49,7 @@ import io
 import json
 import logging
 import os
+import shlex
 import shutil
 import sys
 import time
@@ -53,6 +64,7 @@ from typing import Any
 import torch
 from safetensors import safe_open
 
+from workers import speculators_draft
 from workers.common import ProgressReporter, fail, read_jsonl, setup_logging, write_json
 from workers.hidden_files import (
     PRENORM_KEY,
@@ -310,11 +322,30 @@ class Speculators(Format):
         return sum(p.nbytes for p in parts)
 
     def write_vocab(self, d2t: torch.Tensor, t2d: torch.Tensor) -> Path:
-        atomic_bytes(self.out / "d2t.npy", npy_bytes(d2t.to(torch.int64).numpy()),
-                     self.writeback)
-        atomic_bytes(self.out / "t2d.npy", npy_bytes(t2d.to(torch.bool).numpy()),
-                     self.writeback)
-        return self.out / "d2t.npy"
+        """d2t-<N>.npy/t2d-<N>.npy (the released CLI's names) and d2t.npy/t2d.npy
+        (the repository script's): a few hundred KB each, so both are served."""
+        d2t_bytes = npy_bytes(d2t.to(torch.int64).numpy())
+        t2d_bytes = npy_bytes(t2d.to(torch.bool).numpy())
+        for suffix in (f"-{d2t.numel()}", ""):
+            atomic_bytes(self.out / f"d2t{suffix}.npy", d2t_bytes, self.writeback)
+            atomic_bytes(self.out / f"t2d{suffix}.npy", t2d_bytes, self.writeback)
+        return self.out / f"d2t-{d2t.numel()}.npy"
+
+    def train_command(self, draft_vocab_size: int | None) -> list[str]:
+        """The released `speculators train` (0.9.0) on this export: the layer ids the
+        features hold (else it assumes [2, N//2, N-3]) and, with a vocabulary, its
+        size, by which it finds d2t-<N>.npy/t2d-<N>.npy in --data-path."""
+        argv = ["speculators", "train", "--speculator-type", "eagle3",
+                "--data-path", str(self.out.resolve())]
+        model = self.source.config.get("model")
+        if model:
+            argv += ["--verifier-name-or-path", str(model)]
+        layers = self.source.config.get("aux_layer_ids")
+        if layers:
+            argv += ["--target-layer-ids", *map(str, layers)]
+        if draft_vocab_size is not None:
+            argv += ["--draft-vocab-size", str(draft_vocab_size)]
+        return argv
 
     def finish(self, jobs: list[Job]) -> None:
         """The dataset (token ids and loss masks only, streamed from the sample files
@@ -412,7 +443,61 @@ def run_jobs(fmt: Format, jobs: list[Job], workers: int, progress: ProgressRepor
         raise error
 
 
+def check_record(out: Path, to: str) -> dict[str, Any]:
+    """OUT/export.json as an earlier run left it ({} when none); refuses an OUT that
+    holds another format's export."""
+    record = out / "export.json"
+    before: dict[str, Any] = {}
+    if record.is_file():
+        try:
+            before = json.loads(record.read_text(encoding="utf-8"))
+        except (OSError, ValueError):
+            before = {}
+        if before.get("to") not in (None, to):
+            raise ExportError(f"{out} holds a --to {before.get('to')} export; give --to "
+                              f"{to} a directory of its own")
+    return before if isinstance(before, dict) else {}
+
+
 def export(args: argparse.Namespace) -> Stats:
+    """The features (--hidden-states) and/or the draft (--draft); OUT/export.json keeps
+    what an earlier run of the other part recorded."""
+    stats = Stats()
+    summary = {**check_record(args.out, args.to), "to": args.to}
+    if args.hidden_states is not None:
+        stats, features = export_features(args)
+        summary.update(features)
+    if args.draft is not None:
+        summary.update(export_draft(args))
+    write_json(args.out / "export.json", summary)
+    return stats
+
+
+def export_draft(args: argparse.Namespace) -> dict[str, Any]:
+    """OUT/draft/ for `speculators convert`, and the line that converts it (stdout)."""
+    if not (args.draft / "config.json").is_file():
+        raise ExportError(f"--draft {args.draft}: no config.json (give the draft directory "
+                          "workers.train wrote: OUT/train/draft)")
+    written, draft_dir = (args.out / speculators_draft.DRAFT_DIR).resolve(), args.draft.resolve()
+    if written == draft_dir or draft_dir in written.parents:
+        raise ExportError(f"--out {args.out} would write {written}, replacing --draft "
+                          f"{args.draft}; give --out a directory of its own")
+    try:
+        draft, layers = speculators_draft.write_speculators_draft(args.draft, args.target,
+                                                                  args.out)
+    except speculators_draft.SpeculatorsDraftError as exc:
+        raise ExportError(str(exc)) from exc
+    argv = speculators_draft.convert_command(
+        draft, args.target, args.out / speculators_draft.CONVERTED_DIR, layers)
+    line = speculators_draft.command_line(argv)
+    log.info("draft for speculators: %s (with the target's embed_tokens); convert it with:",
+             draft)
+    print(line, flush=True)
+    return {"draft": str(args.draft), "target": str(args.target), "draft_layer_ids": layers,
+            "convert_command": line}
+
+
+def export_features(args: argparse.Namespace) -> tuple[Stats, dict[str, Any]]:
     source = read_source(args.hidden_states)
     out = args.out
     for a, b in ((out, source.root), (source.root, out)):
@@ -437,15 +522,7 @@ def export(args: argparse.Namespace) -> Stats:
         mapping = (d2t, t2d)
     fmt = FORMAT_CLASSES[args.to](source, out, args.fsync)
     fmt.check()
-    record = out / "export.json"
-    if record.is_file():
-        try:
-            before = json.loads(record.read_text(encoding="utf-8"))
-        except (OSError, ValueError):
-            before = {}
-        if before.get("to") not in (None, args.to):
-            raise ExportError(f"{out} holds a --to {before.get('to')} export; give --to "
-                              f"{args.to} a directory of its own")
+    check_record(out, args.to)
     out.mkdir(parents=True, exist_ok=True)
 
     jobs = fmt.jobs()
@@ -459,19 +536,28 @@ def export(args: argparse.Namespace) -> Stats:
     fmt.finish(jobs)
     if mapping is not None:
         log.info("vocab mapping: %s", fmt.write_vocab(*mapping))
-    summary = {"to": args.to, "hidden_states": str(source.root), "samples": stats.total,
+    summary = {"hidden_states": str(source.root), "samples": stats.total,
                "aux_layer_ids": source.config.get("aux_layer_ids"),
                "hidden_size": source.hidden, "vocab": str(args.vocab) if args.vocab else None}
-    write_json(record, summary)
-    return stats
+    if isinstance(fmt, Speculators):
+        line = shlex.join(fmt.train_command(None if mapping is None else mapping[0].numel()))
+        log.info("train on it with: %s", line)
+        summary["train_command"] = line
+    return stats, summary
 
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="python -m workers.export", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--to", required=True, choices=FORMATS, help="the trainer's format")
-    parser.add_argument("--hidden-states", required=True, type=Path,
+    parser.add_argument("--hidden-states", type=Path, default=None,
                         help="a workers.extract output directory")
+    parser.add_argument("--draft", type=Path, default=None,
+                        help="--to speculators: a draft directory workers.train wrote "
+                             "(OUT/train/draft), made ready for `speculators convert`")
+    parser.add_argument("--target", type=Path, default=None,
+                        help="with --draft: the target model directory (its embedding goes "
+                             "into the draft; the convert line names it as the verifier)")
     parser.add_argument("--out", required=True, type=Path,
                         help="output directory (rerun with the same arguments to resume)")
     parser.add_argument("--vocab", type=Path, default=None,
@@ -483,6 +569,13 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--fsync", action="store_true", help="fsync each file before rename")
     parser.add_argument("-v", "--verbose", action="store_true")
     args = parser.parse_args(argv)
+    if args.hidden_states is None and args.draft is None:
+        parser.error("give --hidden-states (the features), --draft (a trained draft), or both")
+    if args.draft is not None and args.to != "speculators":
+        parser.error("--draft is for --to speculators; SGLang and SpecForge load the draft "
+                     "workers.train wrote as it is")
+    if args.draft is not None and args.target is None:
+        parser.error("--draft needs --target (the target model directory)")
     if args.workers < 1:
         parser.error("--workers must be >= 1")
     if args.limit is not None and args.limit < 1:
