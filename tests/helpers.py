@@ -284,6 +284,15 @@ class Receiver:
         with self.lock:
             return [body.get("text", "") for _, body in self.posts]
 
+    def open_connections(self) -> int:
+        """TCP connections to this receiver that its side has not closed yet (accepted or
+        still in the listen queue), whatever became of their client. None left: every
+        request a client finished writing has been read and recorded."""
+        port = self.server.server_address[1]
+        return sum(1 for c in psutil.net_connections(kind="tcp")
+                   if c.laddr and c.laddr.port == port and c.status in (
+                       psutil.CONN_ESTABLISHED, psutil.CONN_SYN_RECV, psutil.CONN_CLOSE_WAIT))
+
     def close(self) -> None:
         self.server.shutdown()
         self.server.server_close()
