@@ -229,7 +229,7 @@ def test_list_filters(daemon: Daemon) -> None:
 def test_job_whose_shim_and_worker_vanish_is_lost(daemon: Daemon, tmp_path: Path) -> None:
     job = daemon.submit(python_job("import time; time.sleep(600)"))
     running = daemon.wait_state(job["id"], "running")
-    wait_for(lambda: daemon.job(job["id"])["pid"], 5, what="worker pid")
+    wait_for(lambda: daemon.job(job["id"])["pid"], 15, what="worker pid")  # its shim's start
     shim_file = daemon.data_dir / "jobs" / job["id"] / "attempt-1" / "shim.json"
     import json
 
