@@ -46,14 +46,18 @@ def free_port() -> int:
 
 
 def wait_for(predicate: Callable[[], Any], timeout: float, interval: float = 0.05,
-             what: str = "condition") -> Any:
+             what: str | Callable[[], str] = "condition") -> Any:
+    """`predicate()`'s first true value, polled every `interval` s for up to `timeout` s.
+    `what` names the condition in the failure; a callable is asked at the failure, so it
+    can tell what was seen last."""
     deadline = time.monotonic() + timeout
     while True:
         value = predicate()
         if value:
             return value
         if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout} s waiting for {what}")
+            told = what() if callable(what) else what
+            raise AssertionError(f"timed out after {timeout} s waiting for {told}")
         time.sleep(interval)
 
 
@@ -184,6 +188,21 @@ class Daemon:
     def logs(self, job_id: str, tail: int = 100) -> str:
         return self.http.get(f"/api/v1/jobs/{job_id}/logs", params={"tail": tail}).text
 
+    def ticks(self) -> int:
+        """Ticks the engine loop has finished: the count of /metrics' tick histogram."""
+        for line in self.http.get("/metrics").text.splitlines():
+            if line.startswith("jobsup_tick_duration_seconds_count "):
+                return int(float(line.split()[1]))
+        raise AssertionError("no jobsup_tick_duration_seconds_count in /metrics")
+
+    def wait_ticks(self, count: int, timeout: float = 60) -> None:
+        """Wait until the engine loop has run `count` whole ticks begun after this call.
+        For a check that something does NOT happen ("still one message", "still
+        running"): it gives the daemon that many chances however slow the machine is,
+        where a fixed sleep may have covered none."""
+        target = self.ticks() + count + 1  # the tick under way now began before the call
+        wait_for(lambda: self.ticks() >= target, timeout, what=f"{count} more ticks")
+
 
 
 def kill_jobs_of(data_dir: Path) -> None:
@@ -270,6 +289,15 @@ class Receiver:
     def texts(self) -> list[str]:
         with self.lock:
             return [body.get("text", "") for _, body in self.posts]
+
+    def open_connections(self) -> int:
+        """TCP connections to this receiver that its side has not closed yet (accepted or
+        still in the listen queue), whatever became of their client. None left: every
+        request a client finished writing has been read and recorded."""
+        port = self.server.server_address[1]
+        return sum(1 for c in psutil.net_connections(kind="tcp")
+                   if c.laddr and c.laddr.port == port and c.status in (
+                       psutil.CONN_ESTABLISHED, psutil.CONN_SYN_RECV, psutil.CONN_CLOSE_WAIT))
 
     def close(self) -> None:
         self.server.shutdown()

@@ -39,10 +39,10 @@ def test_crash_gives_exactly_one_message_within_5_s(make_daemon, receiver: Recei
         "allocate 2.00 GiB'); sys.exit(1)"), name="extract")
     done = daemon.wait_state(job["id"], "failed")
     t_end = time.time()
-    wait_for(lambda: receiver.posts, 5, what="a Slack message")
-    time.sleep(2.5)  # a few more ticks: still exactly one
-    ((_, body),) = receiver.posts
-    assert time.time() - t_end < 8
+    wait_for(lambda: receiver.posts, 10, what="a Slack message")
+    daemon.wait_ticks(5)  # a few more ticks: still exactly one
+    ((posted_at, body),) = receiver.posts
+    assert posted_at - t_end < 5  # the post's own time, not the checks' after it
     text = body["text"]
     assert "CRITICAL: crashed" in text and "extract" in text and job["id"] in text
     assert "exited with code 1" in text and "CUDA out of memory" in text
@@ -76,7 +76,7 @@ def test_a_crashed_job_arrives_in_block_kit_with_host_attempt_cause_tail_and_lin
     done = daemon.wait_state(job["id"], "failed", timeout=20)
     assert done["attempt"] == 2
     wait_for(lambda: receiver.posts, 8, what="the crash message")
-    time.sleep(1.5)  # a few more ticks: still one message
+    daemon.wait_ticks(3)  # a few more ticks: still one message
     ((_, body),) = receiver.posts
     assert set(body) == {"text", "blocks"}
     whole = slack_message(body)
@@ -186,8 +186,11 @@ time.sleep(600)                # hang
     job = daemon.submit(python_job(code), name="hangs", output_dir=str(out), pattern="*.bin",
                         expected_items=100, stall_timeout_s=4)
     wait_for(lambda: daemon.job(job["id"])["progress"]["files"] == 5, 25, what="5 items")
-    last_item = time.time()
-    assert receiver.posts == [] and daemon.job(job["id"])["alerts"] == []
+    last_item = (out / "item4.bin").stat().st_mtime  # when it was written, not seen here
+    # nothing fired in the load phase (seen late here, the stall after it may be due)
+    assert [t for t, _ in receiver.posts if t < last_item + 3.0] == []
+    if time.time() < last_item + 2.0:
+        assert daemon.job(job["id"])["alerts"] == []
     wait_for(lambda: receiver.posts, 12, what="the stalled message")
     fired = receiver.posts[0][0]
     assert fired - last_item >= 3.0  # 4 s after the last item, less tick granularity
@@ -256,12 +259,16 @@ def test_metrics_names_and_retention(make_daemon) -> None:
     daemon = make_daemon(env={"JOBSUP_METRICS_ENDED_RETENTION_S": "3"})
     job = daemon.submit(python_job("import time; time.sleep(600)"), name="m", expected_items=7)
     daemon.wait_state(job["id"], "running")
-    time.sleep(1.5)
-    text = daemon.http.get("/metrics").text
     labels = f'job_id="{job["id"]}",job_name="m"'
-    for name in ("jobsup_job_items_expected", "jobsup_job_cpu_percent", "jobsup_job_rss_bytes",
-                 "jobsup_job_restarts"):
-        assert f"{name}{{{labels}}}" in text, name
+    names = ("jobsup_job_items_expected", "jobsup_job_cpu_percent", "jobsup_job_rss_bytes",
+             "jobsup_job_restarts")
+    scrapes: list[str] = []
+
+    def sampled() -> str | None:  # the job's series come with its first sample
+        scrapes.append(daemon.http.get("/metrics").text)
+        return scrapes[-1] if all(f"{n}{{{labels}}}" in scrapes[-1] for n in names) else None
+
+    text = wait_for(sampled, 15, what=lambda: f"the job's series; last scrape:\n{scrapes[-1]}")
     assert f'jobsup_job_state{{{labels},state="running"}} 1.0' in text
     assert f'jobsup_job_state{{{labels},state="failed"}} 0.0' in text
     assert 'jobsup_alerts_firing{rule="crashed"} 0.0' in text
@@ -308,7 +315,7 @@ def test_crash_recorded_by_a_daemon_that_died_before_alerting(make_daemon,
     end_recorded_then_daemon_died(daemon, job["id"], "failed", 1)
     daemon.start()
     wait_for(lambda: receiver.posts, 10, what="the crash message from the new daemon")
-    time.sleep(2)
+    daemon.wait_ticks(4)  # four more ticks: not sent again
     assert len(receiver.posts) == 1 and "orphaned" in receiver.texts()[0]
     assert [a["rule"] for a in daemon.job(job["id"])["alerts"]] == ["crashed"]
 
@@ -322,6 +329,6 @@ def test_success_recorded_by_a_daemon_that_died_before_telling(make_daemon,
     end_recorded_then_daemon_died(daemon, job["id"], "succeeded", 0)
     daemon.start()
     wait_for(lambda: receiver.posts, 10, what="the success message from the new daemon")
-    time.sleep(2)  # two more ticks: not sent again
+    daemon.wait_ticks(4)  # four more ticks: not sent again
     assert len(receiver.posts) == 1
     assert "quietly-done" in receiver.texts()[0] and "succeeded" in receiver.texts()[0]

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import errno
 import json
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -48,7 +47,7 @@ def test_jobs_ending_on_a_full_data_dir_keep_their_exit(small_disk: Path, make_d
 
     ballast = small_disk / "ballast"
     fill(ballast)
-    time.sleep(2)  # ticks on a full disk: samples can no longer be written
+    daemon.wait_ticks(3)  # ticks on a full disk: samples can no longer be written
     flag.touch()  # both jobs end while not one byte is free
     for job in (ok, bad):
         status = daemon.data_dir / "jobs" / job["id"] / "attempt-1" / "status.json"

@@ -384,7 +384,7 @@ def _assert_strangers_survive_stops(daemon: Daemon, job_id: str,
     for _ in range(3):  # several ticks, each time asking for a stop
         answer = daemon.http.post(f"/api/v1/jobs/{job_id}/stop")
         assert answer.status_code == 409, answer.text
-        time.sleep(0.6)
+        daemon.wait_ticks(1)
     for stranger in strangers:
         stranger.assert_untouched()
 
@@ -496,7 +496,7 @@ def test_stop_leaves_no_process_of_a_tree_that_escaped_its_group(
         worker_pid = dict((k, p) for k, p, _ in tree)["worker"]
         sessions = {os.getsid(pid) for _, pid, _ in tree}
         assert len(sessions) == 4  # the group's, the daemon's, and two setsid ones
-        wait_for(lambda: daemon.job(job["id"])["resources"]["num_procs"] >= 6, 5,
+        wait_for(lambda: daemon.job(job["id"])["resources"]["num_procs"] >= 6, 15,
                  what="the sampler sees shim + 5 processes: the tree hangs off the shim")
 
         answer = daemon.http.post(f"/api/v1/jobs/{job['id']}/stop")
@@ -562,10 +562,17 @@ def _check_no_zombies(daemon: Daemon, job_id: str, record: Path, flag: Path) -> 
     kept, orphans = (list(map(int, line.split())) for line in record.read_text().split("\n")[:2])
     assert len(kept) == 100 and len(orphans) == 20
 
-    time.sleep(1.0)  # the short-lived orphans have exited (0.4 s) and been reaped since
-    table = proc_table()
     living = {pid for i, pid in enumerate(orphans) if i % 4 == 0}
-    assert {pid for pid in orphans if pid in table} == living
+    left: list[int] = []
+
+    def short_lived_gone() -> bool:  # exited (after 0.4 s at most) and reaped
+        left[:] = [pid for pid in orphans if pid in proc_table()]
+        return set(left) == living
+
+    wait_for(short_lived_gone, 15,
+             what=lambda: f"only the 5 long-lived orphans left; left: {sorted(left)}, "
+                          f"long-lived: {sorted(living)}")
+    table = proc_table()
     assert all(table[pid][1] == shim[0] for pid in living)  # the shim is their subreaper
     for _ in range(5):  # while the job runs: the shim reaps every orphan at once
         assert zombies_of([shim[0]]) == []
@@ -621,11 +628,18 @@ def test_job_whose_shim_was_sigkilled_runs_on_and_stops(make_daemon, tmp_path: P
 
     os.kill(shim[0], signal.SIGKILL)
     wait_for(lambda: not is_same_process(*shim), 5, what="shim gone")
-    time.sleep(1.5)  # three ticks: the job is still running, still supervised
+    daemon.wait_ticks(3)  # the job is still running, still supervised
     current = daemon.job(job["id"])
     assert current["state"] == "running" and current["pid"] == worker_pid, current
     assert is_same_process(*worker) and is_same_process(*child)
-    assert current["resources"]["num_procs"] == 2  # sampled from the worker now
+    resources: list[dict] = []
+
+    def sampled_from_the_worker() -> bool:  # its 2 processes, the dead shim not among them
+        resources.append(daemon.job(job["id"])["resources"])
+        return bool(resources[-1]["num_procs"] == 2)
+
+    wait_for(sampled_from_the_worker, 15,
+             what=lambda: f"a sample of the worker's 2 processes; last: {resources[-1]}")
 
     t0 = time.monotonic()
     assert daemon.http.post(f"/api/v1/jobs/{job['id']}/stop").status_code == 202

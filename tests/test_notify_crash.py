@@ -57,7 +57,10 @@ def test_kills_mid_delivery_give_only_marked_duplicates(make_daemon) -> None:
                 received, in_flight = len(hook.requests), hook.in_flight > 0
                 answered_lately = any(t > time.time() - 0.25 for t in hook.answered)
             daemon.kill()
-            time.sleep(0.3)  # a request the dead daemon had already written still arrives
+            # a request the dead daemon had already written still arrives
+            wait_for(lambda: hook.open_connections() == 0, 15,
+                     what=lambda: f"the receiver done with the dead daemon's connections "
+                                  f"({hook.open_connections()} open)")
             with hook.lock:
                 arrived_after = len(hook.requests) > received
             aimed += n < 3
@@ -118,7 +121,7 @@ def test_no_secret_reaches_a_receiver_or_the_log(make_daemon, tmp_path: Path) ->
             env={"HF_TOKEN": "secret-xyz", "WANDB_API_KEY": "wandb-0123456789abcdef"})
         daemon.wait_state(job["id"], "failed")
         wait_for(lambda: slack.posts and hook.posts, 15, what="the crash message at both")
-        time.sleep(1.5)  # a few more ticks of logging
+        daemon.wait_ticks(3)  # a few more ticks of logging
         assert "logging in with secret-xyz" in daemon.logs(job["id"])  # the secret was there
         secrets = ["secret-xyz", "wandb-0123456789abcdef", token, signing, "T0SECRET1",
                    "B0SECRET2", "slackPathSecret3", "hookPathSecret4", "hookQuerySecret5"]

@@ -200,12 +200,19 @@ def test_progress_eta_and_resources_come_from_the_shim(make_daemon, tmp_path: Pa
     daemon: Daemon = make_daemon(env=SHIM_ENV)
     out = tmp_path / "out"
     job = busy_writer(daemon, out, 30, 0.15, expected_items=60)
-    mid = wait_for(lambda: (j := daemon.job(job["id"]))["progress"]["files"] >= 10 and j, 20,
-                   what="10 items")
+    seen: list[dict[str, Any]] = []
+
+    def midway() -> dict[str, Any] | None:  # a rate needs two progress points after the
+        seen.append(daemon.job(job["id"]))  # first reading, however few came by item 10
+        j = seen[-1]
+        return j if (j["progress"]["files"] >= 10
+                     and j["forecast"]["rate_items_per_s"] is not None) else None
+
+    mid = wait_for(midway, 20, what=lambda: f"10 items and a rate; last seen: {seen[-1]}")
     p, f, r = mid["progress"], mid["forecast"], mid["resources"]
     assert p["source"] == "files" and p["items_done"] == p["files"]
     assert p["bytes_written"] == 1000 * p["files"] and p["observation_error"] is None
-    assert f["rate_items_per_s"] is not None and 2 < f["rate_items_per_s"] < 10
+    assert 2 < f["rate_items_per_s"] < 10
     assert f["eta_s"] is not None and f["eta_s"] > 0 and f["bytes_per_item"] == 1000
     assert f["disk_free_bytes"] > 0 and f["will_fit"] is True
     assert r["node"] == socket.gethostname()
@@ -240,7 +247,17 @@ def test_a_restarted_daemon_stores_the_readings_it_missed(make_daemon, tmp_path:
     wait_for(lambda: daemon.job(job["id"])["progress"]["files"] >= 5, 20, what="5 items")
     daemon.kill()
     down_at = time.time()
-    time.sleep(4)
+    adir = daemon.data_dir / "jobs" / job["id"] / "attempt-1"
+
+    def readings_while_down() -> list[files.Observed]:
+        """At the shim's own pace, not in a fixed 4 s. Inside the window `missed` takes,
+        by 0.5 s more: a stored reading's time is moved by the reading tick's age
+        (`ShimFeed.read`)."""
+        return [line for line in lines_of(adir) if down_at + 1 < line["t"] < time.time() - 1]
+
+    wait_for(lambda: len(readings_while_down()) >= 4, 30,
+             what=lambda: f"4 readings published while the daemon is down; "
+                          f"{len(readings_while_down())} so far")
     up_at = time.time()
     daemon.start()
 
@@ -248,7 +265,10 @@ def test_a_restarted_daemon_stores_the_readings_it_missed(make_daemon, tmp_path:
         return [s for s in samples_of(daemon, job["id"])
                 if down_at + 0.5 < epoch(s["t"]) < up_at - 0.5]
 
-    gap = wait_for(lambda: len(missed()) >= 4 and missed(), 10, what="the backlog's samples")
+    gap = wait_for(lambda: len(missed()) >= 4 and missed(), 10,
+                   what=lambda: f"the backlog's samples; down {down_at}, up {up_at}; stored: "
+                                f"{[epoch(s['t']) for s in samples_of(daemon, job['id'])]}; "
+                                f"published: {[line['t'] for line in lines_of(adir)]}")
     lines = lines_of(daemon.data_dir / "jobs" / job["id"] / "attempt-1")
     times = [epoch(s["t"]) for s in gap]
     assert times == sorted(times) and len(set(times)) == len(times)

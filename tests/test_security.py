@@ -317,7 +317,7 @@ def test_browser_form_post_from_another_site_runs_nothing(shared: Daemon,
     for headers, content in attempts:
         response = shared.http.post("/api/v1/jobs", content=content, headers=headers)
         assert response.status_code == 403, (headers, response.text)
-    time.sleep(1.5)  # three ticks: a job that had been recorded would have started
+    shared.wait_ticks(3)  # a job that had been recorded would have started
     assert "drive-by" not in job_names(shared)
     assert not marker.exists()
 

@@ -61,7 +61,7 @@ def test_stopped_shim_is_continued_when_its_worker_ends(make_daemon, tmp_path: P
     shim = identity(daemon.data_dir, job["id"], "shim.json")
     os.kill(shim[0], signal.SIGSTOP)
     wait_for(lambda: process_state(shim[0]) == "T", 5, what="shim stopped")
-    time.sleep(1.5)  # ticks with the shim stopped and the worker alive: nothing to do
+    daemon.wait_ticks(3)  # ticks with the shim stopped and the worker alive: nothing to do
     assert process_state(shim[0]) == "T"
     assert daemon.job(job["id"])["state"] == "running"
     flag.touch()  # the worker exits 3; only its stopped parent, the shim, can reap it
