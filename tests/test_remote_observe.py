@@ -136,6 +136,27 @@ def test_the_file_is_capped_and_the_feed_reads_across_rotations(tmp_path: Path) 
     assert [r.seq for r in feed.read(time.time())] == [201]
 
 
+def test_lines_are_put_on_the_daemons_clock_as_read_not_as_of_the_ticks_start(
+        tmp_path: Path) -> None:
+    """A line's time moves onto the daemon's clock by the two clocks' offset read at
+    the same moment; the tick's `now` (its start, seconds old by a slow read) is no part
+    of it: it put every line that much early (16 ms seen on an idle machine, more under
+    load). The daemon's clock 100 s behind the system's (a step since its start), the
+    tick begun 5 s ago."""
+    publisher = Publisher(tmp_path, files.Observe(
+        interval_s=1, output_dir=None, pattern="**/*", gpu=False),
+        shim_pid=os.getpid(), worker_pid=os.getpid(), cwd=str(tmp_path))
+
+    def daemon_clock() -> float:
+        return time.time() - 100.0
+
+    feed = ShimFeed(tmp_path, daemon_clock)
+    publisher.publish(final=False)
+    (reading,) = feed.read(daemon_clock() - 5.0)
+    line_t = lines_of(tmp_path)[-1]["t"]
+    assert abs(reading.t - (line_t - 100.0)) < 0.5, reading.t - line_t
+
+
 def test_a_feed_goes_stale_when_no_new_line_comes(tmp_path: Path) -> None:
     publisher = Publisher(tmp_path, files.Observe(
         interval_s=0.5, output_dir=None, pattern="**/*", gpu=False),

@@ -66,7 +66,8 @@ class EngineBase:
         # a tick waits for the jobs' file readings at most 1 s, less with short ticks
         self.observer = Observer(settings.jobs_dir,
                                  scan_budget_s=min(SCAN_BUDGET_S, settings.sample_interval / 2),
-                                 watch_outputs=settings.output_watch == "inotify")
+                                 watch_outputs=settings.output_watch == "inotify",
+                                 clock=self.clock)
         self._next_compact_at = 0.0
         self._compacted_until: dict[float, float] | None = None
         """Per sample tier, the cutoff of the last downsampling pass (None: none yet in

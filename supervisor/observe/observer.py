@@ -101,7 +101,8 @@ def _final_progress(shown: ProgressRecord, job: ObservedJob,
 class Observer(JobViewBuilder):
     def __init__(self, jobs_dir: Path, sampler: Sampler | None = None, *,
                  scan_budget_s: float = SCAN_BUDGET_S, workers: int = FILE_WORKERS,
-                 make_scanner: ScannerFactory | None = None, watch_outputs: bool = True):
+                 make_scanner: ScannerFactory | None = None, watch_outputs: bool = True,
+                 clock: Callable[[], float] = time.time):
         """`scan_budget_s`: the longest a tick waits for the jobs' file readings.
         `make_scanner`: builds a job's output scanner; default `OutputScanner`, with
         inotify watches on output directories of local filesystems if `watch_outputs`
@@ -109,6 +110,8 @@ class Observer(JobViewBuilder):
         self.jobs_dir = jobs_dir
         self.sampler = sampler or Sampler()
         self.scan_budget_s = scan_budget_s
+        self.clock = clock
+        """The daemon's clock (the `now` of `observe`): remote jobs' lines are put on it."""
         self.dir_watcher = (DirWatcher.open() if make_scanner is None and watch_outputs
                             else None)
         self.make_scanner: ScannerFactory = make_scanner or partial(
@@ -339,7 +342,8 @@ class Observer(JobViewBuilder):
     def _file_side(self, job: ObservedJob) -> FileSide:
         if job.remote:
             return ShimFileSide(self.jobs_dir, self.make_scanner,
-                                attempt_dir(self.jobs_dir, job.job_id, job.attempt))
+                                attempt_dir(self.jobs_dir, job.job_id, job.attempt),
+                                self.clock)
         return FileSide(self.jobs_dir, self.make_scanner)
 
     @staticmethod

@@ -26,7 +26,7 @@ import os
 import socket
 import time
 import zlib
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -123,7 +123,10 @@ def _inode(path: Path) -> int | None:
 class ShimFeed:
     """A job's `observed.jsonl`, read from where the last read stopped."""
 
-    def __init__(self, attempt_dir: Path) -> None:
+    def __init__(self, attempt_dir: Path, clock: Callable[[], float] = time.time) -> None:
+        """`clock`: the daemon's (`supervisor.clock.SteadyClock`), on which the lines'
+        times are put."""
+        self.clock = clock
         self.path = attempt_dir / files.OBSERVED
         self.rotated = attempt_dir / files.OBSERVED_ROTATED
         self._inode: int | None = None
@@ -139,7 +142,9 @@ class ShimFeed:
 
     def read(self, now: float) -> list[ShimReading]:
         """The lines new since the last read, oldest first."""
-        offset_s = time.time() - now  # the node's clock (if it is ours) minus the daemon's
+        # the node's clock (if it is ours) minus the daemon's, both read now: `now` is
+        # the tick's start, and its age is no offset (it put every line that much early)
+        offset_s = time.time() - self.clock()
         new: list[ShimReading] = []
         for raw in self._new_lines():
             line = files.parse_observed(raw)
@@ -212,9 +217,9 @@ class ShimFileSide(FileSide):
     shim's newest line, its progress file and log read here."""
 
     def __init__(self, jobs_dir: Path, make_scanner: ScannerFactory,
-                 attempt_dir: Path) -> None:
+                 attempt_dir: Path, clock: Callable[[], float] = time.time) -> None:
         super().__init__(jobs_dir, make_scanner)
-        self.feed = ShimFeed(attempt_dir)
+        self.feed = ShimFeed(attempt_dir, clock)
 
     def read(self, job: ObservedJob, now: float, *, final: bool = False) -> FileReading:
         """`final`: the job ended; its shim's final reading is the last line."""
