@@ -124,8 +124,9 @@ class Settings(BaseSettings):
     notify_backoff_max_s: float = Field(default=120.0, gt=0)
     """Longest wait between two delivery attempts of a message (5xx, network errors)."""
 
-    notify_on_success: bool = True
-    """Also send a message when a job succeeds."""
+    notify_on_success: bool = False
+    """Also send a message when a job succeeds (off by default: on, they drowned the
+    crashes in an on-call channel)."""
 
     disk_low_bytes: int = Field(default=5_000_000_000, ge=0)
     """`disk_low` fires below this many free bytes on a running job's output disk."""
