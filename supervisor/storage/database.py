@@ -334,9 +334,42 @@ def alembic_config(url: str) -> Config:
 
 
 def upgrade(engine: Engine) -> None:
-    """Bring the schema to the newest revision (`alembic upgrade head`)."""
+    """Bring the schema to the newest revision (`alembic upgrade head`), all of it in one
+    transaction: killed part way (kill -9, a power cut, Ctrl-C), the database is left as
+    it was before, and the next start runs the whole upgrade again.
+
+    PostgreSQL's DDL is transactional as it is. Python's sqlite3 (before 3.12's
+    `autocommit`) opens a transaction only before an INSERT, UPDATE or DELETE: each
+    `CREATE TABLE` or `ALTER TABLE` before one committed alone, so a kill left half a
+    schema (`table jobs already exists`, `_alembic_tmp_notifications` at every later
+    start). The upgrade's SQLite connection has the module's own transaction handling
+    turned off and gets an explicit `BEGIN IMMEDIATE` (`sqlite_transaction`)."""
     cfg = alembic_config(str(engine.url.render_as_string(hide_password=False)))
-    with engine.begin() as conn:
+    with engine.connect() as conn, sqlite_transaction(conn):
         cfg.attributes["connection"] = conn
         command.upgrade(cfg, "head")
+        conn.commit()
     log.info("database schema at head (%s)", shown_url(engine.url))
+
+
+@contextlib.contextmanager
+def sqlite_transaction(conn: Connection) -> Iterator[None]:
+    """On SQLite, a real transaction around DDL for the block: the DBAPI connection's
+    implicit transactions off (`isolation_level = None`: the module sends no BEGIN nor
+    COMMIT of its own) and `BEGIN IMMEDIATE` sent (the write lock taken at once); its
+    `commit()` and `rollback()` still end it. The connection goes back to the pool as it
+    came. Other databases: nothing to do."""
+    if conn.dialect.name != "sqlite":
+        yield
+        return
+    dbapi_conn = conn.connection.dbapi_connection
+    assert dbapi_conn is not None
+    legacy = dbapi_conn.isolation_level
+    dbapi_conn.isolation_level = None
+    try:
+        conn.exec_driver_sql("BEGIN IMMEDIATE")
+        yield
+    finally:
+        if conn.in_transaction():
+            conn.rollback()
+        dbapi_conn.isolation_level = legacy
