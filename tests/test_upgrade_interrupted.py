@@ -14,8 +14,10 @@ import json
 import os
 import shutil
 import signal
+import sqlite3
+import subprocess
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from contextlib import closing, contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -27,7 +29,7 @@ from sqlalchemy import Engine, event, inspect, text
 from supervisor.config import Settings
 from supervisor.daemon.recovery import open_database
 from supervisor.storage.database import alembic_config, make_engine, upgrade
-from tests.helpers import Daemon
+from tests.helpers import PY, REPO, Daemon, python_job
 from tests.postgres import PostgresServer
 
 pytestmark = [pytest.mark.both_databases, pytest.mark.timeout(600)]
@@ -296,5 +298,47 @@ def test_the_daemon_starts_after_its_upgrade_was_killed_in_a_table_copy(
     try:
         jobs = daemon.http.get("/api/v1/jobs").json()
         assert sorted(j["id"] for j in jobs) == ["job0", "job1", "job2"]
+    finally:
+        daemon.shut_down()
+
+
+def test_a_database_an_older_jobsup_left_half_upgraded_is_set_aside_by_rebuild_db(
+        tmp_path: Path) -> None:
+    """Before #30 a killed upgrade left SQLite half-upgraded (its DDL committed a
+    statement at a time): the daemon says so in two lines, without a traceback, and
+    `--rebuild-db` sets the file aside and rebuilds the jobs from the data dir."""
+    daemon = Daemon(tmp_path / "data").start()
+    try:
+        job = daemon.submit(python_job("print('done')"), name="kept")["id"]
+        daemon.wait_state(job, "succeeded")
+    finally:
+        daemon.stop()
+    db = daemon.data_dir / "jobsup.db"
+    for path in daemon.data_dir.glob("jobsup.db*"):
+        path.unlink()
+    url = f"sqlite:///{db}"
+    seed(url)
+    with closing(sqlite3.connect(db)) as conn:  # what a kill left of 0004: its index
+        conn.execute("CREATE INDEX ix_samples_t ON samples (t)")
+
+    refused = subprocess.run(
+        [PY, "-m", "supervisor", "serve", "--port", str(daemon.port), "--data-dir",
+         str(daemon.data_dir)], env=daemon.env, cwd=REPO, capture_output=True, text=True,
+        timeout=60)
+    output = " ".join((refused.stdout + refused.stderr).split())  # rich wraps at 80 columns
+    assert refused.returncode == 1, output
+    assert f"error: the database {db} was left half-upgraded" in output, output
+    assert "hint: jobsup serve --rebuild-db moves it aside" in output
+    assert "Traceback" not in output
+
+    daemon.env["JOBSUP_REBUILD_DB"] = "1"
+    daemon.start()
+    try:
+        assert daemon.job(job)["state"] == "succeeded"
+        assert "moved the half-upgraded database aside" in daemon.log()
+        aside = [p for p in daemon.data_dir.glob("jobsup.db.half-upgraded-*")
+                 if not p.name.endswith(("-wal", "-shm"))]
+        with closing(sqlite3.connect(aside[0])) as conn:
+            assert conn.execute("SELECT count(*) FROM samples").fetchone() == (3,)
     finally:
         daemon.shut_down()
