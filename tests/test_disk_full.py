@@ -49,7 +49,7 @@ def test_full_disk_is_survived(small_disk: Path, make_daemon, receiver: Receiver
 
     wait_for(lambda: disk_free() < 20_000, 60, what="the disk to fill")
     time.sleep(3)  # several ticks with the database unable to write
-    assert "database's disk is full" in daemon.log(), daemon.log()[-3000:]
+    assert "the database cannot be written: its disk is full" in daemon.log(), daemon.log()[-3000:]
     for path in ("/healthz", "/metrics", "/api/v1/jobs", f"/api/v1/jobs/{job['id']}",
                  "/api/v1/alerts", f"/api/v1/jobs/{job['id']}/samples"):
         assert daemon.http.get(path).status_code == 200, path

@@ -170,7 +170,7 @@ def build_app(settings: Settings, guard: LockGuard | None = None) -> FastAPI:
     engine.on_tick = ticks.on_tick
     app = create_app(settings, sessions, wake=engine.wake, views=lambda: engine.observer.views,
                      registry=registry, clock=engine.clock,
-                     last_tick=ticks.times)
+                     last_tick=ticks.times, writability=engine.writability)
     app.router.lifespan_context = lifespan
     app.state.engine = engine
     return app

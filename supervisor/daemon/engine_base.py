@@ -30,6 +30,7 @@ from supervisor.spec import stored_spec
 from supervisor.storage import store
 from supervisor.storage.tables import Job, SampleRecord
 from supervisor.storage.transactions import TickSteps, watch_writes
+from supervisor.storage.writability import Writability
 
 log = logging.getLogger(__name__)
 
@@ -71,7 +72,10 @@ class EngineBase:
         self._compacted_until: dict[float, float] | None = None
         """Per sample tier, the cutoff of the last downsampling pass (None: none yet in
         this daemon; the first pass starts from `store.compaction_resume_point`)."""
-        self.steps = TickSteps()
+        self.writability = Writability()
+        """Whether the database takes writes (the tick's steps report to it, /healthz
+        and the API read it)."""
+        self.steps = TickSteps(self.writability)
         watch_writes(self.sessions)  # the tick's steps see what its sessions wrote
         self._unsaved_samples: list[SampleRecord] = []
         self._progress_stored: dict[str, tuple[float, str | None]] = {}

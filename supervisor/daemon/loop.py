@@ -198,7 +198,15 @@ class Engine(JobChecks):
         starts. Each write is its own transaction: with the database's disk full, what
         cannot be written waits (samples in memory, alerts sent unrecorded) and the
         rest of the tick goes on."""
-        now = self.clock()
+        try:
+            self._tick(self.clock())
+        except Exception as exc:
+            if not self.steps.refused(exc, "the tick's reads"):
+                raise
+        finally:
+            self.steps.tick_ended()
+
+    def _tick(self, now: float) -> None:
         for backend in list(self.backends.values()):
             backend.reap()
         self._shims_seen_alive = {}
@@ -238,6 +246,10 @@ class Engine(JobChecks):
                         log.info("downsampled old samples: %d rows removed", deleted)
                 if written.ok:
                     self._compacted_until = store.compaction_cutoffs(now)
+            if self.steps.unproven:  # writes failed, and none was tried since
+                with self.steps.isolated(session, "write check"), \
+                        self.steps.writing(session, "write check"):
+                    store.write_probe(session)
 
     def _alert(self, session: Session, running: Sequence[Job], ended_lately: Sequence[Job],
                now: float) -> None:
