@@ -55,7 +55,7 @@ def test_full_disk_is_survived(small_disk: Path, make_daemon, receiver: Receiver
         assert daemon.http.get(path).status_code == 200, path
     wait_for(lambda: any("disk_low" in t for t in receiver.texts()), 15,
              what="a disk alert sent while the database is full")
-    assert "not recorded: disk full" in daemon.log()
+    assert "not recorded: the database cannot be written" in daemon.log()
     full_since = time.time()
 
     ballast.unlink()  # space comes back
@@ -77,6 +77,9 @@ def test_full_disk_is_survived(small_disk: Path, make_daemon, receiver: Receiver
              what="the resolve follow-up")
     daemon.http.post(f"/api/v1/jobs/{job['id']}/stop")
     daemon.wait_state(job["id"], "stopped", timeout=20)
+    log = daemon.log()  # the outage logged once each way, not at every tick (#30)
+    assert log.count("the database cannot be written: ") == 1, log[-3000:]
+    assert log.count("the database is writable again") == 1, log[-3000:]
     db = sqlite3.connect(f"file:{daemon.data_dir / 'jobsup.db'}?mode=ro", uri=True)
     assert db.execute("PRAGMA integrity_check").fetchone()[0] == "ok"
     db.close()

@@ -112,7 +112,7 @@ def test_a_read_only_spell_is_reported_and_mended_without_a_restart(
 
     log = daemon.log()
     assert "tick step failed" not in log and "tick failed" not in log, log[-3000:]
-    assert log.count("the database cannot be written") == 1, log[-3000:]
+    assert log.count("the database cannot be written: ") == 1, log[-3000:]
     assert log.count("the database is writable again") == 1, log[-3000:]
     print(f"{len(refused)} of {SUBMITTERS} submits refused during the spell, "
           f"{len(acknowledged)} acknowledged; /healthz ok {healthy_after_s:.2f} s after "

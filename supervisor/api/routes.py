@@ -303,9 +303,12 @@ def create_app(settings: Settings, sessions: sessionmaker[Session], *,
         wanted = dict(item.partition("=")[::2] for item in label or [])
         current = views()
         firing = store.firing_alerts_by_job(session)
+        # an end not recorded yet shows in its view: the stored state filters too little
+        unrecorded = any(view.unrecorded_end for view in current.values())
         jobs = [job_out(j, current.get(j.id), alerts=firing.get(j.id, ()))
-                for j in store.list_jobs(session, state=state)]
-        return [j for j in jobs if all(j.spec.labels.get(k) == v for k, v in wanted.items())]
+                for j in store.list_jobs(session, state=None if unrecorded else state)]
+        return [j for j in jobs if (state is None or j.state is state)
+                and all(j.spec.labels.get(k) == v for k, v in wanted.items())]
 
     @app.get(f"{API_PREFIX}/jobs/{{job_id}}", responses=NOT_FOUND)
     def get_job(job_id: str, session: DB) -> JobOut:
