@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 import sqlite3
+import sys
 import time
 from collections.abc import Iterator
 from datetime import datetime
@@ -83,3 +84,27 @@ def test_full_disk_is_survived(small_disk: Path, make_daemon, receiver: Receiver
     db = sqlite3.connect(f"file:{daemon.data_dir / 'jobsup.db'}?mode=ro", uri=True)
     assert db.execute("PRAGMA integrity_check").fetchone()[0] == "ok"
     db.close()
+
+
+@pytest.mark.timeout(120)
+def test_a_log_filling_the_data_dir_is_alerted(tmp_path: Path, make_daemon) -> None:
+    """A job without an output dir that writes its log fast (the issue's `dd ... of=
+    /dev/stderr`: 96 MB in under a second, no alert): the log's filesystem is the data
+    dir's, watched by `disk_low` as the output's is (#30). Its cwd is on another disk."""
+    with tmpfs(tmp_path / "disk", "24m") as disk:
+        daemon: Daemon = make_daemon(data_dir=disk / "data", log_dir=tmp_path,
+                                     env={"JOBSUP_DISK_LOW_BYTES": "10000000"})
+        chatty = ("import sys, time\n"
+                  "for _ in range(18):\n"
+                  "    sys.stderr.write('x' * (1 << 20)); sys.stderr.flush()\n"
+                  "time.sleep(60)\n")
+        job = daemon.submit([sys.executable, "-c", chatty], name="chatty",
+                            cwd=str(tmp_path))["id"]
+        alerts = wait_for(lambda: [a for a in daemon.http.get("/api/v1/alerts").json()
+                                   if a["rule"] == "disk_low"], 20,
+                          what="disk_low for the log's filesystem")
+        assert alerts[0]["job_id"] == job
+        assert "on the disk of its log" in alerts[0]["message"], alerts
+        daemon.http.post(f"/api/v1/jobs/{job}/stop")
+        daemon.wait_state(job, "stopped", timeout=20)
+        daemon.shut_down()

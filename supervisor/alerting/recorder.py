@@ -215,6 +215,7 @@ class AlertRecorder:
             activity_at=view.activity_at if view else None,
             eta_s=forecast.eta_s if forecast else None,
             disk_free_bytes=forecast.disk_free_bytes if forecast else None,
+            log_disk_free_bytes=view.log_disk_free_bytes if view else None,
             disk_full_in_s=forecast.disk_full_in_s if forecast else None,
             will_fit=forecast.will_fit if forecast else None,
             gpu_memory_fraction=view.gpu_memory_fraction if view else None,

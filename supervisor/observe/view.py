@@ -118,6 +118,9 @@ class JobView:
     running_since: float | None = None
     """When it left that queue and began running on its node; None while queued, and
     for a job that never waited in one (its start is its launch)."""
+    log_disk_free_bytes: int | None = None
+    """Free bytes on its log's filesystem, where that is not its output's (`disk_low`
+    watches both); None when it is the same one, or unknown."""
     unrecorded_end: JobEnd | None = None
     """Its end, known to the engine but not yet recorded (the database refuses writes):
     shown in its place meanwhile (`Engine.views`)."""
