@@ -259,13 +259,12 @@ class Engine(JobChecks):
         memory); forget it once the job's state is written, or when it ends no more."""
         if end is None:
             self.unrecorded_ends.pop(job_id, None)
-        elif job_id not in self.unrecorded_ends:
+            return
+        if job_id not in self.unrecorded_ends:
             log.warning("job %s: ended %s, not recorded yet (the database cannot be "
                         "written): shown and alerted from memory meanwhile", job_id,
                         end.state)
-            self.unrecorded_ends[job_id] = end
-        else:
-            self.unrecorded_ends[job_id] = end
+        self.unrecorded_ends[job_id] = end
 
     def _alert(self, session: Session, running: Sequence[Job], ended_lately: Sequence[Job],
                now: float) -> None:

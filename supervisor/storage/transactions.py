@@ -111,6 +111,10 @@ class TickSteps:
             self._failed = (reason, what)
         return True
 
+    def committed(self) -> None:
+        """A block of this tick committed writes: the database takes them."""
+        self._wrote = True
+
     @property
     def unproven(self) -> bool:
         """Writes failed before, and this tick has neither written nor failed yet: a
@@ -178,7 +182,7 @@ class _Writing:
             except OperationalError as failed:
                 return self._failed(failed, raise_other=True)
             self.outcome.ok = True
-            steps._wrote = True
+            steps.committed()
             return False
         if isinstance(error, OperationalError):
             return self._failed(error, raise_other=False)
