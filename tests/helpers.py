@@ -11,7 +11,7 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, NamedTuple
@@ -65,8 +65,11 @@ class Daemon:
     """`python -m supervisor serve` as a child process of the test."""
 
     def __init__(self, data_dir: Path, env: dict[str, str] | None = None,
-                 log_dir: Path | None = None, cwd: Path = REPO):
+                 log_dir: Path | None = None, cwd: Path = REPO,
+                 wrapper: Sequence[str] = ()):
         self.data_dir = data_dir
+        self.wrapper = list(wrapper)
+        """A command the daemon runs under (`setpriv ... --`), if any."""
         self.log_dir = log_dir or data_dir
         self.cwd = cwd
         self.port = free_port()
@@ -88,7 +91,7 @@ class Daemon:
             self.data_dir.mkdir(parents=True, exist_ok=True)
             with open(self.log_path, "wb") as log:
                 self.proc = subprocess.Popen(
-                    [PY, "-m", "supervisor", "serve", "--port", str(self.port),
+                    [*self.wrapper, PY, "-m", "supervisor", "serve", "--port", str(self.port),
                      "--data-dir", str(self.data_dir)],
                     stdout=log, stderr=subprocess.STDOUT, env=self.env, cwd=self.cwd,
                 )

@@ -284,6 +284,18 @@ def test_disk_low_threshold() -> None:
     assert "disk_low" not in rules(facts(disk_free_bytes=6 * GB), T0 + 1)
 
 
+def test_disk_low_watches_the_disk_of_the_log_too() -> None:
+    """A job's log has no cap and lives in the data dir (#30): its filesystem, where it
+    is not the output's, is watched by `disk_low` as well; the output's goes first."""
+    settings = AlertSettings(disk_low_bytes=10 * GB)
+    low = rules(facts(disk_free_bytes=None, log_disk_free_bytes=GB), T0 + 1, settings)
+    assert "free on the disk of its log" in low["disk_low"].message
+    assert "disk_low" not in rules(facts(disk_free_bytes=20 * GB, log_disk_free_bytes=20 * GB),
+                                   T0 + 1, settings)
+    both = rules(facts(disk_free_bytes=GB, log_disk_free_bytes=2 * GB), T0 + 1, settings)
+    assert "free on its output disk" in both["disk_low"].message
+
+
 def test_gpu_memory_high_threshold() -> None:
     settings = AlertSettings(gpu_memory_high_fraction=0.9)
     high = rules(facts(gpu_memory_fraction=0.93), T0 + 1, settings)

@@ -7,12 +7,21 @@ from __future__ import annotations
 
 import errno
 import json
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
-from tests.helpers import Daemon, exit_recorded, job_module, python_job, tmpfs, wait_for
+from tests.helpers import (
+    Daemon,
+    Receiver,
+    exit_recorded,
+    job_module,
+    python_job,
+    tmpfs,
+    wait_for,
+)
 
 pytestmark = pytest.mark.slow
 
@@ -70,7 +79,8 @@ def test_jobs_ending_on_a_full_data_dir_keep_their_exit(small_disk: Path, make_d
     assert (done_ok["state"], done_ok["exit_code"]) == ("succeeded", 0), done_ok
     assert (done_bad["state"], done_bad["exit_code"]) == ("failed", 3), done_bad
     alerts = daemon.http.get("/api/v1/alerts").json()
-    assert not any(a["job_id"] == ok["id"] for a in alerts), alerts  # no false `crashed`
+    # no false `crashed` (a `disk_low` for the data dir, its logs' disk, is true)
+    assert not any(a["job_id"] == ok["id"] and a["rule"] == "crashed" for a in alerts), alerts
     leftovers = [p for p in (daemon.data_dir / "jobs").rglob("*") if p.name.endswith(".tmp")]
     assert not leftovers, leftovers
     for job in (ok, bad):
@@ -100,3 +110,59 @@ def test_a_shim_that_cannot_reserve_its_status_file_is_launched_again(
     assert any("its shim exited before starting the job" in r for r in reasons), reasons
     shim_log = daemon.data_dir / "jobs" / job["id"] / "attempt-1" / "shim.log"
     assert "cannot reserve status.json" in shim_log.read_text()
+
+
+@pytest.mark.timeout(120)
+def test_an_exit_on_a_full_data_dir_is_shown_and_alerted_at_once(
+        small_disk: Path, make_daemon, tmp_path: Path, receiver: Receiver) -> None:
+    """The database cannot record the end of a job that fails while its disk is full:
+    the API shows the job `failed` and its `crashed` alert goes out from memory at once,
+    `/healthz` says degraded; once space returns the end and the alert are recorded
+    (the alert not sent twice), and the daemon logged the outage once each way (#30)."""
+    daemon: Daemon = make_daemon(data_dir=small_disk / "data", log_dir=tmp_path,
+                                 env={"JOBSUP_NOTIFY_ON_SUCCESS": "false",
+                                      "JOBSUP_SLACK_WEBHOOK_URL": receiver.url})
+    flag = tmp_path / "go"  # outside the full disk
+    job = daemon.submit(job_module("waits_for_file", flag, 3), name="bad")["id"]
+    wait_for(lambda: daemon.job(job)["pid"], 15, what="worker started")
+
+    ballast = small_disk / "ballast"
+    fill(ballast)
+    wait_for(lambda: daemon.http.get("/healthz").json()["status"] == "degraded", 10,
+             what="/healthz degraded on the full disk")
+    flag.touch()
+    status = daemon.data_dir / "jobs" / job / "attempt-1" / "status.json"
+    wait_for(lambda: exit_recorded(status), 10, what="the exit recorded on a full disk")
+    exited_at = time.monotonic()
+    shown = wait_for(lambda: (j := daemon.job(job))["state"] == "failed" and j, 15,
+                     what="the exit shown while the disk is full")
+    shown_after_s = time.monotonic() - exited_at
+    assert shown["exit_code"] == 3 and "not recorded yet" in shown["reason"], shown
+    assert [j["id"] for j in daemon.http.get("/api/v1/jobs",
+                                              params={"state": "failed"}).json()] == [job]
+    wait_for(lambda: any("crashed" in t for t in receiver.texts()), 15,
+             what="the crashed alert sent while the disk is full")
+    alerted_after_s = time.monotonic() - exited_at
+    daemon.wait_ticks(3)  # ticks go on with the disk full
+    assert daemon.http.get("/healthz").json()["status"] == "degraded"
+    alerts = daemon.http.get("/api/v1/alerts").json()  # nothing more could be recorded
+    assert not [a for a in alerts if a["rule"] == "crashed"], alerts
+
+    ballast.unlink()  # space comes back
+    wait_for(lambda: daemon.http.get("/healthz").json()["status"] == "ok", 15,
+             what="/healthz ok once space returns")
+    recorded = wait_for(lambda: (j := daemon.job(job))["state"] == "failed"
+                        and "not recorded" not in (j["reason"] or "") and j, 15,
+                        what="the end recorded")
+    assert recorded["exit_code"] == 3
+    assert [e["to_state"] for e in daemon.events(job)][-1] == "failed"
+    crashed = wait_for(lambda: [a for a in daemon.http.get("/api/v1/alerts").json()
+                                if a["rule"] == "crashed"], 15,
+                       what="the crashed alert recorded")
+    assert [a["job_id"] for a in crashed] == [job]
+    daemon.wait_ticks(3)  # a second message would have gone by now
+    assert sum("crashed" in t for t in receiver.texts()) == 1, receiver.texts()
+    log = daemon.log()
+    assert log.count("the database cannot be written: ") == 1, log[-3000:]
+    assert log.count("the database is writable again") == 1, log[-3000:]
+    print(f"shown {shown_after_s:.2f} s and alerted {alerted_after_s:.2f} s after the exit")

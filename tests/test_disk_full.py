@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 import sqlite3
+import sys
 import time
 from collections.abc import Iterator
 from datetime import datetime
@@ -49,7 +50,7 @@ def test_full_disk_is_survived(small_disk: Path, make_daemon, receiver: Receiver
         return st.f_bavail * st.f_frsize
 
     wait_for(lambda: disk_free() < 20_000, 60, what="the disk to fill")
-    wait_for(lambda: "database's disk is full" in daemon.log(), 30,
+    wait_for(lambda: "the database cannot be written: its disk is full" in daemon.log(), 30,
              what=lambda: f"the daemon to meet the full disk; its log:\n{daemon.log()[-3000:]}")
     daemon.wait_ticks(3)  # several ticks with the database unable to write
     for path in ("/healthz", "/metrics", "/api/v1/jobs", f"/api/v1/jobs/{job['id']}",
@@ -57,7 +58,7 @@ def test_full_disk_is_survived(small_disk: Path, make_daemon, receiver: Receiver
         assert daemon.http.get(path).status_code == 200, path
     wait_for(lambda: any("disk_low" in t for t in receiver.texts()), 15,
              what="a disk alert sent while the database is full")
-    assert "not recorded: disk full" in daemon.log()
+    assert "not recorded: the database cannot be written" in daemon.log()
     full_since = time.time()
 
     ballast.unlink()  # space comes back
@@ -86,6 +87,33 @@ def test_full_disk_is_survived(small_disk: Path, make_daemon, receiver: Receiver
              what="the resolve follow-up")
     daemon.http.post(f"/api/v1/jobs/{job['id']}/stop")
     daemon.wait_state(job["id"], "stopped", timeout=20)
+    log = daemon.log()  # the outage logged once each way, not at every tick (#30)
+    assert log.count("the database cannot be written: ") == 1, log[-3000:]
+    assert log.count("the database is writable again") == 1, log[-3000:]
     db = sqlite3.connect(f"file:{daemon.data_dir / 'jobsup.db'}?mode=ro", uri=True)
     assert db.execute("PRAGMA integrity_check").fetchone()[0] == "ok"
     db.close()
+
+
+@pytest.mark.timeout(120)
+def test_a_log_filling_the_data_dir_is_alerted(tmp_path: Path, make_daemon) -> None:
+    """A job without an output dir that writes its log fast (the issue's `dd ... of=
+    /dev/stderr`: 96 MB in under a second, no alert): the log's filesystem is the data
+    dir's, watched by `disk_low` as the output's is (#30). Its cwd is on another disk."""
+    with tmpfs(tmp_path / "disk", "24m") as disk:
+        daemon: Daemon = make_daemon(data_dir=disk / "data", log_dir=tmp_path,
+                                     env={"JOBSUP_DISK_LOW_BYTES": "10000000"})
+        chatty = ("import sys, time\n"
+                  "for _ in range(18):\n"
+                  "    sys.stderr.write('x' * (1 << 20)); sys.stderr.flush()\n"
+                  "time.sleep(60)\n")
+        job = daemon.submit([sys.executable, "-c", chatty], name="chatty",
+                            cwd=str(tmp_path))["id"]
+        alerts = wait_for(lambda: [a for a in daemon.http.get("/api/v1/alerts").json()
+                                   if a["rule"] == "disk_low"], 20,
+                          what="disk_low for the log's filesystem")
+        assert alerts[0]["job_id"] == job
+        assert "on the disk of its log" in alerts[0]["message"], alerts
+        daemon.http.post(f"/api/v1/jobs/{job}/stop")
+        daemon.wait_state(job, "stopped", timeout=20)
+        daemon.shut_down()

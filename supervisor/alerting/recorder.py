@@ -6,7 +6,8 @@ straight away from memory and recorded (never sent twice) once space returns."""
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import replace
 from typing import Any
 
 from sqlalchemy.orm import Session
@@ -17,6 +18,7 @@ from supervisor.alerting.notify import Notifier
 from supervisor.api.views import alert_out, job_out
 from supervisor.config import Settings
 from supervisor.observe.observer import Observer
+from supervisor.observe.view import JobEnd, JobView, ProgressRecord
 from supervisor.runtime.fileio import tail_lines
 from supervisor.runtime.launcher import log_path
 from supervisor.spec import AlertState, JobState, stored_spec
@@ -67,23 +69,27 @@ class AlertRecorder:
         for key in recorded:
             self._sent_unrecorded.pop(key, None)
 
-    def send_unrecorded(self, session: Session, running: Sequence[Job], now: float) -> None:
-        """The database cannot take alerts: send the new ones straight away, from
-        memory, once each; they are recorded (and not sent again) when space returns."""
+    def send_unrecorded(self, session: Session, running: Sequence[Job], now: float,
+                        ends: Mapping[str, JobEnd] | None = None) -> None:
+        """The database cannot take alerts (or the ends they follow from: `ends`, by job
+        id): send the new ones straight away, from memory, once each; they are recorded
+        (and not sent again) when the database takes writes again."""
         open_keys = {(a.job_id, a.rule) for a in store.alerts(session, state=AlertState.FIRING)}
+        ends = ends or {}
         for job in running:
-            for f in rules.evaluate(self.facts(job, now), now=now,
+            end = ends.get(job.id)
+            for f in rules.evaluate(self.facts(job, now, end), now=now,
                                      settings=self.rules):
                 key = (f.job_id, f.rule)
                 if key in open_keys or key in self._sent_unrecorded:
                     continue
                 self._sent_unrecorded[key] = now
-                log.warning("job %s: alert %s firing (not recorded: disk full): %s",
-                            f.job_id, f.rule, f.message)
+                log.warning("job %s: alert %s firing (not recorded: the database cannot be "
+                            "written): %s", f.job_id, f.rule, f.message)
                 alert = {"id": 0, "job_id": f.job_id, "rule": f.rule, "severity": f.severity,
                          "state": "firing", "started_at": "", "resolved_at": None,
                          "message": f.message}
-                self.notifier.send_unrecorded(self._message("firing", job, alert, now))
+                self.notifier.send_unrecorded(self._message("firing", job, alert, now, end))
 
     def record(self, session: Session, running: Sequence[Job], now: float,
                recorded: list[tuple[str, str]], *,
@@ -169,7 +175,7 @@ class AlertRecorder:
             rule = key[1]
             alert = store.open_alert(
                 session, job_id=key[0], rule=rule, severity=rules.SEVERITY[rule],
-                message="(sent while the database's disk was full)", started_at=started_at,
+                message="(sent while the database could not be written)", started_at=started_at,
                 resolved_at=now)
             self._enqueue(session, "resolved", jobs[key[0]], alert, now)
 
@@ -187,15 +193,20 @@ class AlertRecorder:
             if job.id not in told:
                 self._enqueue(session, "succeeded", job, None, now)
 
-    def facts(self, job: Job, now: float) -> rules.JobFacts:
+    def facts(self, job: Job, now: float, end: JobEnd | None = None) -> rules.JobFacts:
+        """The rules' facts of a job: its row, or the end `end` its row could not take
+        yet, and what the observer knows of it."""
         spec = stored_spec(job.spec_json)
         view = self.observer.views.get(job.id)
         progress = view.progress if view else None
         forecast = view.forecast if view else None
+        ended = end or JobEnd(state=job.state, reason=job.reason, exit_code=job.exit_code,
+                              signal=job.signal, exit_reason=job.exit_reason,
+                              ended_at=job.ended_at)
         return rules.JobFacts(
-            job_id=job.id, name=job.name, state=job.state, reason=job.reason,
-            exit_code=job.exit_code, signal=job.signal, exit_reason=job.exit_reason,
-            attempt=job.attempt, started_at=job.started_at, ended_at=job.ended_at,
+            job_id=job.id, name=job.name, state=ended.state, reason=ended.reason,
+            exit_code=ended.exit_code, signal=ended.signal, exit_reason=ended.exit_reason,
+            attempt=job.attempt, started_at=job.started_at, ended_at=ended.ended_at,
             stall_timeout_s=spec.stall_timeout_s, startup_timeout_s=spec.startup_timeout_s,
             items_done=progress.items_done if progress else None,
             items_expected=spec.expected_items,
@@ -204,6 +215,7 @@ class AlertRecorder:
             activity_at=view.activity_at if view else None,
             eta_s=forecast.eta_s if forecast else None,
             disk_free_bytes=forecast.disk_free_bytes if forecast else None,
+            log_disk_free_bytes=view.log_disk_free_bytes if view else None,
             disk_full_in_s=forecast.disk_full_in_s if forecast else None,
             will_fit=forecast.will_fit if forecast else None,
             gpu_memory_fraction=view.gpu_memory_fraction if view else None,
@@ -224,8 +236,11 @@ class AlertRecorder:
                               alert_id=alert.id if alert else None, now=now)
 
     def _message(self, kind: str, job: Job, alert: dict[str, Any] | None,
-                 now: float) -> dict[str, Any]:
-        snapshot = job_out(job, self.observer.views.get(job.id)).model_dump(mode="json")
+                 now: float, end: JobEnd | None = None) -> dict[str, Any]:
+        view = self.observer.views.get(job.id)
+        if end is not None:
+            view = replace(view or JobView(progress=ProgressRecord()), unrecorded_end=end)
+        snapshot = job_out(job, view).model_dump(mode="json")
         lines, _ = (tail_lines(log_path(self.settings.jobs_dir, job.id, job.attempt),
                                LOG_TAIL_LINES) if job.attempt else ([], 0))
         return compose(kind, snapshot, log_tail=lines, alert=alert, context=self.context,

@@ -2,7 +2,8 @@
 should be firing, and the reconciliation with the alerts already open. No I/O, no clock.
 
 Rules (docs/api.md): `crashed` (the job failed or was lost), `stalled` (phase-aware, below),
-`disk_will_fill` (the filesystem fills before the job's projected end), `disk_low`,
+`disk_will_fill` (the filesystem fills before the job's projected end), `disk_low` (its
+output's filesystem, else its log's where that is another one),
 `gpu_memory_high`, `incomplete` (exit 0 with fewer items than expected),
 `low_acceptance` (below).
 
@@ -110,6 +111,8 @@ class JobFacts:
     """Last time CPU time, read bytes or GPU memory moved."""
     eta_s: float | None = None
     disk_free_bytes: int | None = None
+    log_disk_free_bytes: int | None = None
+    """Free bytes on the filesystem of its log, where that is not its output's."""
     disk_full_in_s: float | None = None
     will_fit: bool | None = None
     gpu_memory_fraction: float | None = None
@@ -181,6 +184,10 @@ def evaluate(job: JobFacts, *, now: float, settings: AlertSettings) -> list[Firi
     if job.disk_free_bytes is not None and job.disk_free_bytes < settings.disk_low_bytes:
         fire(DISK_LOW, f"{job.name}: only {format_bytes(job.disk_free_bytes)} free "
                        "on its output disk")
+    elif (job.log_disk_free_bytes is not None
+          and job.log_disk_free_bytes < settings.disk_low_bytes):
+        fire(DISK_LOW, f"{job.name}: only {format_bytes(job.log_disk_free_bytes)} free "
+                       "on the disk of its log (the data dir's)")
     if (job.gpu_memory_fraction is not None
             and job.gpu_memory_fraction >= settings.gpu_memory_high_fraction):
         fire(GPU_MEMORY_HIGH, f"{job.name}: GPU memory {job.gpu_memory_fraction:.0%} full")

@@ -49,6 +49,7 @@ from supervisor.spec import (
 from supervisor.storage import store
 from supervisor.storage.database import sqlite_path
 from supervisor.storage.tables import Job
+from supervisor.storage.writability import Writability, unwritable_reason
 
 log = logging.getLogger(__name__)
 
@@ -83,7 +84,7 @@ class TickTimes(NamedTuple):
 class HealthOut(BaseModel):
     """`GET /healthz`: the daemon answers, and whether its engine loop still ticks."""
 
-    status: Literal["ok", "stalled"]
+    status: Literal["ok", "degraded", "stalled"]
     last_tick_age_s: float | None = Field(
         description="seconds since the engine loop last finished a tick (null: no engine)")
     last_tick_duration_s: float | None = Field(
@@ -134,12 +135,15 @@ def create_app(settings: Settings, sessions: sessionmaker[Session], *,
                wake: Callable[[], None], views: Callable[[], Mapping[str, JobView]],
                registry: CollectorRegistry | None = None,
                clock: Callable[[], float] = time.time,
-               last_tick: Callable[[], TickTimes | None] = lambda: None) -> FastAPI:
+               last_tick: Callable[[], TickTimes | None] = lambda: None,
+               writability: Writability | None = None) -> FastAPI:
     """The API over a store. `wake` asks the engine for a tick (after a submit or stop);
     `views` returns the engine's latest per-job progress, forecast and resources;
     `clock` is the engine's, so a stop's time and the engine's timeouts agree;
     `last_tick` says when the engine loop last finished a tick and how long it took
-    (/healthz)."""
+    (/healthz); `writability` whether the database takes writes (the engine's: the API
+    reports its refused writes to it, /healthz reads it)."""
+    writes = writability or Writability()
     public_paths = PUBLIC_PATHS | page.PUBLIC_PATHS | (
         {"/metrics"} if settings.metrics_public else frozenset())
     app = FastAPI(title="jobsup", version=__version__,
@@ -163,16 +167,26 @@ def create_app(settings: Settings, sessions: sessionmaker[Session], *,
         return JSONResponse(body, status_code=exc.status_code)
 
     @app.exception_handler(OperationalError)
-    async def database_unavailable(_request: Request, exc: OperationalError) -> JSONResponse:
-        """The database cannot take the write (its disk is full, or it is locked): a
-        503 the client can retry, never a bare 500."""
+    async def database_unavailable(request: Request, exc: OperationalError) -> JSONResponse:
+        """The database cannot take the write (its disk is full, it is read-only, or it
+        is locked): a 503 the client can retry, never a bare 500."""
+        reason = unwritable_reason(exc)
+        local = sqlite_path(settings.resolved_database_url) is not None
+        if reason is not None:
+            writes.failed(reason, f"{request.method} {request.url.path}")
         if store.is_disk_full(exc):
             where = (f"the filesystem of {settings.data_dir} (df -h {settings.data_dir})"
-                     if sqlite_path(settings.resolved_database_url) is not None
-                     else "the database server's disk")
+                     if local else "the database server's disk")
             body = {"error": "the daemon's database cannot be written: its disk is full; "
                              "nothing was recorded",
                     "hint": f"free space on {where}, then retry", "field": None}
+        elif reason is not None:
+            where = (f"{settings.data_dir} and the database files in it (jobsup.db, "
+                     "jobsup.db-wal, jobsup.db-shm)" if local else "the database")
+            body = {"error": f"the daemon's database cannot be written: {reason}; nothing "
+                             "was recorded",
+                    "hint": f"make {where} writable for the daemon's user, then retry "
+                            "(no restart needed)", "field": None}
         else:
             # the driver's message only: str(exc) would log the statement's parameters,
             # a submitted spec's env values among them
@@ -189,6 +203,12 @@ def create_app(settings: Settings, sessions: sessionmaker[Session], *,
                              "recorded",
                     "hint": f"free space on the filesystem of {settings.data_dir} "
                             f"(df -h {settings.data_dir}), then retry", "field": None}
+            return JSONResponse(body, status_code=503, headers={"Retry-After": "10"})
+        if exc.errno in (errno.EACCES, errno.EPERM, errno.EROFS):
+            body = {"error": f"the daemon's data dir cannot be written ({exc.strerror}); "
+                             "nothing was recorded",
+                    "hint": f"make {settings.data_dir} writable for the daemon's user, then "
+                            "retry", "field": None}
             return JSONResponse(body, status_code=503, headers={"Retry-After": "10"})
         log.error("file error answered 500: %s", exc)
         return JSONResponse({"error": f"the daemon could not access a file: {exc.strerror}",
@@ -216,15 +236,27 @@ def create_app(settings: Settings, sessions: sessionmaker[Session], *,
                                            "several intervals (it is blocked)"}})
     async def healthz() -> JSONResponse:
         """200 while the engine loop ticks, 503 once it has not finished a tick for
-        several intervals (or its last tick took that long). Async on purpose: it
+        several intervals (or its last tick took that long). `degraded` (still 200: the
+        daemon watches its jobs, and a watchdog's restart would not mend a disk) while
+        the database refuses writes. Async on purpose: it
         answers even when every worker thread waits on a locked database."""
         times = last_tick()
         if times is None:
             return JSONResponse({"status": "ok", "last_tick_age_s": None})
         age, duration = round(times.age_s, 3), round(times.duration_s, 3)
         if max(age, duration) <= stalled_after_s:
-            return JSONResponse({"status": "ok", "last_tick_age_s": age,
-                                 "last_tick_duration_s": duration})
+            refused = writes.reason
+            if refused is None:
+                return JSONResponse({"status": "ok", "last_tick_age_s": age,
+                                     "last_tick_duration_s": duration})
+            return JSONResponse(HealthOut(
+                status="degraded", last_tick_age_s=age, last_tick_duration_s=duration,
+                error=f"the database cannot be written: {refused}; jobs are watched and "
+                      "their ends and alerts sent, but nothing new is recorded and "
+                      "submits answer 503",
+                hint="free space under the database, or make it writable again: the daemon "
+                     "takes writes again within a tick, without a restart (a restart "
+                     "would not help)").model_dump())
         what = (f"has not finished a tick for {age:.0f} s" if age > stalled_after_s
                 else f"took {duration:.0f} s for its last tick")
         body = HealthOut(
@@ -271,9 +303,12 @@ def create_app(settings: Settings, sessions: sessionmaker[Session], *,
         wanted = dict(item.partition("=")[::2] for item in label or [])
         current = views()
         firing = store.firing_alerts_by_job(session)
+        # an end not recorded yet shows in its view: the stored state filters too little
+        unrecorded = any(view.unrecorded_end for view in current.values())
         jobs = [job_out(j, current.get(j.id), alerts=firing.get(j.id, ()))
-                for j in store.list_jobs(session, state=state)]
-        return [j for j in jobs if all(j.spec.labels.get(k) == v for k, v in wanted.items())]
+                for j in store.list_jobs(session, state=None if unrecorded else state)]
+        return [j for j in jobs if (state is None or j.state is state)
+                and all(j.spec.labels.get(k) == v for k, v in wanted.items())]
 
     @app.get(f"{API_PREFIX}/jobs/{{job_id}}", responses=NOT_FOUND)
     def get_job(job_id: str, session: DB) -> JobOut:

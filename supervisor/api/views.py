@@ -40,18 +40,31 @@ def alert_out(alert: Alert) -> AlertOut:
 
 def job_out(job: Job, view: JobView | None, *, alerts: Sequence[Alert] = (),
             warnings: list[str] | None = None) -> JobOut:
-    """A job row, its latest view (or its stored progress) and its firing alerts."""
+    """A job row, its latest view (or its stored progress) and its firing alerts. A
+    running job whose view holds an end the database could not take yet is shown
+    ended, its reason saying so."""
     spec = stored_spec(job.spec_json)
     if view is None:
         progress = stored_progress(job.progress_json)
         view = JobView(progress=progress or ProgressRecord(items_total=spec.expected_items))
+    end = view.unrecorded_end
+    reason: str | None
+    if end is not None and JobState(job.state) is JobState.RUNNING:  # not recorded yet
+        state, exit_code, signal, exit_reason, ended_at = (
+            end.state, end.exit_code, end.signal, end.exit_reason, end.ended_at)
+        reason = (f"{end.reason + '; ' if end.reason else ''}not recorded yet: the "
+                  "database cannot be written")
+    else:
+        state, exit_code, signal, exit_reason, ended_at = (
+            job.state, job.exit_code, job.signal, job.exit_reason, job.ended_at)
+        reason = job.reason
     return JobOut(
         id=job.id, name=job.name, spec=spec,
-        state=JobState(job.state), pid=job.pid, exit_code=job.exit_code, signal=job.signal,
-        exit_reason=ExitReason(job.exit_reason) if job.exit_reason else None,
-        reason=job.reason, restarts=job.restarts, attempt=job.attempt,
+        state=JobState(state), pid=job.pid, exit_code=exit_code, signal=signal,
+        exit_reason=ExitReason(exit_reason) if exit_reason else None,
+        reason=reason, restarts=job.restarts, attempt=job.attempt,
         created_at=iso(job.created_at) or "", started_at=iso(job.started_at),
-        ended_at=iso(job.ended_at), progress=progress_model(view.progress),
+        ended_at=iso(ended_at), progress=progress_model(view.progress),
         forecast=forecast_model(view.forecast), resources=resources_model(view.resources),
         alerts=[alert_out(a) for a in alerts],
         warnings=warnings or [],

@@ -159,7 +159,7 @@ def build_app(settings: Settings, guard: LockGuard | None = None) -> FastAPI:
                 engine.stop()
                 db_engine.dispose()
 
-    collector = JobsCollector(sessions, lambda: engine.observer.views, engine.notifier,
+    collector = JobsCollector(sessions, engine.views, engine.notifier,
                               settings.metrics_ended_retention_s,
                               gpu_available=lambda: engine.observer.sampler.gpu.available,
                               clock=engine.clock,
@@ -168,9 +168,9 @@ def build_app(settings: Settings, guard: LockGuard | None = None) -> FastAPI:
     registry, tick_histogram = build_registry(collector)
     ticks = TickWatch(engine, tick_histogram.observe)
     engine.on_tick = ticks.on_tick
-    app = create_app(settings, sessions, wake=engine.wake, views=lambda: engine.observer.views,
+    app = create_app(settings, sessions, wake=engine.wake, views=engine.views,
                      registry=registry, clock=engine.clock,
-                     last_tick=ticks.times)
+                     last_tick=ticks.times, writability=engine.writability)
     app.router.lifespan_context = lifespan
     app.state.engine = engine
     return app

@@ -11,7 +11,8 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
+from dataclasses import replace
 
 from sqlalchemy.orm import Session, sessionmaker
 
@@ -21,6 +22,7 @@ from supervisor.clock import SteadyClock
 from supervisor.config import Settings
 from supervisor.daemon import lifecycle
 from supervisor.observe.observer import SCAN_BUDGET_S, Observer
+from supervisor.observe.view import JobEnd, JobView
 from supervisor.runtime.launcher import (
     Attempt,
     Backend,
@@ -30,6 +32,7 @@ from supervisor.spec import stored_spec
 from supervisor.storage import store
 from supervisor.storage.tables import Job, SampleRecord
 from supervisor.storage.transactions import TickSteps, watch_writes
+from supervisor.storage.writability import Writability
 
 log = logging.getLogger(__name__)
 
@@ -72,7 +75,13 @@ class EngineBase:
         self._compacted_until: dict[float, float] | None = None
         """Per sample tier, the cutoff of the last downsampling pass (None: none yet in
         this daemon; the first pass starts from `store.compaction_resume_point`)."""
-        self.steps = TickSteps()
+        self.unrecorded_ends: dict[str, JobEnd] = {}
+        """Running jobs whose end the database refused, by id: shown (`views`) and
+        alerted on (`AlertRecorder.send_unrecorded`) from here until it is recorded."""
+        self.writability = Writability()
+        """Whether the database takes writes (the tick's steps report to it, /healthz
+        and the API read it)."""
+        self.steps = TickSteps(self.writability)
         watch_writes(self.sessions)  # the tick's steps see what its sessions wrote
         self._unsaved_samples: list[SampleRecord] = []
         self._progress_stored: dict[str, tuple[float, str | None]] = {}
@@ -97,6 +106,20 @@ class EngineBase:
         self.last_tick_at: float | None = None
         """`time.monotonic()` when the loop last finished a tick (one that raised too) or
         started; None before `start()`. A tick blocked in I/O leaves it behind: /healthz."""
+
+    def views(self) -> Mapping[str, JobView]:
+        """What the engine knows of each job now, for the API and the metrics: the
+        observer's views, with the ends the database has not taken yet."""
+        views = self.observer.views
+        ends = self.unrecorded_ends
+        if not ends:
+            return views
+        shown = dict(views)
+        for job_id, end in list(ends.items()):
+            view = shown.get(job_id)
+            if view is not None:
+                shown[job_id] = replace(view, unrecorded_end=end)
+        return shown
 
     def wake(self) -> None:
         """Run a tick now (a process exited, a job was submitted or stopped)."""

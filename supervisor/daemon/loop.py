@@ -23,7 +23,7 @@ from supervisor.daemon.checks import (
     JobChecks,
 )
 from supervisor.observe.observer import ObservedJob
-from supervisor.observe.view import progress_json, stored_progress
+from supervisor.observe.view import JobEnd, progress_json, stored_progress
 from supervisor.runtime import files
 from supervisor.runtime.launcher import (
     Attempt,
@@ -198,7 +198,15 @@ class Engine(JobChecks):
         starts. Each write is its own transaction: with the database's disk full, what
         cannot be written waits (samples in memory, alerts sent unrecorded) and the
         rest of the tick goes on."""
-        now = self.clock()
+        try:
+            self._tick(self.clock())
+        except Exception as exc:
+            if not self.steps.refused(exc, "the tick's reads"):
+                raise
+        finally:
+            self.steps.tick_ended()
+
+    def _tick(self, now: float) -> None:
         for backend in list(self.backends.values()):
             backend.reap()
         self._shims_seen_alive = {}
@@ -208,9 +216,12 @@ class Engine(JobChecks):
             running = [job for job in jobs if job.state == JobState.RUNNING]
             ended_lately = [job for job in jobs if JobState(job.state).ended]
             for job in running:
+                end = None
                 with self.steps.isolated(session, f"job {job.id}"), \
-                        self.steps.writing(session, "job state"):
+                        self.steps.writing(session, "job state") as written:
                     self._check_running(session, job, now)
+                    end = _end_of(job)
+                self._keep_unrecorded_end(job.id, None if written.ok else end)
             with self.steps.isolated(session, "observation"):
                 # jobs that ended this tick get one last reading: their final output counts
                 observed = [self._observed(job, self._shims_seen_alive.get(job.id)
@@ -238,16 +249,36 @@ class Engine(JobChecks):
                         log.info("downsampled old samples: %d rows removed", deleted)
                 if written.ok:
                     self._compacted_until = store.compaction_cutoffs(now)
+            if self.steps.unproven:  # writes failed, and none was tried since
+                with self.steps.isolated(session, "write check"), \
+                        self.steps.writing(session, "write check"):
+                    store.write_probe(session)
+
+    def _keep_unrecorded_end(self, job_id: str, end: JobEnd | None) -> None:
+        """Keep the end of a job the database refused (shown and alerted on from
+        memory); forget it once the job's state is written, or when it ends no more."""
+        if end is None:
+            self.unrecorded_ends.pop(job_id, None)
+            return
+        if job_id not in self.unrecorded_ends:
+            log.warning("job %s: ended %s, not recorded yet (the database cannot be "
+                        "written): shown and alerted from memory meanwhile", job_id,
+                        end.state)
+        self.unrecorded_ends[job_id] = end
 
     def _alert(self, session: Session, running: Sequence[Job], ended_lately: Sequence[Job],
                now: float) -> None:
         recorded: list[tuple[str, str]] = []
         with self.steps.writing(session, "alerts") as written:
             self.alerting.record(session, running, now, recorded, ended_lately=ended_lately)
+        ends = self.unrecorded_ends
         if written.ok:
             self.alerting.forget_sent(recorded)
+            if ends:  # the alerts of ends that could not be recorded: from memory
+                self.alerting.send_unrecorded(
+                    session, [job for job in running if job.id in ends], now, ends)
         else:
-            self.alerting.send_unrecorded(session, running, now)
+            self.alerting.send_unrecorded(session, running, now, ends)
 
     def _store_samples(self, session: Session, running: Sequence[Job],
                        samples: Sequence[SampleRecord]) -> None:
@@ -325,6 +356,15 @@ class Engine(JobChecks):
             launch = files.read_launch(attempt_dir(self.settings.jobs_dir, job.id, job.attempt))
             self._shim_observes[key] = launch is not None and "observe" in launch
         return self._shim_observes[key]
+
+
+def _end_of(job: Job) -> JobEnd | None:
+    """The end this tick decided for the job (its row's values before their commit);
+    None while it runs or waits for a restart."""
+    if not JobState(job.state).ended:
+        return None
+    return JobEnd(state=job.state, reason=job.reason, exit_code=job.exit_code,
+                  signal=job.signal, exit_reason=job.exit_reason, ended_at=job.ended_at)
 
 
 def _pending_now(session: Session, jobs: Sequence[Job]) -> Sequence[Job]:

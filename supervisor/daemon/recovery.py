@@ -12,6 +12,9 @@ When, at daemon start (`open_database`):
   `PRAGMA quick_check` failing): refuse to start with `DatabaseDamaged`, unless
   `rebuild_db` (`jobsup serve --rebuild-db`) is set: then move the file aside
   (`jobsup.db.damaged-<time>`, with its `-wal` and `-shm`) and rebuild;
+- the upgrade meets part of a revision already there (a file an older jobsup left
+  half-upgraded when it was killed during its upgrade, which committed one DDL statement
+  at a time): the same, as `jobsup.db.half-upgraded-<time>`;
 - a PostgreSQL database (`JOBSUP_DATABASE_URL`) has no file to check or set aside: only
   a database without jobs while `DATA_DIR/jobs` holds job directories is rebuilt.
 """
@@ -145,6 +148,26 @@ def damaged_error(path: Path, jobs_dir: Path, reason: str) -> DatabaseDamaged:
              f"rebuilds the jobs from {jobs_dir}")
 
 
+HALF_UPGRADED = ("already exists", "duplicate column name")
+"""What SQLite says when the upgrade meets the tables, indexes or columns of an earlier
+upgrade that an older jobsup committed one statement at a time and was then killed
+(since #30 the upgrade is one transaction: a kill leaves nothing behind)."""
+
+
+def is_half_upgraded(exc: BaseException) -> bool:
+    """The schema holds part of a revision its version does not record."""
+    text = str(exc).lower()
+    return any(words in text for words in HALF_UPGRADED)
+
+
+def half_upgraded_error(path: Path, jobs_dir: Path, reason: str) -> DatabaseDamaged:
+    return DatabaseDamaged(
+        f"the database {path} was left half-upgraded by an earlier jobsup killed during "
+        f"its schema upgrade ({reason})",
+        hint=f"jobsup serve --rebuild-db moves it aside ({path.name}.half-upgraded-<time>, "
+             f"its samples and alerts kept there) and rebuilds the jobs from {jobs_dir}")
+
+
 def check_or_set_aside(path: Path, jobs_dir: Path, *, rebuild_db: bool,
                        now: float) -> Path | None:
     """Where the damaged file went (with `rebuild_db`), None if it is sound, missing or
@@ -199,12 +222,19 @@ def open_database(settings: Settings, *, now: float | None = None) -> Engine:
         upgrade(engine)
     except DBAPIError as exc:
         engine.dispose()
-        if exc.orig is None or not is_corruption(exc.orig):
+        if exc.orig is None:
+            raise
+        if is_corruption(exc.orig):
+            label, error = "damaged", damaged_error(path, settings.jobs_dir, str(exc.orig))
+        elif is_half_upgraded(exc.orig):
+            label, error = "half-upgraded", half_upgraded_error(path, settings.jobs_dir,
+                                                                str(exc.orig))
+        else:
             raise
         if not settings.rebuild_db or lost is not None:
-            raise damaged_error(path, settings.jobs_dir, str(exc.orig)) from None
-        moved = set_aside(path, "damaged", now)
-        log.warning("moved the damaged database aside to %s (%s)", moved, exc.orig)
+            raise error from None
+        moved = set_aside(path, label, now)
+        log.warning("moved the %s database aside to %s (%s)", label, moved, exc.orig)
         return open_database(settings, now=now)
     if not known:
         rebuild_if_lost(engine, settings, str(path), lost, now)

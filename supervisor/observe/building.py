@@ -89,7 +89,8 @@ class JobViewBuilder:
                        disk_device=device, first_item_at=state.first_item_at,
                        activity_at=state.activity_at,
                        gpu_memory_fraction=tree.gpu_memory_fraction,
-                       queued=job.queued, running_since=job.running_since)
+                       queued=job.queued, running_since=job.running_since,
+                       log_disk_free_bytes=reading.log_free_bytes if reading else None)
         if progress.observation_error is not None:
             return view, None, job_forecast
         sample = SampleRecord(

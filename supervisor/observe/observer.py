@@ -43,6 +43,7 @@ from supervisor.observe.jobstate import _describe, _Ending, _Inflight, _JobState
 from supervisor.observe.readings import (
     FileReading,
     FileSide,
+    LogsDisk,
     ObservedJob,
     ScannerFactory,
     items_from,
@@ -108,6 +109,8 @@ class Observer(JobViewBuilder):
         inotify watches on output directories of local filesystems if `watch_outputs`
         (`dirwatch`; else they are statted each tick and listed when they change)."""
         self.jobs_dir = jobs_dir
+        self.logs_disk = LogsDisk(jobs_dir)
+        """The free space under the jobs' logs, read once a tick for all (`disk_low`)."""
         self.sampler = sampler or Sampler()
         self.scan_budget_s = scan_budget_s
         self.clock = clock
@@ -344,7 +347,7 @@ class Observer(JobViewBuilder):
             return ShimFileSide(self.jobs_dir, self.make_scanner,
                                 attempt_dir(self.jobs_dir, job.job_id, job.attempt),
                                 self.clock)
-        return FileSide(self.jobs_dir, self.make_scanner)
+        return FileSide(self.jobs_dir, self.make_scanner, self.logs_disk)
 
     @staticmethod
     def _shim_tree(state: _JobState) -> TreeReading:

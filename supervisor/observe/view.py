@@ -22,6 +22,21 @@ from supervisor.spec import JobSpec, Progress
 log = logging.getLogger(__name__)
 
 
+@dataclass(frozen=True)
+class JobEnd:
+    """A job's end as the engine decided it (state, why, exit status, when), while the
+    database cannot take it: shown by the API and alerted on from memory at once, and
+    recorded when writes go through again (the tick decides it anew each tick from the
+    shim's status file until then). Field names and values as the job's row holds them."""
+
+    state: str
+    reason: str | None
+    exit_code: int | None
+    signal: int | None
+    exit_reason: str | None
+    ended_at: float | None
+
+
 # built per job per tick, not changed once shown: not frozen (4x the cost to build: #15)
 @dataclass(slots=True)
 class ProgressRecord:
@@ -103,6 +118,12 @@ class JobView:
     running_since: float | None = None
     """When it left that queue and began running on its node; None while queued, and
     for a job that never waited in one (its start is its launch)."""
+    log_disk_free_bytes: int | None = None
+    """Free bytes on its log's filesystem, where that is not its output's (`disk_low`
+    watches both); None when it is the same one, or unknown."""
+    unrecorded_end: JobEnd | None = None
+    """Its end, known to the engine but not yet recorded (the database refuses writes):
+    shown in its place meanwhile (`Engine.views`)."""
 
     def failing(self, error: str) -> JobView:
         """This view, its figures kept, saying why they are not fresh."""

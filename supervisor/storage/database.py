@@ -13,10 +13,12 @@ from typing import Any
 from alembic import command
 from alembic.config import Config
 from sqlalchemy import URL, Connection, Engine, create_engine, event, make_url, text
+from sqlalchemy.engine import ExceptionContext
 from sqlalchemy.exc import ArgumentError, DBAPIError, NoSuchModuleError, OperationalError
 from sqlalchemy.orm import Session, SessionTransaction, sessionmaker
 
 from supervisor.errors import DaemonAlreadyRunning, DatabaseTaken, DatabaseUnavailable
+from supervisor.storage.writability import sqlite_connection_spoiled
 
 log = logging.getLogger(__name__)
 
@@ -85,6 +87,7 @@ def make_engine(url: str) -> Engine:
         raise DatabaseUnavailable(f"no driver for the database {shown_url(parsed)}: {exc}",
                                   hint=hint) from None
     if is_sqlite:
+        event.listen(engine, "handle_error", _drop_spoiled_connections)
 
         @event.listens_for(engine, "connect")
         def _pragmas(dbapi_conn: Any, _record: Any) -> None:
@@ -104,6 +107,17 @@ def make_engine(url: str) -> Engine:
         event.listen(engine, "before_cursor_execute", _without_nul, retval=True)
 
     return engine
+
+
+def _drop_spoiled_connections(context: ExceptionContext) -> None:
+    """A SQLite connection that met a read-only file or directory (or could not open
+    its file) is read-only for good: SQLite opened it read-only without a word, or it
+    cannot write its journal. Treated as a lost connection: SQLAlchemy closes it and
+    every other connection its pool opened before now, so the next write, once the
+    file is writable, opens a new one (a read-only spell left the daemon refusing
+    writes until restarted, #30)."""
+    if sqlite_connection_spoiled(context.original_exception):
+        context.is_disconnect = True
 
 
 def _without_nul(_conn: Any, _cursor: Any, statement: str, parameters: Any, _context: Any,
@@ -334,9 +348,44 @@ def alembic_config(url: str) -> Config:
 
 
 def upgrade(engine: Engine) -> None:
-    """Bring the schema to the newest revision (`alembic upgrade head`)."""
+    """Bring the schema to the newest revision (`alembic upgrade head`), all of it in one
+    transaction: killed part way (kill -9, a power cut, Ctrl-C), the database is left as
+    it was before, and the next start runs the whole upgrade again.
+
+    PostgreSQL's DDL is transactional as it is. Python's sqlite3 (before 3.12's
+    `autocommit`) opens a transaction only before an INSERT, UPDATE or DELETE: each
+    `CREATE TABLE` or `ALTER TABLE` before one committed alone, so a kill left half a
+    schema (`table jobs already exists`, `_alembic_tmp_notifications` at every later
+    start). The upgrade's SQLite connection has the module's own transaction handling
+    turned off and gets an explicit `BEGIN` (`sqlite_transaction`)."""
     cfg = alembic_config(str(engine.url.render_as_string(hide_password=False)))
-    with engine.begin() as conn:
+    with engine.connect() as conn, sqlite_transaction(conn):
         cfg.attributes["connection"] = conn
         command.upgrade(cfg, "head")
+        conn.commit()
     log.info("database schema at head (%s)", shown_url(engine.url))
+
+
+@contextlib.contextmanager
+def sqlite_transaction(conn: Connection) -> Iterator[None]:
+    """On SQLite, a real transaction around DDL for the block: the DBAPI connection's
+    implicit transactions off (`isolation_level = None`: the module sends no BEGIN nor
+    COMMIT of its own) and `BEGIN` sent; its
+    `commit()` and `rollback()` still end it. The connection goes back to the pool as it
+    came. Other databases: nothing to do. A deferred `BEGIN`, not `BEGIN IMMEDIATE`: a
+    database already at head is only read, so a daemon still starts on a read-only or
+    full disk; the data dir's lock keeps any other writer away."""
+    if conn.dialect.name != "sqlite":
+        yield
+        return
+    dbapi_conn = conn.connection.dbapi_connection
+    assert dbapi_conn is not None
+    legacy = dbapi_conn.isolation_level
+    dbapi_conn.isolation_level = None
+    try:
+        conn.exec_driver_sql("BEGIN")
+        yield
+    finally:
+        if conn.in_transaction():
+            conn.rollback()
+        dbapi_conn.isolation_level = legacy

@@ -12,7 +12,7 @@ from collections.abc import Collection, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from sqlalchemy import Integer, bindparam, delete, func, insert, or_, select, update
+from sqlalchemy import Integer, bindparam, delete, func, insert, or_, select, text, update
 from sqlalchemy.ext.compiler import compiles
 from sqlalchemy.orm import Session
 from sqlalchemy.sql.compiler import SQLCompiler
@@ -290,6 +290,14 @@ def add_samples(session: Session, samples: Sequence[SampleRecord]) -> None:
         note_written(session)
     else:
         session.execute(insert(_SAMPLES), [sample._asdict() for sample in samples])
+
+
+def write_probe(session: Session) -> None:
+    """A write that changes nothing (alembic's version row, rewritten as it is): while
+    the database refused writes and the tick had none of its own to try, whether it
+    takes them again."""
+    session.execute(text("UPDATE alembic_version SET version_num = version_num"))
+    note_written(session)
 
 
 def is_disk_full(exc: Exception) -> bool:

@@ -1,6 +1,7 @@
-"""How the engine's tick writes: each step in a transaction of its own, a full disk
-under the database survived, and an unexpected error in one step kept from the steps
-after it. Apart from the loop (`daemon/loop.py`) so the tick reads as its steps."""
+"""How the engine's tick writes: each step in a transaction of its own, a database that
+cannot be written (a full disk, a read-only file) survived, and an unexpected error in
+one step kept from the steps after it. Apart from the loop (`daemon/loop.py`) so the
+tick reads as its steps."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ from sqlalchemy.exc import OperationalError
 from sqlalchemy.orm import ORMExecuteState, Session, SessionTransaction, sessionmaker
 
 from supervisor.storage import store
+from supervisor.storage.writability import Writability, unwritable_reason
 
 log = logging.getLogger("supervisor.daemon.loop")  # the tick's log, whichever module writes it
 
@@ -73,36 +75,72 @@ def has_writes(session: Session) -> bool:
 
 
 class TickSteps:
-    def __init__(self) -> None:
-        self.database_full = False
-        """The last write failed for lack of disk space (SQLITE_FULL)."""
+    def __init__(self, writability: Writability | None = None) -> None:
+        self.writability = writability or Writability()
+        """Whether the database takes writes, as the ticks find it (/healthz reads it)."""
+        self._failed: tuple[str, str] | None = None
+        """This tick's first write refused for want of storage: (reason, step)."""
+        self._wrote = False
+        """This tick committed a write."""
 
     def isolated(self, session: Session, what: str) -> _Isolated:
         """One step of the tick whose unexpected failure is logged and rolled back, so
         the steps after it still run: a bug in reading one job's output must not keep
         the pending jobs from starting, nor the other jobs from being watched."""
-        return _Isolated(session, what)
+        return _Isolated(self, session, what)
 
     def writing(self, session: Session, what: str) -> _Writing:
-        """Commit what the block wrote. A full disk under the database is survived:
-        the block's writes are rolled back (they are redone from the facts next tick)
-        and the yielded outcome's `ok` stays False; other errors propagate.
+        """Commit what the block wrote. A database that cannot be written (its disk
+        full, its file read-only: `writability.unwritable_reason`) is survived: the
+        block's writes are rolled back (they are redone from the facts next tick) and
+        the yielded outcome's `ok` stays False; other errors propagate.
 
         A block that wrote nothing (a running job whose state did not change: most jobs,
         most ticks) commits nothing: there is nothing to lose, and a commit per job per
-        tick was a good part of the tick's cost (#15). While the database is full every
-        block commits, so the first commit that succeeds says it is writable again."""
+        tick was a good part of the tick's cost (#15). Nor does it prove the database
+        writable: only a commit that wrote does (`tick_ended`)."""
         return _Writing(self, session, what)
+
+    def refused(self, error: BaseException, what: str) -> bool:
+        """Note an error of the tick that is the database refusing writes for want of
+        storage (True); False for any other."""
+        reason = unwritable_reason(error)
+        if reason is None:
+            return False
+        if self._failed is None:
+            self._failed = (reason, what)
+        return True
+
+    def committed(self) -> None:
+        """A block of this tick committed writes: the database takes them."""
+        self._wrote = True
+
+    @property
+    def unproven(self) -> bool:
+        """Writes failed before, and this tick has neither written nor failed yet: a
+        write must show whether the database takes them again (`store.write_probe`)."""
+        return self.writability.reason is not None and not self._wrote \
+            and self._failed is None
+
+    def tick_ended(self) -> None:
+        """Tell `writability` what this tick found: a refused write, else a committed
+        one; neither (nothing written) changes nothing."""
+        failed, wrote = self._failed, self._wrote
+        self._failed, self._wrote = None, False
+        if failed is not None:
+            self.writability.failed(*failed)
+        elif wrote:
+            self.writability.succeeded()
 
 
 class _Isolated:
     """`TickSteps.isolated` (a class, not a generator: the tick enters two steps per
     job, and a generator's context manager costs several times as much: #15)."""
 
-    __slots__ = ("session", "what")
+    __slots__ = ("steps", "session", "what")
 
-    def __init__(self, session: Session, what: str) -> None:
-        self.session, self.what = session, what
+    def __init__(self, steps: TickSteps, session: Session, what: str) -> None:
+        self.steps, self.session, self.what = steps, session, what
 
     def __enter__(self) -> None:
         return None
@@ -112,6 +150,8 @@ class _Isolated:
         if not isinstance(error, Exception):  # none, or one that must end the tick
             return False
         self.session.rollback()
+        if self.steps.refused(error, self.what):  # logged once by `Writability`
+            return True
         log.error("tick step failed (%s); the rest of the tick goes on", self.what,
                   exc_info=error)
         return True
@@ -134,7 +174,7 @@ class _Writing:
                  traceback: TracebackType | None) -> bool:
         steps, session = self.steps, self.session
         if kind is None:
-            if not steps.database_full and not has_writes(session):
+            if not has_writes(session):
                 self.outcome.ok = True
                 return False
             try:
@@ -142,24 +182,19 @@ class _Writing:
             except OperationalError as failed:
                 return self._failed(failed, raise_other=True)
             self.outcome.ok = True
-            if steps.database_full:
-                log.warning("the database is writable again")
-                steps.database_full = False
+            steps.committed()
             return False
         if isinstance(error, OperationalError):
             return self._failed(error, raise_other=False)
         return False
 
     def _failed(self, error: OperationalError, *, raise_other: bool) -> bool:
-        """Roll back; a full disk is survived (True: the error is swallowed), anything
-        else goes on up (re-raised from a failed commit, else left to propagate)."""
+        """Roll back; a database refusing writes for want of storage is survived (True:
+        the error is swallowed), anything else goes on up (re-raised from a failed
+        commit, else left to propagate)."""
         self.session.rollback()
-        if not store.is_disk_full(error):
+        if not self.steps.refused(error, self.what):
             if raise_other:
                 raise error
             return False
-        if not self.steps.database_full:
-            log.error("the database's disk is full (%s): keeping samples in memory and "
-                      "sending alerts unrecorded until space returns", self.what)
-        self.steps.database_full = True
         return True

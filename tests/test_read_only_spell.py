@@ -1,0 +1,119 @@
+"""A read-only spell under the daemon (#30, item 2): its database files made 0444 and
+its data dir 0555 for a few seconds under concurrent submits, then put back.
+
+While it lasts, `/healthz` says `degraded` and every submit answers 201 or a 503 that
+says why; once the files are writable again the daemon takes writes within a tick,
+without a restart: the refused submits go through, every acknowledged job runs, and
+the job that ended during the spell is recorded. The log says "cannot be written" and
+"writable again" once each, never "tick step failed".
+
+As root, file modes stop nothing (CAP_DAC_OVERRIDE): the daemon runs under `setpriv`
+without the capabilities that bypass them, so 0444 and 0555 refuse its writes as they
+would a user's. Its connections opened before the spell keep their read-write file
+descriptors; those SQLite opens during it are read-only, and stayed so."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import os
+import shutil
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from tests.helpers import Daemon, job_module, python_job, wait_for
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(180)]
+
+WITHOUT_DAC_OVERRIDE = ["setpriv", "--bounding-set=-dac_override,-dac_read_search,-fowner,"
+                        "-linux_immutable", "--"]
+"""The daemon (and its jobs) as root, but subject to file modes."""
+
+SPELL_S = 6.0
+SUBMITTERS = 20
+
+
+def database_files(data_dir: Path) -> list[Path]:
+    return [p for p in (data_dir / name for name in ("jobsup.db", "jobsup.db-wal",
+                                                     "jobsup.db-shm")) if p.exists()]
+
+
+def health(daemon: Daemon) -> dict[str, Any]:
+    body: dict[str, Any] = daemon.http.get("/healthz").json()
+    return body
+
+
+def submit(url: str, name: str) -> httpx.Response:
+    with httpx.Client(base_url=url, timeout=30) as client:
+        return client.post("/api/v1/jobs", json={"name": name,
+                                                 "command": python_job("pass")})
+
+
+@pytest.fixture
+def daemon(tmp_path: Path) -> Any:
+    if os.geteuid() == 0 and shutil.which("setpriv") is None:
+        pytest.fail("setpriv (util-linux) is needed to drop CAP_DAC_OVERRIDE")
+    wrapper = WITHOUT_DAC_OVERRIDE if os.geteuid() == 0 else []
+    started = Daemon(tmp_path / "data", {"JOBSUP_NOTIFY_ON_SUCCESS": "false"},
+                     log_dir=tmp_path, wrapper=wrapper).start()
+    yield started
+    for path in [started.data_dir, *database_files(started.data_dir)]:
+        path.chmod(0o755 if path.is_dir() else 0o644)
+    started.shut_down()
+
+
+def test_a_read_only_spell_is_reported_and_mended_without_a_restart(
+        daemon: Daemon, tmp_path: Path) -> None:
+    flag = tmp_path / "go"
+    ender = daemon.submit(job_module("waits_for_file", flag, 3), name="ender")["id"]
+    wait_for(lambda: daemon.job(ender)["pid"], 15, what="the worker started")
+    assert health(daemon)["status"] == "ok"
+
+    # the spell
+    for path in database_files(daemon.data_dir):
+        path.chmod(0o444)
+    daemon.data_dir.chmod(0o555)
+    spell_began = time.monotonic()
+    with concurrent.futures.ThreadPoolExecutor(SUBMITTERS) as pool:
+        answers = list(pool.map(lambda i: submit(daemon.url, f"during-{i}"),
+                                range(SUBMITTERS)))
+    flag.touch()  # the job ends during the spell
+    for answer in answers:
+        assert answer.status_code in (201, 503), answer.text
+        if answer.status_code == 503:
+            body = answer.json()
+            assert "cannot be written" in body["error"], body
+            assert "writable" in body["hint"] and answer.headers["retry-after"], body
+    acknowledged = [a.json()["id"] for a in answers if a.status_code == 201]
+    refused = [a for a in answers if a.status_code == 503]
+    assert refused, "no submit met the read-only database"
+    degraded = wait_for(lambda: (h := health(daemon))["status"] == "degraded" and h, 5,
+                        what="/healthz degraded")
+    assert "cannot be written" in degraded["error"], degraded
+    time.sleep(max(0.0, SPELL_S - (time.monotonic() - spell_began)))
+    assert health(daemon)["status"] == "degraded"
+
+    # the fix
+    daemon.data_dir.chmod(0o755)
+    for path in database_files(daemon.data_dir):
+        path.chmod(0o644)
+    fixed_at = time.monotonic()
+    wait_for(lambda: health(daemon)["status"] == "ok", 5, what="/healthz ok again")
+    healthy_after_s = time.monotonic() - fixed_at
+    ended = daemon.wait_state(ender, "failed", "succeeded", "lost", timeout=5)
+    assert (ended["state"], ended["exit_code"]) == ("failed", 3), ended
+    retried = [submit(daemon.url, f"retried-{i}") for i in range(len(refused))]
+    assert [a.status_code for a in retried] == [201] * len(refused), [a.text for a in retried]
+    for job_id in [*acknowledged, *(a.json()["id"] for a in retried)]:
+        daemon.wait_state(job_id, "succeeded", timeout=30)
+
+    log = daemon.log()
+    assert "tick step failed" not in log and "tick failed" not in log, log[-3000:]
+    assert log.count("the database cannot be written: ") == 1, log[-3000:]
+    assert log.count("the database is writable again") == 1, log[-3000:]
+    print(f"{len(refused)} of {SUBMITTERS} submits refused during the spell, "
+          f"{len(acknowledged)} acknowledged; /healthz ok {healthy_after_s:.2f} s after "
+          "the fix")
