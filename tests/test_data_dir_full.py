@@ -164,5 +164,6 @@ def test_an_exit_on_a_full_data_dir_is_shown_and_alerted_at_once(
     assert sum("crashed" in t for t in receiver.texts()) == 1, receiver.texts()
     log = daemon.log()
     assert log.count("the database cannot be written: ") == 1, log[-3000:]
-    assert log.count("the database is writable again") == 1, log[-3000:]
+    # (the tick's line; the notifier says its own once if a message's outcome waited)
+    assert log.count("the database is writable again (it was not") == 1, log[-3000:]
     print(f"shown {shown_after_s:.2f} s and alerted {alerted_after_s:.2f} s after the exit")
