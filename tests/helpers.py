@@ -207,7 +207,6 @@ class Daemon:
         wait_for(lambda: self.ticks() >= target, timeout, what=f"{count} more ticks")
 
 
-
 def kill_jobs_of(data_dir: Path) -> None:
     for kind, pid in files.live_processes(data_dir / "jobs"):
         try:
@@ -305,7 +304,6 @@ class Receiver:
     def close(self) -> None:
         self.server.shutdown()
         self.server.server_close()
-
 
 
 def exit_recorded(status_file: Path) -> bool:

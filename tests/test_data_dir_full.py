@@ -138,6 +138,8 @@ def test_an_exit_on_a_full_data_dir_is_shown_and_alerted_at_once(
                      what="the exit shown while the disk is full")
     shown_after_s = time.monotonic() - exited_at
     assert shown["exit_code"] == 3 and "not recorded yet" in shown["reason"], shown
+    metrics = daemon.http.get("/metrics").text  # Prometheus sees the end too
+    assert f'jobsup_job_state{{job_id="{job}",job_name="bad",state="failed"}} 1.0' in metrics
     assert [j["id"] for j in daemon.http.get("/api/v1/jobs",
                                               params={"state": "failed"}).json()] == [job]
     wait_for(lambda: any("crashed" in t for t in receiver.texts()), 15,

@@ -218,6 +218,14 @@ def test_errors_are_clear(setup: dict[str, Path], tmp_path: Path,
                    tmp_path / "train" / "draft", "--target", setup["model"])
     assert "replacing --draft" in capsys.readouterr().err
     assert (tmp_path / "train" / "draft" / "config.json").read_text() == "{}"
+    checkpoint = tmp_path / "out" / "draft" / "checkpoint-3"  # a draft inside OUT/draft
+    checkpoint.mkdir(parents=True)
+    (checkpoint / "config.json").write_text("{}")
+    with pytest.raises(SystemExit):  # replacing OUT/draft would delete it
+        run_export("--to", "speculators", "--out", tmp_path / "out", "--draft", checkpoint,
+                   "--target", setup["model"])
+    assert "replacing --draft" in capsys.readouterr().err
+    assert (checkpoint / "config.json").read_text() == "{}"
     with pytest.raises(SystemExit):
         run_export("--to", "specforge", "--out", tmp_path / "d", "--draft", setup["plain"],
                    "--target", setup["model"])

@@ -137,6 +137,33 @@ def with_scheme(src: Path, dst: Path, **weights: object) -> Path:
     return dst
 
 
+def test_an_expert_missing_from_the_checkpoint_is_refused(int4: tuple[str, Path],
+                                                          tmp_path: Path) -> None:
+    """An expert tensor the shards lack would leave its buffer the uninitialised memory
+    it is made with (wrong hidden states, without a word): refused, named."""
+    from safetensors.torch import save_file
+
+    _, path = int4
+    copy = Path(shutil.copytree(path, tmp_path / "holed"))
+    dropped = None
+    for shard in sorted(copy.glob("*.safetensors")):
+        tensors = load_file(shard)
+        found = [k for k in tensors if k.endswith(".experts.1.up_proj.weight_scale")]
+        if found:
+            dropped = found[0]
+            del tensors[dropped]
+            save_file(tensors, shard, metadata={"format": "pt"})
+            break
+    assert dropped is not None
+    index = copy / "model.safetensors.index.json"
+    if index.exists():
+        data = json.loads(index.read_text())
+        data["weight_map"].pop(dropped, None)
+        index.write_text(json.dumps(data))
+    with pytest.raises(TargetError, match=r"not in the checkpoint.*experts\.1\.up_proj"):
+        load_target(copy, experts="packed", dtype=torch.float32)
+
+
 @pytest.mark.parametrize("change", [{"symmetric": False}, {"group_size": 128},
                                     {"num_bits": 8}])
 def test_an_unsupported_scheme_is_refused_in_one_line(int4: tuple[str, Path], tmp_path: Path,

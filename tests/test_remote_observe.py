@@ -271,9 +271,8 @@ def test_a_restarted_daemon_stores_the_readings_it_missed(make_daemon, tmp_path:
     adir = daemon.data_dir / "jobs" / job["id"] / "attempt-1"
 
     def readings_while_down() -> list[files.Observed]:
-        """At the shim's own pace, not in a fixed 4 s. Inside the window `missed` takes,
-        by 0.5 s more: a stored reading's time is moved by the reading tick's age
-        (`ShimFeed.read`)."""
+        """At the shim's own pace, not in a fixed 4 s; inside the window `missed` takes,
+        with a second's margin at each end."""
         return [line for line in lines_of(adir) if down_at + 1 < line["t"] < time.time() - 1]
 
     wait_for(lambda: len(readings_while_down()) >= 4, 30,

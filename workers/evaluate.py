@@ -52,7 +52,7 @@ from typing import Any
 from workers.common import ProgressReporter, setup_logging, write_json
 from workers.eval_checks import Lossless, layer_error, layer_report
 from workers.heldout import select_prompts
-from workers.target import DTYPE_NAMES
+from workers.target import DTYPE_NAMES, EXPERTS
 
 log = logging.getLogger("workers.evaluate")
 
@@ -324,7 +324,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     add("--device", default=None, help="torch device (default: cuda if available, else cpu)")
     add("--dtype", choices=DTYPES, default="auto",
         help="target and draft dtype (auto: bf16 on CUDA, fp32 on CPU)")
-    add("--experts", choices=("auto", "packed", "dequantized"), default="auto",
+    add("--experts", choices=EXPERTS, default="auto",
         help="a pack-quantized INT4 target's routed experts kept packed or dequantized "
              "to bf16 (auto: packed)")
     add("--seed", type=int, default=0, help="the untrained baseline's init (default 0)")

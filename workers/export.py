@@ -479,7 +479,9 @@ def export_draft(args: argparse.Namespace) -> dict[str, Any]:
         raise ExportError(f"--draft {args.draft}: no config.json (give the draft directory "
                           "workers.train wrote: OUT/train/draft)")
     written, draft_dir = (args.out / speculators_draft.DRAFT_DIR).resolve(), args.draft.resolve()
-    if written == draft_dir or draft_dir in written.parents:
+    # OUT/draft is replaced whole: it may be neither the draft, nor hold it (a checkpoint
+    # under it would be deleted), nor lie inside it
+    if written == draft_dir or written in draft_dir.parents or draft_dir in written.parents:
         raise ExportError(f"--out {args.out} would write {written}, replacing --draft "
                           f"{args.draft}; give --out a directory of its own")
     try:

@@ -38,6 +38,7 @@ from workers.generate_output import (
     make_record,
 )
 from workers.openai_backend import run_openai
+from workers.target import EXPERTS
 
 log = logging.getLogger("workers.generate")
 
@@ -211,7 +212,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         help="abort (exit 3) after K prompts in a row failed all their retries")
     add("--batch-size", type=positive(int), default=8, help="transformers: prompts per batch")
     add("--device", help="transformers: torch device (default: cuda if available, else cpu)")
-    add("--experts", choices=("auto", "packed", "dequantized"), default="auto",
+    add("--experts", choices=EXPERTS, default="auto",
         help="transformers: a pack-quantized INT4 checkpoint's routed experts kept packed "
              "or dequantized to bf16 (auto: packed)")
     add("--limit", type=positive(int), help="only the first N valid prompts")

@@ -138,16 +138,20 @@ def _job_series(jobs: Sequence[Job], views: Mapping[str, JobView], firing: Seque
     stalled_jobs = {a.job_id for a in firing if a.rule == rules.STALLED}
     for job in jobs:
         labels = [job.id, job.name]
+        view = views.get(job.id)
+        # an end the database could not take yet is shown as the API shows it (#30)
+        end = view.unrecorded_end if view is not None else None
+        job_state = end.state if end is not None else job.state
+        exit_code = end.exit_code if end is not None else job.exit_code
         for s in JobState:
-            state.add_metric([*labels, s.value], 1.0 if job.state == s.value else 0.0)
+            state.add_metric([*labels, s.value], 1.0 if job_state == s.value else 0.0)
         g["restarts"].add_metric(labels, job.restarts)
         g["stalled"].add_metric(labels, 1.0 if job.id in stalled_jobs else 0.0)
-        if job.exit_code is not None:
-            g["exit_code"].add_metric(labels, job.exit_code)
+        if exit_code is not None:
+            g["exit_code"].add_metric(labels, exit_code)
         spec = stored_spec(job.spec_json)
-        if job.state == JobState.RUNNING.value and spec.output_dir:
+        if job_state == JobState.RUNNING.value and spec.output_dir:
             outputs.add(spec.output_dir)
-        view = views.get(job.id)
         if view is None:
             if spec.expected_items is not None:
                 g["items_expected"].add_metric(labels, spec.expected_items)
@@ -162,7 +166,7 @@ def _job_series(jobs: Sequence[Job], views: Mapping[str, JobView], firing: Seque
             "gpu_memory_bytes": r.gpu_memory_bytes,
             "last_progress_timestamp_seconds": p.last_progress_at,
         }
-        if job.state == JobState.RUNNING.value:
+        if job_state == JobState.RUNNING.value:
             values.update(cpu_percent=r.cpu_percent, rss_bytes=r.rss_bytes)
         for name, value in values.items():
             if value is not None:

@@ -349,6 +349,7 @@ def load_packed_model(path: Path, *, device: str, dtype: torch.dtype, config: An
     buffers = dict(model.named_buffers())
     plan: list[tuple[Entry, Callable[[torch.Tensor], None]]] = []
     seen: set[str] = set()
+    filled: set[tuple[str, int, str, str]] = set()  # (layer, expert, proj, part)
     report = LoadReport()
     for file_name, entry in entries.items():
         match = EXPERT_KEY.match(file_name)
@@ -356,6 +357,7 @@ def load_packed_model(path: Path, *, device: str, dtype: torch.dtype, config: An
             layer = module_name(match["layer"])
             if layer not in experts or match["part"] == "weight_shape":
                 continue
+            filled.add((layer, int(match["expert"]), match["proj"], match["part"]))
             plan.append((entry, expert_setter(experts[layer], match, entry)))
             report.packed_bytes += entry.nbytes
             continue
@@ -365,6 +367,12 @@ def load_packed_model(path: Path, *, device: str, dtype: torch.dtype, config: An
             seen.add(name)
             report.dense_bytes += entry.nbytes
     missing = [n for n in params if n not in seen and not tied(model, n)]
+    # every expert's packed weight and scale of gate, up and down: a buffer no tensor
+    # fills would stay the uninitialised memory it is made with below
+    missing += [f"{layer}.experts.{e}.{proj}_proj.{part}"
+                for layer, module in experts.items() for e in range(module.num_experts)
+                for proj in ("gate", "up", "down") for part in ("weight_packed", "weight_scale")
+                if (layer, e, proj, part) not in filled]
     if missing:
         raise FileNotFoundError(f"{path}: {len(missing)} weights not in the checkpoint "
                                 f"(first: {', '.join(missing[:3])})")
