@@ -80,3 +80,19 @@ def test_a_backward_step_does_not_hold_a_restart_back(make_daemon, clock_file: P
     assert time.monotonic() - t0 < 6
     done = daemon.wait_state(job["id"], "failed", timeout=30)
     assert done["attempt"] == 2, done
+
+
+@pytest.mark.timeout(90)
+def test_a_job_submitted_after_a_step_keeps_its_events_in_order(make_daemon,
+                                                                 clock_file: Path) -> None:
+    """A submit is stamped on the daemon's clock, as the job's later events are: stamped
+    with the system clock, one hour ahead after this step, "submitted" sorted after the
+    job's whole run (seen once in a full run as a restarted job's last event)."""
+    daemon: Daemon = make_daemon(env=faked(clock_file))
+    step(clock_file, +3600)
+    job = daemon.submit(python_job("raise SystemExit(3)"), name="after-the-step")
+    daemon.wait_state(job["id"], "failed")
+    events = [(e["from_state"], e["to_state"]) for e in daemon.events(job["id"])]
+    assert events[0] == (None, "pending") and events[-1] == ("running", "failed"), events
+    shown = daemon.job(job["id"])
+    assert shown["created_at"] <= shown["started_at"] <= shown["ended_at"], shown

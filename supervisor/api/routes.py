@@ -276,7 +276,7 @@ def create_app(settings: Settings, sessions: sessionmaker[Session], *,
     def submit(spec: JobSpec, session: DB) -> JobOut:
         check_env(spec.env, settings.allowed_env)
         job, warnings = submit_job(session, spec, default_cwd=default_cwd, views=views(),
-                                   default_backend=settings.backend)
+                                   default_backend=settings.backend, now=clock())
         session.commit()
         wake()
         return job_out(job, None, warnings=warnings)
@@ -289,7 +289,8 @@ def create_app(settings: Settings, sessions: sessionmaker[Session], *,
         submitted: list[tuple[Job, list[str]]] = []
         for spec in eagle3_jobs(params, resolve=lambda i: submitted[i][0].id):
             submitted.append(submit_job(session, spec, default_cwd=default_cwd,
-                                        views=views(), default_backend=settings.backend))
+                                        views=views(), default_backend=settings.backend,
+                                        now=clock()))
         session.commit()
         wake()
         return [job_out(job, None, warnings=warnings) for job, warnings in submitted]

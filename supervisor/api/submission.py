@@ -20,7 +20,8 @@ from supervisor.storage.tables import Job
 
 def submit_job(session: Session, spec: JobSpec, *, default_cwd: str,
                views: Mapping[str, JobView], jobs_dir: Path | None = None,
-               default_backend: BackendName = "local") -> tuple[Job, list[str]]:
+               default_backend: BackendName = "local",
+               now: float | None = None) -> tuple[Job, list[str]]:
     """The recorded (pending, not yet committed) job and its submit-time warnings, or
     InvalidSpec naming the field that cannot be accepted.
 
@@ -45,7 +46,10 @@ def submit_job(session: Session, spec: JobSpec, *, default_cwd: str,
         if missing:
             raise InvalidSpec(f"{field}: unknown job id(s) {', '.join(missing)}", field=field)
     warnings = preflight_warnings(spec, views, store.learned_bytes_per_item(session, spec.name))
-    job = store.create_job(session, spec=spec, now=time.time())
+    # on the daemon's clock, as every later event of the job (`now`; the system's only
+    # where no daemon runs): after a step of the system clock, a submit stamped with it
+    # sorted after the job's own run (#33: a restarted job's events ended "submitted")
+    job = store.create_job(session, spec=spec, now=time.time() if now is None else now)
     session.flush()
     jobs_dir = jobs_dir or session.info.get("jobs_dir")
     if jobs_dir is not None:
