@@ -24,17 +24,23 @@ Before loading the target it checks which layers vLLM and SGLang would feed the 
 as they read its config.json (workers/serving.py), against the layers it was trained on
 (`--data`'s extract_config.json, else the draft's config.json).
 
-Prompts: JSONL records with `messages` (as `workers.generate` reads them) or
-`conversations` (`role`/`content` or ShareGPT `from`/`value`); trailing assistant turns
-are dropped, so a conversations file serves too. Use prompts the draft never saw: a
-held-out file, `--skip N` (the first N prompts went to training), and `--exclude
-CONVERSATIONS` (drops any prompt whose id or text is in the training conversations).
+Prompts, two sets: the hand-written questions shipped with the workers (80, ten in
+each of MT-Bench's eight categories, workers/eagle3/handwritten.py; `--handwritten-limit
+N` takes N spread over the categories, `--no-handwritten` none), and `--prompts`: JSONL
+records with `messages` (as `workers.generate` reads them) or `conversations`
+(`role`/`content` or ShareGPT `from`/`value`); trailing assistant turns are dropped, so a
+conversations file serves too. Use prompts the draft never saw: a held-out file, `--skip
+N` (the first N prompts went to training), and `--exclude CONVERSATIONS` (drops any
+prompt, of either set, whose id or text is in the training conversations).
 `jobsup pipeline run eagle3` holds the last `eval_prompts` prompts out of generation and
 passes them here with both.
 
-Output: OUT/eval.json; progress and metrics through $JOBSUP_PROGRESS_FILE
-(`acceptance_length`, `acceptance_length_k<k>`, `acceptance_rate_pos<i>`,
-`baseline_acceptance_length`).
+Output: OUT/eval.json, each set's figures under `sets` (the hand-written set's also per
+category); the top-level figures and the progress file's are the headline set's: the
+hand-written one when it is evaluated (what users ask; the same questions for every
+draft), else `--prompts`. Metrics through $JOBSUP_PROGRESS_FILE (`acceptance_length`,
+`acceptance_length_k<k>`, `acceptance_rate_pos<i>`, `baseline_acceptance_length`: the
+headline set's; `handwritten_acceptance_length`, `prompts_acceptance_length`).
 """
 
 from __future__ import annotations
@@ -45,13 +51,19 @@ import logging
 import sys
 import time
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from workers.common import ProgressReporter, setup_logging, write_json
+from workers.eagle3.handwritten import (
+    CATEGORIES,
+    HANDWRITTEN_PROMPTS,
+    HandwrittenError,
+    select_handwritten,
+)
 from workers.eval_checks import Lossless, layer_error, layer_report
-from workers.heldout import select_prompts
+from workers.heldout import Prompt, TrainingPrompts, select_prompts
 from workers.target import DTYPE_NAMES, EXPERTS
 
 log = logging.getLogger("workers.evaluate")
@@ -173,14 +185,9 @@ def evaluate(args: argparse.Namespace, progress: ProgressReporter) -> dict[str, 
         report["error"] = layer_error(layers)
         write_report(args.out, report)
         raise EvalError(report["error"], EXIT_LAYERS)
-    selection = select_prompts(args.prompts, skip=args.skip, limit=args.limit,
-                               exclude=args.exclude)
-    report["prompts"] = {"file": str(args.prompts), "skipped": selection.skipped,
-                         "excluded_seen_in_training": selection.excluded,
-                         "evaluated": [p.id for p in selection.prompts]}
-    if not selection.prompts:
-        raise EvalError(f"--prompts: no prompt left to evaluate in {args.prompts} (after "
-                        f"--skip {args.skip} and {len(selection.excluded)} seen in training)")
+    sets = prompt_sets(args)
+    report["prompts"] = next((s.source for s in sets if s.name == PROMPTS), None)
+    report["handwritten"] = next((s.source for s in sets if s.name == HANDWRITTEN), None)
     log.info("loading %s on %s", args.target, args.device)
     started = time.monotonic()
     model, tokenizer = load_target_model(args.target, args.device, args.dtype, args.experts)
@@ -189,63 +196,173 @@ def evaluate(args: argparse.Namespace, progress: ProgressReporter) -> dict[str, 
     baseline = None if args.no_baseline else untrained_draft(draft, args.seed)
     target = Target(model, layers["trained_on"])
     stops = stop_token_ids(model, tokenizer)
-    log.info("loaded in %.1f s; %d prompts, k %s, up to %d new tokens, layers %s",
-             time.monotonic() - started, len(selection.prompts), args.k,
+    total = sum(len(s.prompts) for s in sets)
+    log.info("loaded in %.1f s; %d prompts (%s), k %s, up to %d new tokens, layers %s",
+             time.monotonic() - started, total,
+             ", ".join(f"{s.name} {len(s.prompts)}" for s in sets), args.k,
              args.max_new_tokens, layers["trained_on"])
-    runs = {f"k{k}": Run(draft, Acceptance(k)) for k in args.k}
-    if baseline is not None:
-        runs["baseline"] = Run(baseline, Acceptance(args.k[0]))
-    checks = Lossless(strict=args.strict)
+    for prompt_set in sets:
+        prompt_set.runs = {f"k{k}": Run(draft, Acceptance(k)) for k in args.k}
+        if baseline is not None:
+            prompt_set.runs["baseline"] = Run(baseline, Acceptance(args.k[0]))
+        prompt_set.checks = Lossless(strict=args.strict)
     per_prompt: list[dict[str, Any]] = []
-    reference_s = 0.0
-    progress.total = len(selection.prompts)
+    progress.total = total
     progress.update(0, force=True)
-    for done, prompt in enumerate(selection.prompts, start=1):
-        text = tokenizer.apply_chat_template(prompt.messages, tokenize=False,
-                                             add_generation_prompt=True)
-        ids = tokenizer(text, add_special_tokens=False)["input_ids"]
-        clock = time.monotonic()
-        reference = greedy_decode(target, ids, args.max_new_tokens, stops)
-        reference_s += time.monotonic() - clock
-        row: dict[str, Any] = {"id": prompt.id, "prompt_tokens": len(ids),
-                               "new_tokens": len(reference.tokens)}
-        for name, run in runs.items():
+    done = 0
+    for prompt_set in sets:  # the headline set first: the running metrics are its own
+        runs, checks = prompt_set.runs, prompt_set.checks
+        for prompt in prompt_set.prompts:
+            text = tokenizer.apply_chat_template(prompt.messages, tokenize=False,
+                                                 add_generation_prompt=True)
+            ids = tokenizer(text, add_special_tokens=False)["input_ids"]
             clock = time.monotonic()
-            decoded = speculative_decode(target, DraftState(run.draft), ids, run.total.k,
-                                         args.max_new_tokens, stops)
-            run.seconds += time.monotonic() - clock
-            assert decoded.acceptance is not None
-            run.total.merge(decoded.acceptance)
-            row[f"acceptance_length_{name}"] = decoded.acceptance.acceptance_length
-            difference = compare(reference, decoded, args.tie_tolerance)
-            if difference is not None:
-                checks.add(prompt.id, name, difference)
-            checks.tokens += difference["position"] if difference else len(reference.tokens)
-        per_prompt.append(row)
-        progress.update(done, metrics(runs, checks), force=done == len(selection.prompts))
-        log.info("prompt %d/%d %s: %d new tokens, tau %s", done, len(selection.prompts),
-                 prompt.id, len(reference.tokens), ", ".join(
-                     f"{name} {row[f'acceptance_length_{name}'] or 0:.2f}" for name in runs))
-    count = len(selection.prompts)
-    first = runs[f"k{args.k[0]}"].total
+            reference = greedy_decode(target, ids, args.max_new_tokens, stops)
+            prompt_set.reference_s += time.monotonic() - clock
+            category = prompt_set.categories.get(prompt.id)
+            row: dict[str, Any] = {"id": prompt.id, "set": prompt_set.name,
+                                   **({"category": category} if category else {}),
+                                   "prompt_tokens": len(ids),
+                                   "new_tokens": len(reference.tokens)}
+            for name, run in runs.items():
+                clock = time.monotonic()
+                decoded = speculative_decode(target, DraftState(run.draft), ids,
+                                             run.total.k, args.max_new_tokens, stops)
+                run.seconds += time.monotonic() - clock
+                assert decoded.acceptance is not None
+                run.total.merge(decoded.acceptance)
+                if category:
+                    prompt_set.by_category.setdefault(category, {}).setdefault(
+                        name, Acceptance(run.total.k)).merge(decoded.acceptance)
+                row[f"acceptance_length_{name}"] = decoded.acceptance.acceptance_length
+                difference = compare(reference, decoded, args.tie_tolerance)
+                if difference is not None:
+                    checks.add(prompt.id, name, difference)
+                checks.tokens += difference["position"] if difference \
+                    else len(reference.tokens)
+            prompt_set.rows.append(row)
+            per_prompt.append(row)
+            done += 1
+            progress.update(done, metrics(sets), force=done == total)
+            log.info("prompt %d/%d %s: %d new tokens, tau %s", done, total, prompt.id,
+                     len(reference.tokens), ", ".join(
+                         f"{name} {row[f'acceptance_length_{name}'] or 0:.2f}"
+                         for name in runs))
+    headline = sets[0].as_dict(args.k[0], args.seed)
+    checks = Lossless(strict=args.strict,
+                      failures=[f for s in sets for f in s.checks.failures],
+                      near_ties=[t for s in sets for t in s.checks.near_ties],
+                      tokens=sum(s.checks.tokens for s in sets))
     report.update({
         "settings": {"k": args.k, "max_new_tokens": args.max_new_tokens,
                      "device": args.device, "dtype": args.dtype, "seed": args.seed,
                      "tie_tolerance": args.tie_tolerance, "strict": args.strict,
                      "stop_token_ids": sorted(stops)},
-        "acceptance_length": first.acceptance_length,
-        "acceptance_rate": first.rates,
-        "runs": {str(run.total.k): run.as_dict(count) for name, run in runs.items()
-                 if name != "baseline"},
-        "baseline": None if baseline is None else {
-            **runs["baseline"].as_dict(count), "init": "random", "seed": args.seed},
-        "lossless": checks.as_dict(runs=count * len(runs)),
+        "headline_set": sets[0].name,
+        **{key: headline[key] for key in ("acceptance_length", "acceptance_rate", "runs",
+                                          "baseline")},
+        "lossless": checks.as_dict(runs=sum(len(s.prompts) * len(s.runs) for s in sets)),
         "reference": {"new_tokens": sum(row["new_tokens"] for row in per_prompt),
-                      "seconds_per_prompt": reference_s / count},
+                      "seconds_per_prompt": sum(s.reference_s for s in sets) / total},
+        "sets": {s.name: s.as_dict(args.k[0], args.seed) for s in sets},
         "per_prompt": per_prompt,
     })
     write_report(args.out, report)
     return report
+
+
+PROMPTS, HANDWRITTEN = "prompts", "handwritten"
+"""The two sets: `--prompts` (the pipeline's held-out split of its own prompts file) and
+the hand-written questions shipped in workers/eagle3/data/."""
+
+
+@dataclass
+class PromptSet:
+    """One set of prompts and what was measured on it."""
+
+    name: str
+    prompts: list[Prompt]
+    source: dict[str, Any]
+    """eval.json's description of the selection (`prompts` / `handwritten`)."""
+    categories: dict[str, str] = field(default_factory=dict)
+    """Prompt id -> category (the hand-written set)."""
+    runs: dict[str, Run] = field(default_factory=dict)
+    checks: Lossless = field(default_factory=lambda: Lossless(strict=False))
+    by_category: dict[str, dict[str, Any]] = field(default_factory=dict)
+    """category -> run name -> `Acceptance` over that category's prompts."""
+    rows: list[dict[str, Any]] = field(default_factory=list)
+    reference_s: float = 0.0
+
+    def as_dict(self, first_k: int, seed: int) -> dict[str, Any]:
+        count = len(self.prompts)
+        first = self.runs[f"k{first_k}"].total
+        baseline = self.runs.get("baseline")
+        report: dict[str, Any] = {
+            "prompts": count,
+            "acceptance_length": first.acceptance_length,
+            "acceptance_rate": first.rates,
+            "runs": {str(run.total.k): run.as_dict(count) for name, run in self.runs.items()
+                     if name != "baseline"},
+            "baseline": None if baseline is None else {
+                **baseline.as_dict(count), "init": "random", "seed": seed},
+            "lossless": self.checks.as_dict(runs=count * len(self.runs)),
+            "reference": {"new_tokens": sum(row["new_tokens"] for row in self.rows),
+                          "seconds_per_prompt": self.reference_s / count},
+        }
+        if self.categories:
+            report["categories"] = {category: category_report(
+                sum(1 for c in self.categories.values() if c == category), runs, first_k)
+                for category, runs in sorted(self.by_category.items(),
+                                             key=lambda item: CATEGORIES.index(item[0]))}
+        return report
+
+
+def category_report(prompts: int, runs: Mapping[str, Any], first_k: int) -> dict[str, Any]:
+    """tau of one category: the first k's (the headline), every k's, the baseline's."""
+    baseline = runs.get("baseline")
+    return {"prompts": prompts, "acceptance_length": runs[f"k{first_k}"].acceptance_length,
+            "acceptance_length_by_k": {name.removeprefix("k"): acceptance.acceptance_length
+                                       for name, acceptance in runs.items()
+                                       if name != "baseline"},
+            "baseline_acceptance_length": None if baseline is None
+            else baseline.acceptance_length}
+
+
+def prompt_sets(args: argparse.Namespace) -> list[PromptSet]:
+    """The sets to evaluate, the headline set first: the hand-written questions when
+    they are evaluated (what users ask, and the same questions for every run, so two
+    drafts' figures compare), else `--prompts`. Prompts in the training conversations
+    (`--exclude`) are dropped from both."""
+    training = TrainingPrompts(args.exclude)
+    sets: list[PromptSet] = []
+    if not args.no_handwritten:
+        try:
+            chosen = select_handwritten(training, args.handwritten_limit)
+        except HandwrittenError as exc:
+            raise EvalError(str(exc)) from None
+        source = {"file": str(HANDWRITTEN_PROMPTS), "limit": args.handwritten_limit,
+                  "excluded_seen_in_training": chosen.excluded,
+                  "evaluated": [p.id for p in chosen.prompts]}
+        if chosen.questions:
+            sets.append(PromptSet(HANDWRITTEN, chosen.prompts, source, chosen.categories))
+        else:
+            log.warning("every hand-written question is in the training conversations: "
+                        "the hand-written set is not evaluated")
+    if args.prompts is not None:
+        selection = select_prompts(args.prompts, skip=args.skip, limit=args.limit,
+                                   exclude=training)
+        if not selection.prompts:
+            raise EvalError(f"--prompts: no prompt left to evaluate in {args.prompts} (after "
+                            f"--skip {args.skip} and {len(selection.excluded)} seen in "
+                            "training)")
+        sets.append(PromptSet(PROMPTS, selection.prompts, {
+            "file": str(args.prompts), "skipped": selection.skipped,
+            "excluded_seen_in_training": selection.excluded,
+            "evaluated": [p.id for p in selection.prompts]}))
+    if not sets:
+        raise EvalError("no prompt left to evaluate: every hand-written question is in the "
+                        "training conversations and no --prompts was given")
+    return sets
 
 
 @dataclass
@@ -259,9 +376,12 @@ class Run:
         return {**self.total.as_dict(), "seconds_per_prompt": self.seconds / prompts}
 
 
-def metrics(runs: Mapping[str, Run], checks: Lossless) -> dict[str, float]:
-    """The progress file's metrics: the first k's tau and per-position rates, every k's
-    tau, the baseline's."""
+def metrics(sets: Sequence[PromptSet]) -> dict[str, float]:
+    """The progress file's metrics: the headline set's (the first) tau and per-position
+    rates at the first k, its every k's tau and its baseline's (what the `low_acceptance`
+    rule reads); each set's tau at the first k as `<set>_acceptance_length`; the lossless
+    counts over all sets."""
+    runs = sets[0].runs
     headline = next(iter(runs.values())).total
     values: dict[str, float | None] = {"acceptance_length": headline.acceptance_length}
     for name, run in runs.items():
@@ -270,8 +390,12 @@ def metrics(runs: Mapping[str, Run], checks: Lossless) -> dict[str, float]:
         values[key] = run.total.acceptance_length
     for i, rate in enumerate(headline.rates):
         values[f"acceptance_rate_pos{i}"] = rate
-    values["lossless_failures"] = len(checks.failures)
-    values["lossless_near_ties"] = len(checks.near_ties)
+    for prompt_set in sets:
+        if prompt_set.runs:
+            values[f"{prompt_set.name}_acceptance_length"] = next(
+                iter(prompt_set.runs.values())).total.acceptance_length
+    values["lossless_failures"] = sum(len(s.checks.failures) for s in sets)
+    values["lossless_near_ties"] = sum(len(s.checks.near_ties) for s in sets)
     return {name: value for name, value in values.items() if value is not None}
 
 
@@ -304,8 +428,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     add = parser.add_argument
     add("--target", required=True, type=Path, help="target model directory (HF format)")
     add("--draft", required=True, type=Path, help="draft directory (workers.train's draft/)")
-    add("--prompts", required=True, type=Path,
-        help="JSONL with messages or conversations per line; use held-out prompts")
+    add("--prompts", type=Path,
+        help="JSONL with messages or conversations per line; use held-out prompts "
+             "(optional while the hand-written set is evaluated)")
     add("--out", required=True, type=Path, help="directory for eval.json")
     add("-k", "--num-draft-tokens", dest="k", type=positive_int, action="append",
         metavar="K", help="proposals per target pass (a chain); repeat for several "
@@ -314,7 +439,15 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         help="tokens generated per prompt (default 256)")
     add("--skip", type=non_negative_int, default=0, metavar="N",
         help="skip the first N prompts of the file (those that went to training)")
-    add("--limit", type=positive_int, metavar="M", help="evaluate at most M prompts")
+    add("--limit", type=positive_int, metavar="M",
+        help="evaluate at most M prompts of --prompts")
+    add("--no-handwritten", action="store_true",
+        help="skip the hand-written questions (workers/eagle3/data/"
+             "heldout_handwritten.jsonl: 80, 10 in each of 8 categories), evaluated "
+             "besides --prompts and first by default")
+    add("--handwritten-limit", type=positive_int, metavar="N",
+        help="evaluate N of the hand-written questions, spread over the categories "
+             "(8: one each, 16: two each); default all 80")
     add("--exclude", type=Path, metavar="CONVERSATIONS",
         help="the training conversations (JSONL): prompts with their ids or texts are "
              "skipped")
@@ -339,6 +472,14 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     add("-v", "--verbose", action="store_true")
     args = parser.parse_args(argv)
     args.k = list(dict.fromkeys(args.k or [3]))
+    if args.prompts is None:
+        if args.no_handwritten:
+            parser.error("nothing to evaluate: give --prompts, or drop --no-handwritten")
+        for value, flag in ((args.skip, "--skip"), (args.limit, "--limit")):
+            if value:
+                parser.error(f"{flag} applies to --prompts, which was not given")
+    if args.no_handwritten and args.handwritten_limit is not None:
+        parser.error("--handwritten-limit with --no-handwritten: choose one")
     for path, flag in ((args.target, "--target"), (args.draft, "--draft"),
                        (args.prompts, "--prompts"), (args.exclude, "--exclude"),
                        (args.data, "--data")):
@@ -379,7 +520,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     summary = ", ".join(f"k={k} tau {tau(r)}" for k, r in runs.items())
     if report["baseline"] is not None:
         summary += f"; untrained baseline tau {tau(report['baseline'])}"
-    log.info("done: %d prompts, %s; %s", len(report["prompts"]["evaluated"]), summary,
+    sets = report["sets"]
+    if len(sets) > 1:
+        summary += "; " + ", ".join(f"{name} set tau {tau(s)}" for name, s in sets.items())
+    log.info("done: %d prompts (headline: the %s set), %s; %s",
+             sum(s["prompts"] for s in sets.values()), report["headline_set"], summary,
              args.out / "eval.json")
     lossless = report["lossless"]
     ties = len(lossless["near_ties"])

@@ -66,19 +66,30 @@ class Selection:
     """Ids dropped because the training conversations hold their id or their text."""
 
 
+class TrainingPrompts:
+    """The prompts of the training conversations, by id and by text: what must not be
+    scored. Built from `--exclude` (None: nothing excluded)."""
+
+    def __init__(self, conversations: Path | None) -> None:
+        self.ids: set[str] = set()
+        self.texts: set[str] = set()
+        if conversations is not None:
+            for prompt in read_prompts(conversations):
+                self.ids.add(prompt.id)
+                self.texts.add(prompt.key)
+
+    def __contains__(self, prompt: Prompt) -> bool:
+        return prompt.id in self.ids or prompt.key in self.texts
+
+
 def select_prompts(path: Path, *, skip: int, limit: int | None,
-                   exclude: Path | None) -> Selection:
-    seen_ids: set[str] = set()
-    seen_texts: set[str] = set()
-    if exclude is not None:
-        for prompt in read_prompts(exclude):
-            seen_ids.add(prompt.id)
-            seen_texts.add(prompt.key)
+                   exclude: Path | TrainingPrompts | None) -> Selection:
+    training = exclude if isinstance(exclude, TrainingPrompts) else TrainingPrompts(exclude)
     selection = Selection([])
     for index, prompt in enumerate(read_prompts(path)):
         if index < skip:
             selection.skipped += 1
-        elif prompt.id in seen_ids or prompt.key in seen_texts:
+        elif prompt in training:
             selection.excluded.append(prompt.id)
         else:
             selection.prompts.append(prompt)
