@@ -17,6 +17,7 @@ from transformers import AutoModelForCausalLM
 from tests.helpers import make_model
 from workers import evaluate, heldout, speculative
 from workers.draft import DraftConfig, Eagle3Draft, write_draft
+from workers.eagle3.handwritten import CATEGORIES, read_handwritten
 from workers.serving import default_layer_ids
 from workers.speculative import (
     Acceptance,
@@ -59,9 +60,12 @@ def tiny(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
             "prompts": prompts}
 
 
-def cli(tiny: dict[str, Path], out: Path, *extra: str) -> list[str]:
+def cli(tiny: dict[str, Path], out: Path, *extra: str, handwritten: bool = False
+        ) -> list[str]:
+    """The fixture's prompts only, unless `handwritten` (then `extra` should limit it)."""
     return ["--target", str(tiny["model"]), "--draft", str(tiny["draft"]), "--prompts",
-            str(tiny["prompts"]), "--out", str(out), "--device", "cpu", *extra]
+            str(tiny["prompts"]), "--out", str(out), "--device", "cpu",
+            *([] if handwritten else ["--no-handwritten"]), *extra]
 
 
 # -- 1. bookkeeping ------------------------------------------------------------------------
@@ -260,6 +264,73 @@ def test_cli_reports_acceptance_and_checks_losslessness(
     assert report["settings"]["dtype"] == "fp32"  # auto on CPU
 
 
+def test_cli_scores_the_handwritten_set_first_and_reports_each_set(
+        tiny: dict[str, Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Both sets: the hand-written one (8: one per category; a question seen in training
+    replaced by the next of its category) first and the headline, `--prompts` after;
+    eval.json's top-level figures are the hand-written set's, each set's are under
+    `sets`, the hand-written set's also per category; lossless counts per set and over
+    both."""
+    progress = tmp_path / "progress.json"
+    monkeypatch.setenv("JOBSUP_PROGRESS_FILE", str(progress))
+    math_01 = next(q for q in read_handwritten() if q.prompt.id == "hw-math-01")
+    training = tmp_path / "conversations.jsonl"
+    training.write_text(json.dumps({"id": "p00003", "messages": [
+        *math_01.prompt.messages, {"role": "assistant", "content": "$21"}]}) + "\n")
+    out = tmp_path / "out"
+    assert evaluate.main(cli(tiny, out, "-k", "2", "--max-new-tokens", "6",
+                             "--handwritten-limit", "8", "--exclude", str(training),
+                             handwritten=True)) == 0
+    report = json.loads((out / "eval.json").read_text())
+    assert report["headline_set"] == "handwritten" and list(report["sets"]) == [
+        "handwritten", "prompts"]
+    written = report["handwritten"]
+    assert written["limit"] == 8 and written["excluded_seen_in_training"] == ["hw-math-01"]
+    assert written["evaluated"] == [f"hw-{c}-{'02' if c == 'math' else '01'}"
+                                    for c in CATEGORIES]
+    assert report["prompts"]["evaluated"] == ["a", "b", "c"]
+    handwritten, prompts = report["sets"]["handwritten"], report["sets"]["prompts"]
+    for key in ("acceptance_length", "acceptance_rate", "runs", "baseline"):
+        assert report[key] == handwritten[key], key
+    assert (handwritten["prompts"], prompts["prompts"]) == (8, 3)
+    assert "categories" not in prompts
+    rows = report["per_prompt"]
+    assert [r["set"] for r in rows] == ["handwritten"] * 8 + ["prompts"] * 3
+    categories = handwritten["categories"]
+    assert list(categories) == list(CATEGORIES)
+    for row in rows[:8]:  # one question per category: its tau is the question's
+        category = categories[row["category"]]
+        assert category["prompts"] == 1
+        assert category["acceptance_length"] == row["acceptance_length_k2"]
+        assert category["acceptance_length_by_k"] == {"2": row["acceptance_length_k2"]}
+        assert category["baseline_acceptance_length"] == row["acceptance_length_baseline"]
+    for prompt_set, count in ((handwritten, 8), (prompts, 3)):
+        assert 1.0 <= prompt_set["acceptance_length"] <= 3
+        assert prompt_set["lossless"]["runs_compared"] == count * 2  # k 2 and the baseline
+        assert prompt_set["lossless"]["ok"]
+        assert prompt_set["runs"]["2"]["passes"] == prompt_set["runs"]["2"]["emitted"] - sum(
+            prompt_set["runs"]["2"]["accepted_by_position"])
+    assert report["lossless"]["runs_compared"] == 22 and report["lossless"]["ok"]
+    assert report["lossless"]["tokens_equal"] == (
+        handwritten["lossless"]["tokens_equal"] + prompts["lossless"]["tokens_equal"])
+    assert report["reference"]["new_tokens"] == sum(r["new_tokens"] for r in rows)
+    metrics = json.loads(progress.read_text())["metrics"]
+    assert metrics["acceptance_length"] == handwritten["acceptance_length"]
+    assert metrics["baseline_acceptance_length"] == handwritten["baseline"][
+        "acceptance_length"]
+    assert metrics["handwritten_acceptance_length"] == handwritten["acceptance_length"]
+    assert metrics["prompts_acceptance_length"] == prompts["acceptance_length"]
+    # the hand-written set alone: --prompts is optional then
+    argv = cli(tiny, out, "--no-baseline", "--max-new-tokens", "4", "--handwritten-limit",
+               "2", handwritten=True)
+    del argv[argv.index("--prompts"):argv.index("--prompts") + 2]
+    assert evaluate.main(argv) == 0
+    report = json.loads((out / "eval.json").read_text())
+    assert report["prompts"] is None and list(report["sets"]) == ["handwritten"]
+    assert report["handwritten"]["evaluated"] == ["hw-writing-01", "hw-roleplay-01"]
+    assert report["acceptance_length"] == report["sets"]["handwritten"]["acceptance_length"]
+
+
 def test_cli_fails_loudly_when_the_output_changes(
         tiny: dict[str, Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
         capsys: pytest.CaptureFixture[str]) -> None:
@@ -314,11 +385,27 @@ def test_cli_fails_when_an_engine_would_feed_other_layers(
     (["--skip", "-1"], "argument --skip: must be >= 0, got -1"),
     (["--dtype", "int8"], "argument --dtype: invalid choice: 'int8'"),
     (["--tie-tolerance", "2"], "--tie-tolerance must be in [0, 1), got 2.0"),
+    (["--handwritten-limit", "0"], "argument --handwritten-limit: must be >= 1, got 0"),
+    (["--handwritten-limit", "4"], "--handwritten-limit with --no-handwritten: choose one"),
 ])
 def test_cli_bad_arguments_are_named(tiny: dict[str, Path], tmp_path: Path, argv: list[str],
                                      message: str, capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(SystemExit) as exited:
         evaluate.main([*cli(tiny, tmp_path / "out"), *argv])
+    assert exited.value.code == 2
+    assert message in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(("argv", "message"), [
+    (["--no-handwritten"], "nothing to evaluate: give --prompts, or drop --no-handwritten"),
+    (["--skip", "3"], "--skip applies to --prompts, which was not given"),
+    (["--limit", "3"], "--limit applies to --prompts, which was not given"),
+])
+def test_cli_without_prompts(tiny: dict[str, Path], tmp_path: Path, argv: list[str],
+                             message: str, capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exited:
+        evaluate.main(["--target", str(tiny["model"]), "--draft", str(tiny["draft"]),
+                       "--out", str(tmp_path / "out"), "--device", "cpu", *argv])
     assert exited.value.code == 2
     assert message in capsys.readouterr().err
 
