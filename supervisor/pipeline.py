@@ -95,6 +95,11 @@ class Eagle3Pipeline(BaseModel):
                     "measure the draft (the evaluate step); 0: no evaluate step")
     eval_max_new_tokens: int = Field(default=256, ge=1, le=MAX_INT64,
                                      description="tokens generated per held-out prompt")
+    eval_handwritten: int = Field(
+        default=16, ge=0, le=MAX_INT64,
+        description="hand-written questions the evaluate step scores besides the held-out "
+                    "prompts, spread over their 8 categories (16: two each; 80 or more: "
+                    "all; 0: none); their tau is the step's headline")
     min_acceptance_length: float | None = Field(
         default=DEFAULT_MIN_ACCEPTANCE_LENGTH, gt=0, allow_inf_nan=False,
         description="the evaluate step's `low_acceptance` alert threshold (None: off)")
@@ -262,6 +267,8 @@ def eagle3_jobs(p: Eagle3Pipeline, *, resolve: Callable[[int], str]) -> Iterator
                 "--limit", str(p.eval_prompts), "--exclude", str(conversations), "--data",
                 str(hidden), "--out", str(out / "evaluate"), "--max-new-tokens",
                 str(p.eval_max_new_tokens), "--dtype", p.dtype, *device]
+    evaluate += ["--handwritten-limit", str(p.eval_handwritten)] if p.eval_handwritten \
+        else ["--no-handwritten"]
     yield job("evaluate", command=evaluate, depends_on=[train_id],
               output_dir=str(out / "evaluate"), pattern="eval.json",
               min_acceptance_length=p.min_acceptance_length)

@@ -87,10 +87,20 @@ def test_the_evaluate_step_measures_held_out_prompts(daemon: Daemon, tiny_model:
         "--prompts": str(DEMO_PROMPTS), "--skip": "20", "--limit": "12",
         "--exclude": str(out / "generate" / "conversations.jsonl"),
         "--data": str(out / "hidden_states"), "--out": str(out / "evaluate"),
-        "--max-new-tokens": "64", "--dtype": "fp32", "--device": "cpu"}
+        "--max-new-tokens": "64", "--dtype": "fp32", "--device": "cpu",
+        "--handwritten-limit": "16"}  # the default: two per category
     assert evaluate["min_acceptance_length"] == 1.3
     assert (evaluate["output_dir"], evaluate["pattern"]) == (str(out / "evaluate"), "eval.json")
     assert evaluate["depends_on"] == [response.json()[3]["id"]]
+    for job in response.json():
+        daemon.http.post(f"/api/v1/jobs/{job['id']}/stop")
+
+    # eval_handwritten 0: the held-out prompts only
+    response = daemon.http.post("/api/v1/pipelines/eagle3", json=body(
+        tiny_model, tmp_path / "synthetic", name="synthetic", eval_handwritten=0))
+    assert response.status_code == 201, response.text
+    command = response.json()[-1]["spec"]["command"]
+    assert "--no-handwritten" in command and "--handwritten-limit" not in command
     for job in response.json():
         daemon.http.post(f"/api/v1/jobs/{job['id']}/stop")
 

@@ -55,6 +55,9 @@ def pipeline_run(
              "evaluate step).")] = 16,
     eval_max_new_tokens: Annotated[int, typer.Option(
         help="Tokens generated per held-out prompt.")] = 256,
+    eval_handwritten: Annotated[int, typer.Option(
+        help="Hand-written questions the evaluate step scores too, spread over their 8 "
+             "categories (80: all; 0: none); their tau is the headline.")] = 16,
     min_acceptance_length: Annotated[float, typer.Option(
         help="low_acceptance alert below this many tokens per target pass (0: off).")
     ] = DEFAULT_MIN_ACCEPTANCE_LENGTH,
@@ -79,7 +82,7 @@ def pipeline_run(
         "ttt_steps": ttt_steps, "epochs": epochs, "device": device, "dtype": dtype,
         "extract_gpus": extract_gpus, "gpus_per_model": gpus_per_model,
         "init": str(init.resolve()) if init else None, "eval_prompts": eval_prompts,
-        "eval_max_new_tokens": eval_max_new_tokens,
+        "eval_max_new_tokens": eval_max_new_tokens, "eval_handwritten": eval_handwritten,
         "min_acceptance_length": min_acceptance_length or None, "launcher": launcher,
         "slurm": step_sections(slurm or [])}
     try:
