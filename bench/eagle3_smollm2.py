@@ -23,6 +23,7 @@ import sys
 import threading
 import time
 from pathlib import Path
+from typing import Any
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
@@ -138,8 +139,34 @@ def main() -> int:
     return 0
 
 
-def print_eval(report: dict[str, object]) -> None:
-    print("\n```\n" + json.dumps(report, indent=1)[:6000] + "\n```")
+def print_eval(report: dict[str, Any]) -> None:
+    """Tau per set (the headline first) and per hand-written category, then eval.json
+    without its per-prompt rows."""
+    sets = report.get("sets") or {}
+    if sets:
+        ks = list(next(iter(sets.values()))["runs"])
+        print(f"\nheadline: the {report.get('headline_set')} set\n\n| set | prompts | "
+              + " | ".join(f"tau k={k}" for k in ks) + " | untrained |\n| --- | ---: |"
+              + " ---: |" * (len(ks) + 1))
+        for name, figures in sets.items():
+            baseline = (figures.get("baseline") or {}).get("acceptance_length")
+            print(f"| {name} | {figures['prompts']} | " + " | ".join(
+                cell(figures["runs"][k]["acceptance_length"]) for k in ks)
+                + f" | {cell(baseline)} |")
+        categories = (sets.get("handwritten") or {}).get("categories") or {}
+        if categories:
+            print("\n| category | prompts | " + " | ".join(f"tau k={k}" for k in ks)
+                  + " | untrained |\n| --- | ---: |" + " ---: |" * (len(ks) + 1))
+            for name, figures in categories.items():
+                print(f"| {name} | {figures['prompts']} | " + " | ".join(
+                    cell(figures["acceptance_length_by_k"].get(k)) for k in ks)
+                    + f" | {cell(figures['baseline_acceptance_length'])} |")
+    shown = {key: value for key, value in report.items() if key != "per_prompt"}
+    print("\n```\n" + json.dumps(shown, indent=1)[:6000] + "\n```")
+
+
+def cell(value: object) -> str:
+    return f"{value:.3f}" if isinstance(value, int | float) else "-"
 
 
 def print_curve(points: list[dict[str, object]]) -> None:
