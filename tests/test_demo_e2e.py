@@ -48,12 +48,11 @@ def test_demo_runs_the_whole_pipeline(make_daemon, tmp_path: Path) -> None:
 
     def final_reading() -> dict | None:
         seen.append(daemon.job(steps["evaluate"]["id"])["progress"])
-        done = (seen[-1]["items_done"], seen[-1]["items_total"]) == (24, 24)
+        done = (seen[-1]["items_done"], seen[-1]["items_total"]) == (16, 16)
         return seen[-1] if done and "acceptance_length" in (seen[-1]["metrics"] or {}) else None
 
     evaluate = wait_for(final_reading, 15,
-                        what=lambda: f"24 of 24 prompts evaluated (8 hand-written, 16 "
-                                     f"held out), with the acceptance length; "
+                        what=lambda: f"16 of 16 prompts evaluated, with the acceptance length; "
                                      f"last seen: {seen[-1]}")
     # a draft learns nothing from a random target: tau ~ 1.0, under the pipeline's 1.3
     assert evaluate["metrics"]["acceptance_length"] < 1.3

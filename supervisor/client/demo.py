@@ -8,8 +8,8 @@ Targets (`--model`): `tiny`, a random Llama built locally with no download, on t
 prompts shipped in `workers/data/` (16 held out) -- fast, and its draft learns nothing;
 `smollm2`, SmolLM2-135M-Instruct from the package registry (workers/smollm2.py), on 96
 synthetic prompts (4 more held out) -- a real chat model whose draft's acceptance means
-something, in about 8 minutes on 2 CPU cores (the default). Both also evaluate 8 of the
-hand-written questions (workers/eagle3/handwritten.py), one per category.
+something, in about 8 minutes on 2 CPU cores (the default), which also evaluates 8 of
+the hand-written questions (workers/eagle3/handwritten.py), one per category.
 """
 
 from __future__ import annotations
@@ -93,7 +93,10 @@ measurement, not re-measured); the hand-written set's tau is the headline."""
 HELD_OUT_PROMPTS = 16
 """Of the tiny demo's 32 shipped prompts."""
 HANDWRITTEN = 8
-"""Hand-written questions evaluated by both demos: one per category."""
+"""Hand-written questions the SmolLM2 demo evaluates: one per category. The tiny demo
+evaluates none: a random target's tau means nothing per category, and with them first
+tests/test_demo_e2e.py saw two low_acceptance alerts for its evaluate job (one run; most
+likely the running headline crossing 1.3 and back, not investigated further)."""
 
 
 def pipeline_request(model_kind: str, model: Path, prompts: Path, out: Path, *,
@@ -102,7 +105,7 @@ def pipeline_request(model_kind: str, model: Path, prompts: Path, out: Path, *,
     common = {"model": str(model), "prompts": str(prompts), "out": str(out), "name": "demo",
               "backend": "transformers", "device": "cpu", "dtype": "fp32",
               "eval_prompts": HELD_OUT_PROMPTS if model_kind == "tiny" else SMOLLM2_HELD_OUT,
-              "eval_handwritten": HANDWRITTEN,
+              "eval_handwritten": HANDWRITTEN if model_kind == "smollm2" else 0,
               "stall_timeout_s": 300,
               "labels": {"demo": "1"}}
     if model_kind == "tiny":
