@@ -349,6 +349,7 @@ def train(args: argparse.Namespace, progress: ProgressReporter,
             raise TrainError(f"{checkpoint}: its best held-out step {best.step} has no "
                              f"weights in {best_dir(args.out, best.step)}; was it removed? "
                              "Rerun with --select last, or use another --out")
+    args.out.mkdir(parents=True, exist_ok=True)
     reset_best(args.out, best.step if best is not None else None)
     keep_heldout_lines(heldout_file, step)  # a later line was measured after the checkpoint
     log.info("%d samples (%d held out), %d steps (%d epochs, %d warmup), draft vocab %d, "
