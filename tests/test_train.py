@@ -614,11 +614,18 @@ def test_the_draft_is_the_held_out_peak_not_the_last_step(tiny: dict[str, Path],
 
 @pytest.mark.slow
 def test_heldout_samples_never_reach_a_training_batch_and_0_disables(
-        tiny: dict[str, Path], tmp_path: Path) -> None:
+        tiny: dict[str, Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     args = ["--batch-tokens", "768", "--ttt-steps", "2", "--epochs", "2", "--lr", "3e-3",
             "--draft-dtype", "fp32"]
     out, trace = tmp_path / "held", tmp_path / "held.trace"
+    monkeypatch.setenv("JOBSUP_PROGRESS_FILE", str(tmp_path / "progress.json"))
     summary = run_train(tiny, out, *args, "--heldout-samples", "5", "--trace-data", str(trace))
+    metrics = json.loads((tmp_path / "progress.json").read_text())["metrics"]
+    last_measure = heldout_lines(out)[-1]
+    assert metrics["heldout_tau_2"] == last_measure["tau_sim"]["2"]
+    assert [metrics["heldout_acc_0"], metrics["heldout_acc_1"]] == last_measure["acc"]
+    assert metrics["heldout_best_step"] == summary["best"]["step"]
+    assert metrics["heldout_loss"] == pytest.approx(last_measure["loss"])
     state = json.loads((out / "checkpoints" / f"step_{summary['last_step']:07d}" /
                         "trainer_state.json").read_text())
     held = state["heldout_indices"]

@@ -135,6 +135,7 @@ def reset_best(out: Path, step: int | None) -> None:
     if step is None:
         shutil.rmtree(out / "best", ignore_errors=True)
         return
+    (out / "best").mkdir(parents=True, exist_ok=True)
     replace_file(out / "best" / "latest", (best_dir(out, step).name + "\n").encode(),
                  fsync=True)
     prune_best(out)

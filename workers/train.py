@@ -30,6 +30,14 @@ Checkpoints (`--save-every` steps and at the end) go to out/checkpoints/step_NNN
 directory and renamed, then `latest` is replaced; the last two are kept. A rerun of the
 same command resumes from `latest`: weights, optimizer, scheduler, RNG and the position
 in the epoch, so no sample is repeated or skipped. SIGTERM saves a checkpoint, exit 143.
+
+Held-out choice (`workers.train_heldout`): `--heldout-samples` (default 2 %, at most 256)
+are never trained on; every `--eval-every` steps and at the end the draft's per-TTT-step
+accuracy on them gives a simulated accepted length tau_sim(k), logged, reported in the
+progress metrics (`heldout_tau_5`, `heldout_acc_0`, ...) and appended to
+out/heldout.jsonl. Each new best (by tau_sim(`--select-k`)) is written to
+out/best/step_NNNNNNN/, and out/draft/ is written from the best, not the last step
+(`--select last` for the last); out/train_summary.json says which step and why.
 The result is out/draft/ (config.json + model.safetensors with SGLang names), what
 vLLM and SGLang serve (docs/eagle3.md, "Serving"): the trained weights only (both engines
 take the target's embedding), d2t/t2d only when the draft vocabulary is smaller than the
@@ -350,7 +358,8 @@ def train(args: argparse.Namespace, progress: ProgressReporter,
                              f"weights in {best_dir(args.out, best.step)}; was it removed? "
                              "Rerun with --select last, or use another --out")
     args.out.mkdir(parents=True, exist_ok=True)
-    reset_best(args.out, best.step if best is not None else None)
+    # out/best/ as the checkpoint knows it (none kept under --select last)
+    reset_best(args.out, best.step if best is not None and args.select == "best" else None)
     keep_heldout_lines(heldout_file, step)  # a later line was measured after the checkpoint
     log.info("%d samples (%d held out), %d steps (%d epochs, %d warmup), draft vocab %d, "
              "TTT %d, %s; starting at step %d", num_samples, len(data.heldout), total,
