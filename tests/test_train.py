@@ -21,7 +21,8 @@ from safetensors.torch import load_file, save_file
 
 from tests.helpers import make_conversations, make_model, wait_for, worker_env
 from workers import extract, vocab
-from workers.draft import DraftConfig, Eagle3Draft, ttt_losses
+from workers.common import ProgressReporter
+from workers.draft import DraftConfig, Eagle3Draft, TargetHead, load_draft_weights, ttt_losses
 from workers.train import (
     build_model,
     build_optimizer,
@@ -29,7 +30,16 @@ from workers.train import (
     parse_args,
     train_step,
 )
-from workers.train_data import ExtractedData, load_batch
+from workers.train_data import Batch, ExtractedData, TrainError, load_batch
+from workers.train_heldout import (
+    HeldoutMeasure,
+    default_eval_every,
+    heldout_count,
+    measure_heldout,
+    pack_heldout,
+    reported_ks,
+    simulated_tau,
+)
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -249,16 +259,21 @@ def test_kill_minus_9_then_resume_matches_an_uninterrupted_run(
     redone = total - killed_at
     lines = [x for x in lines[:-redone] if x["step"] <= killed_at] + lines[-redone:]
     assert [x["step"] for x in lines] == list(range(1, total + 1))
-    samples = sorted(ExtractedData(tiny["data"]).samples, key=lambda s: s.index)
+    held = state["heldout_indices"]  # the default: 1 of 32 samples, never trained on
+    assert len(held) == 1 and held == final["heldout_indices"]
     for epoch in (0, 1):
         used = Counter(i for x in lines if x["epoch"] == epoch for i in x["indices"])
-        assert sorted(used) == [s.index for s in samples] and set(used.values()) == {1}
+        assert sorted(used) == sorted(set(range(32)) - set(held))
+        assert set(used.values()) == {1}
     # weights and optimizer state as if never interrupted
     got = load_file(broken / "draft" / "model.safetensors")
     want = load_file(whole / "draft" / "model.safetensors")
     assert got.keys() == want.keys()
     for name in want:
         torch.testing.assert_close(got[name], want[name], atol=1e-6, rtol=1e-5)
+    assert read_trace(broken / "heldout.jsonl") == read_trace(whole / "heldout.jsonl")
+    assert json.loads((broken / "train_summary.json").read_text()) \
+        == json.loads((whole / "train_summary.json").read_text())
     optimizer = torch.load(broken / "checkpoints" / f"step_{total:07d}" / "optimizer.pt",
                            weights_only=True)
     assert all(int(s["step"]) == total for s in optimizer["state"].values())
@@ -431,3 +446,262 @@ def test_saved_draft_has_sglang_names_config_and_the_mapping(tiny: dict[str, Pat
 
     loaded = LlamaConfig.from_pretrained(trained / "draft")
     assert loaded.rope_parameters["rope_theta"] == config["rope_theta"]
+
+
+# -- 6. the held-out measure and the choice of the draft --------------------------------
+
+def test_simulated_tau_by_hand() -> None:
+    accs = [0.5, 0.5, 1.0, 0.0, 1.0]
+    # 1 + 0.5, + 0.25, + 0.25, + 0, + 0
+    assert [simulated_tau(accs, k) for k in range(1, 6)] == [1.5, 1.75, 2.0, 2.0, 2.0]
+    assert simulated_tau([1.0] * 7, 7) == 8.0 and simulated_tau([0.0, 1.0], 2) == 1.0
+    with pytest.raises(ValueError):
+        simulated_tau(accs, 6)
+    assert reported_ks(7, 5) == [3, 5, 7] and reported_ks(2, 2) == [2] \
+        and reported_ks(7, 4) == [3, 4, 5, 7]
+
+
+def test_heldout_count_default_share_and_count() -> None:
+    assert [heldout_count(None, n) for n in (1, 19, 20, 60, 100, 1000, 12_800, 100_000)] \
+        == [0, 0, 1, 1, 2, 20, 256, 256]
+    assert heldout_count("0", 1000) == 0 and heldout_count("0.0", 1000) == 0
+    assert heldout_count("7", 1000) == 7 and heldout_count("0.05", 1000) == 50
+    assert heldout_count("0.001", 50) == 1  # a share never rounds to none
+    for bad in ("1.5", "-1", "abc"):
+        with pytest.raises(ValueError):
+            heldout_count(bad, 1000)
+    assert default_eval_every(steps_per_epoch=100, total_steps=300) == 75  # 4 over the run
+    assert default_eval_every(steps_per_epoch=100, total_steps=1000) == 100  # each epoch
+    assert default_eval_every(steps_per_epoch=3, total_steps=2) == 1
+
+
+def test_hold_out_is_seeded_stable_and_disjoint(tiny: dict[str, Path]) -> None:
+    def split(count: int, seed: int) -> tuple[list[int], list[int]]:
+        data = ExtractedData(tiny["data"])
+        data.hold_out(count, seed)
+        return [s.index for s in data.samples], [s.index for s in data.heldout]
+
+    training, held = split(5, seed=3)
+    assert split(5, seed=3) == (training, held)  # a rerun holds out the same ones
+    assert len(held) == 5 and not set(held) & set(training)
+    assert sorted(training + held) == list(range(32)) and held == sorted(held)
+    assert split(5, seed=4)[1] != held
+    assert split(0, seed=3) == (list(range(32)), [])
+    with pytest.raises(TrainError, match="at least one must be left"):
+        split(32, seed=3)
+
+
+def test_heldout_measure_matches_a_brute_force_count() -> None:
+    model, config = tiny_draft()
+    generator = torch.Generator().manual_seed(1)
+    weight = torch.randn(40, 32, generator=generator)
+    t2d = torch.zeros(40, dtype=torch.bool)
+    t2d[torch.arange(16) * 2] = True
+    weight[t2d] *= 3  # most argmaxes inside the draft vocabulary: valid positions
+    head = TargetHead(weight, t2d)
+    batches = []
+    for size, length in ((2, 9), (3, 6)):
+        mask = torch.rand(size, length, generator=generator) > 0.2
+        batches.append(Batch(torch.randn(size, length, 96, generator=generator),
+                             torch.randn(size, length, 32, generator=generator),
+                             torch.randint(0, 40, (size, length), generator=generator), mask,
+                             list(range(size)), int(mask.sum())))
+    steps = 3
+    model.train()
+    measure = measure_heldout(model, head, batches, ttt_steps=steps, step=7, epoch=1)
+    assert model.training  # left as it was found
+    hits, counts, terms = [0] * steps, [0] * steps, [[] for _ in range(steps)]
+    with torch.no_grad():
+        for batch in batches:
+            target_logits, valid = head(batch.hidden, batch.loss_mask)
+            hidden = list(model.unroll(batch.aux, batch.input_ids, steps))
+            for i in range(steps):
+                for b in range(batch.input_ids.shape[0]):
+                    for t in range(batch.input_ids.shape[1] - 1 - i):
+                        if valid[b, t + 1 + i]:
+                            draft = model.logits(hidden[i][b, t])
+                            target = target_logits[b, t + 1 + i]
+                            counts[i] += 1
+                            hits[i] += int(draft.argmax() == target.argmax())
+                            terms[i].append(-(target.softmax(-1)
+                                              * F.log_softmax(draft, -1)).sum())
+    assert measure.counts == counts and min(counts) > 0
+    assert measure.accs == [h / n for h, n in zip(hits, counts, strict=True)]
+    assert 0 < sum(hits) < sum(counts)  # a case where the accuracies are not trivial
+    for i in range(steps):  # the mean over all held-out positions, not of batch means
+        assert measure.losses[i] == pytest.approx(float(torch.stack(terms[i]).mean()),
+                                                  rel=1e-5)
+    expected, chain = 1.0, 1.0
+    for k in range(1, steps + 1):
+        chain *= hits[k - 1] / counts[k - 1]
+        expected += chain
+        assert measure.tau_sim[k] == pytest.approx(expected)
+    assert (measure.step, measure.epoch) == (7, 1)
+    assert HeldoutMeasure.from_record(json.loads(json.dumps(measure.record()))) == measure
+
+
+def run_train(tiny: dict[str, Path], out: Path, *extra: str) -> dict[str, Any]:
+    """An in-process run; its out/train_summary.json."""
+    from workers.train import main
+
+    assert main(["--data", str(tiny["data"]), "--target", str(tiny["model"]), "--vocab",
+                 str(tiny["vocab"]), "--out", str(out), *extra]) == 0
+    return json.loads((out / "train_summary.json").read_text())
+
+
+def heldout_lines(out: Path) -> list[dict[str, Any]]:
+    return read_trace(out / "heldout.jsonl")
+
+
+def measure_dir(tiny: dict[str, Path], weights: Path, count: int, seed: int,
+                ttt_steps: int) -> HeldoutMeasure:
+    """The held-out measure of the weights in `weights`, computed afresh."""
+    args = parse_args(["--data", str(tiny["data"]), "--target", str(tiny["model"]),
+                       "--vocab", str(tiny["vocab"]), "--out", "unused"])
+    data = ExtractedData(tiny["data"])
+    data.hold_out(count, seed)
+    model, head = build_model(args, data, torch.device("cpu"))
+    model.load_trainable(load_draft_weights(weights, model))
+    batches = [load_batch(data.root, samples, 64, 768)
+               for samples in pack_heldout(data.heldout, 768)]
+    return measure_heldout(model, head, batches, ttt_steps=ttt_steps, step=0, epoch=0)
+
+
+@pytest.mark.slow
+def test_the_draft_is_the_held_out_peak_not_the_last_step(tiny: dict[str, Path],
+                                                          tmp_path: Path) -> None:
+    # an lr that grows to absurd values (warmup longer than the run) makes the held-out
+    # measure jump up and down; the warmup makes the schedule the same for any length
+    args = ["--batch-tokens", "768", "--ttt-steps", "3", "--lr", "1", "--warmup-steps", "200",
+            "--heldout-samples", "4", "--eval-every", "1", "--seed", "0",
+            "--draft-dtype", "fp32", "--epochs", "3"]
+    probe = run_train(tiny, tmp_path / "probe", *args, "--max-steps", "12")
+    taus = [x["tau_sim"]["3"] for x in heldout_lines(tmp_path / "probe")]
+    assert probe["chosen_step"] == max(range(1, 13), key=lambda s: (taus[s - 1], s))
+    # the first step after which the measure fell below an earlier one: stop there
+    last = next(s for s in range(2, 13) if taus[s - 1] < max(taus[:s - 1]))
+    out = tmp_path / "peak"
+    summary = run_train(tiny, out, *args, "--max-steps", str(last))
+    lines = heldout_lines(out)
+    assert [x["step"] for x in lines] == list(range(1, last + 1))
+    assert [x["tau_sim"]["3"] for x in lines] == taus[:last]  # the same trajectory
+    chosen = summary["chosen_step"]
+    assert chosen == max(range(1, last + 1), key=lambda s: (taus[s - 1], s)) != last
+    assert summary["last_step"] == last and summary["select"] == "best"
+    assert summary["chosen"]["step"] == chosen and summary["last"]["step"] == last
+    assert [x["step"] for x in lines if x["best"]][-1] == chosen
+    # out/draft/ holds the chosen step's weights (out/best/), not the last checkpoint's
+    draft = load_file(out / "draft" / "model.safetensors")
+    best = load_file(out / "best" / f"step_{chosen:07d}" / "model.safetensors")
+    final = load_file(out / "checkpoints" / f"step_{last:07d}" / "model.safetensors")
+    assert all(torch.equal(draft[n], best[n]) for n in draft)
+    assert any(not torch.equal(draft[n], final[n]) for n in draft)
+    assert json.loads((out / "best" / f"step_{chosen:07d}" / "heldout.json")
+                      .read_text())["step"] == chosen
+    # measured afresh: the draft written beats the last step on the held-out samples
+    ours = measure_dir(tiny, out / "draft", 4, 0, 3)
+    theirs = measure_dir(tiny, out / "checkpoints" / f"step_{last:07d}", 4, 0, 3)
+    assert ours.accs == summary["chosen"]["acc"] and theirs.accs == summary["last"]["acc"]
+    assert ours.tau_sim[3] > theirs.tau_sim[3]
+    # --select last: the old behaviour, the measure still logged
+    kept = run_train(tiny, tmp_path / "last", *args, "--max-steps", str(last),
+                     "--select", "last")
+    assert kept["chosen_step"] == last and kept["best"]["step"] == chosen
+    last_draft = load_file(tmp_path / "last" / "draft" / "model.safetensors")
+    assert all(torch.equal(last_draft[n], final[n]) for n in last_draft)
+    assert not (tmp_path / "last" / "best").exists()
+
+
+@pytest.mark.slow
+def test_heldout_samples_never_reach_a_training_batch_and_0_disables(
+        tiny: dict[str, Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    args = ["--batch-tokens", "768", "--ttt-steps", "2", "--epochs", "2", "--lr", "3e-3",
+            "--draft-dtype", "fp32"]
+    out, trace = tmp_path / "held", tmp_path / "held.trace"
+    monkeypatch.setenv("JOBSUP_PROGRESS_FILE", str(tmp_path / "progress.json"))
+    summary = run_train(tiny, out, *args, "--heldout-samples", "5", "--trace-data", str(trace))
+    metrics = json.loads((tmp_path / "progress.json").read_text())["metrics"]
+    last_measure = heldout_lines(out)[-1]
+    assert metrics["heldout_tau_2"] == last_measure["tau_sim"]["2"]
+    assert [metrics["heldout_acc_0"], metrics["heldout_acc_1"]] == last_measure["acc"]
+    assert metrics["heldout_best_step"] == summary["best"]["step"]
+    assert metrics["heldout_loss"] == pytest.approx(last_measure["loss"])
+    state = json.loads((out / "checkpoints" / f"step_{summary['last_step']:07d}" /
+                        "trainer_state.json").read_text())
+    held = state["heldout_indices"]
+    assert len(held) == 5 == summary["heldout_samples"]
+    lines = read_trace(trace)
+    for epoch in (0, 1):
+        used = Counter(i for x in lines if x["epoch"] == epoch for i in x["indices"])
+        assert sorted(used) == sorted(set(range(32)) - set(held))
+        assert set(used.values()) == {1}
+    measured = heldout_lines(out)
+    assert measured and measured[-1]["step"] == summary["last_step"]
+    assert all(x["counts"][0] > 0 for x in measured)
+    # default --eval-every: each epoch (steps_per_epoch < total / 4 is not the case here)
+    assert summary["eval_every"] == max(1, min(len(lines) // 2, -(-len(lines) // 4)))
+
+    out, trace = tmp_path / "none", tmp_path / "none.trace"
+    summary = run_train(tiny, out, *args, "--heldout-samples", "0", "--trace-data", str(trace))
+    lines = read_trace(trace)
+    used = Counter(i for x in lines if x["epoch"] == 0 for i in x["indices"])
+    assert sorted(used) == list(range(32))
+    assert summary["heldout_samples"] == 0 and summary["select"] == "last"
+    assert summary["chosen_step"] == summary["last_step"] == len(lines)
+    assert not (out / "heldout.jsonl").exists() and not (out / "best").exists()
+    draft = load_file(out / "draft" / "model.safetensors")
+    final = load_file(out / "checkpoints" / f"step_{len(lines):07d}" / "model.safetensors")
+    assert all(torch.equal(draft[n], final[n]) for n in draft)
+
+
+class KilledError(Exception):
+    """Stands for a kill -9 at a chosen point of an in-process run."""
+
+
+class KillAfterMeasure(ProgressReporter):
+    """Raises at the progress update that follows the held-out measure of `step`: after
+    a new best is written to out/best/, before the step's checkpoint."""
+
+    def __init__(self, step: int):
+        super().__init__(None, "step", path="")
+        self.step = step
+
+    def update(self, done: int, metrics: Any = None, *, force: bool = False) -> None:
+        if done == self.step and force and metrics and "heldout_tau_3" in metrics:
+            raise KilledError
+
+
+@pytest.mark.slow
+def test_a_killed_and_resumed_run_chooses_the_same_draft(tiny: dict[str, Path],
+                                                         tmp_path: Path) -> None:
+    from workers.train import train
+
+    common = ["--data", str(tiny["data"]), "--target", str(tiny["model"]), "--vocab",
+              str(tiny["vocab"]), "--batch-tokens", "768", "--ttt-steps", "3", "--lr", "1",
+              "--warmup-steps", "200", "--heldout-samples", "4", "--eval-every", "2",
+              "--save-every", "3", "--max-steps", "12", "--epochs", "3",
+              "--draft-dtype", "fp32"]
+    whole, broken = tmp_path / "whole", tmp_path / "broken"
+    assert train(parse_args([*common, "--out", str(whole)]),
+                 ProgressReporter(None, "step", path="")) == 0
+    lines = heldout_lines(whole)
+    summary = json.loads((whole / "train_summary.json").read_text())
+    # killed after a new best at a step that is not a checkpoint's (4, 8 or 10): its
+    # out/best/ is newer than the checkpoint the rerun resumes from, which measures it again
+    # (measured: bests at 2, 4, 6, 8 and 10, the last step 12 worse)
+    best_steps = [x["step"] for x in lines if x["best"] and x["step"] % 3 and x["step"] > 3]
+    kill_at = best_steps[-1] if best_steps else 4
+    with pytest.raises(KilledError):
+        train(parse_args([*common, "--out", str(broken)]), KillAfterMeasure(kill_at))
+    assert not (broken / "draft").exists()
+    if kill_at in best_steps:  # written before the kill, newer than the last checkpoint
+        assert (broken / "best" / f"step_{kill_at:07d}").is_dir()
+    assert train(parse_args([*common, "--out", str(broken)]),
+                 ProgressReporter(None, "step", path="")) == 0
+    assert heldout_lines(broken) == lines  # one line per measure, none twice
+    assert json.loads((broken / "train_summary.json").read_text()) == summary
+    got = load_file(broken / "draft" / "model.safetensors")
+    want = load_file(whole / "draft" / "model.safetensors")
+    assert got.keys() == want.keys() and all(torch.equal(got[n], want[n]) for n in want)
+    assert sorted(p.name for p in (broken / "best").iterdir()) \
+        == sorted(p.name for p in (whole / "best").iterdir())

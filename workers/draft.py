@@ -371,6 +371,10 @@ class TargetHead:
         return torch.cat(draft_logits).view(batch, length, -1), valid
 
 
+STEP_WEIGHT = 0.8
+"""TTT step i's loss is weighted STEP_WEIGHT ** i in the objective."""
+
+
 def ttt_losses(model: Eagle3Draft, aux: torch.Tensor, input_ids: torch.Tensor,
                target_logits: torch.Tensor, valid: torch.Tensor,
                steps: int) -> tuple[list[torch.Tensor], ...]:

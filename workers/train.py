@@ -30,6 +30,14 @@ Checkpoints (`--save-every` steps and at the end) go to out/checkpoints/step_NNN
 directory and renamed, then `latest` is replaced; the last two are kept. A rerun of the
 same command resumes from `latest`: weights, optimizer, scheduler, RNG and the position
 in the epoch, so no sample is repeated or skipped. SIGTERM saves a checkpoint, exit 143.
+
+Held-out choice (`workers.train_heldout`): `--heldout-samples` (default 2 %, at most 256)
+are never trained on; every `--eval-every` steps and at the end the draft's per-TTT-step
+accuracy on them gives a simulated accepted length tau_sim(k), logged, reported in the
+progress metrics (`heldout_tau_5`, `heldout_acc_0`, ...) and appended to
+out/heldout.jsonl. Each new best (by tau_sim(`--select-k`)) is written to
+out/best/step_NNNNNNN/, and out/draft/ is written from the best, not the last step
+(`--select last` for the last); out/train_summary.json says which step and why.
 The result is out/draft/ (config.json + model.safetensors with SGLang names), what
 vLLM and SGLang serve (docs/eagle3.md, "Serving"): the trained weights only (both engines
 take the target's embedding), d2t/t2d only when the draft vocabulary is smaller than the
@@ -55,9 +63,26 @@ import torch
 from safetensors import safe_open
 
 from workers import serving
-from workers.checkpoints import latest_checkpoint, rng_state, save_checkpoint, set_rng_state
-from workers.common import ProgressReporter, fail, require_file, setup_logging
+from workers.checkpoints import (
+    best_dir,
+    latest_checkpoint,
+    reset_best,
+    rng_state,
+    save_best,
+    save_checkpoint,
+    set_rng_state,
+)
+from workers.common import (
+    ProgressReporter,
+    fail,
+    read_jsonl,
+    replace_file,
+    require_file,
+    setup_logging,
+    write_json,
+)
 from workers.draft import (
+    STEP_WEIGHT,
     DraftConfig,
     DraftFileError,
     Eagle3Draft,
@@ -70,11 +95,17 @@ from workers.draft import (
 )
 from workers.hidden_files import truncate_torn_line
 from workers.train_data import Batch, ExtractedData, Sample, TrainError, load_batch, prefetched
+from workers.train_heldout import (
+    HeldoutMeasure,
+    default_eval_every,
+    heldout_count,
+    measure_heldout,
+    pack_heldout,
+    reported_ks,
+)
 
 log = logging.getLogger("workers.train")
 
-STEP_WEIGHT = 0.8
-"""TTT step i's loss is weighted STEP_WEIGHT ** i."""
 EXIT_TERMINATED = 143
 
 
@@ -288,8 +319,18 @@ def train(args: argparse.Namespace, progress: ProgressReporter,
     if device.type == "cuda" and not torch.cuda.is_available():
         raise TrainError("--device cuda but no CUDA device is available (use --device cpu)")
     data = ExtractedData(args.data)
+    num_samples = len(data.samples)
+    try:
+        data.hold_out(heldout_count(args.heldout_samples, num_samples), args.seed)
+    except ValueError as exc:
+        raise TrainError(f"--heldout-samples {args.heldout_samples}: {exc}") from exc
+    select_k = args.select_k or min(5, args.ttt_steps)
+    if select_k > args.ttt_steps:
+        raise TrainError(f"--select-k {select_k} is more than --ttt-steps {args.ttt_steps}: "
+                         "the held-out measure has one accuracy per TTT step")
     model, head = build_model(args, data, device)
-    for stale in [*args.out.glob("checkpoints/.tmp-*"), *args.out.glob(".draft.*-*")]:
+    for stale in [*args.out.glob("checkpoints/.tmp-*"), *args.out.glob("best/.tmp-*"),
+                  *args.out.glob(".draft.*-*")]:
         shutil.rmtree(stale, ignore_errors=True)  # left by a run killed while writing
     plans = [data.plan_epoch(e, args.seed, args.batch_tokens) for e in range(args.epochs)]
     cut = sum(s.seq_len > args.batch_tokens for s in data.samples)
@@ -301,14 +342,32 @@ def train(args: argparse.Namespace, progress: ProgressReporter,
     optimizer = build_optimizer(model, args.lr)
     scheduler = build_scheduler(optimizer, warmup, total)
     progress.total = total
+    eval_every = args.eval_every or default_eval_every(len(plans[0]), total)
+    heldout_batches = pack_heldout(data.heldout, args.batch_tokens)
+    heldout_file = args.out / "heldout.jsonl"
     step, epoch, batch_in_epoch = 0, 0, 0
+    best: HeldoutMeasure | None = None  # the best held-out measure so far
+    latest: HeldoutMeasure | None = None  # the latest
     checkpoint = latest_checkpoint(args.out)
     if checkpoint is not None:
-        step, epoch, batch_in_epoch = resume(checkpoint, args, data, plans, model, optimizer,
-                                             scheduler)
-    log.info("%d samples, %d steps (%d epochs, %d warmup), draft vocab %d, TTT %d, %s; "
-             "starting at step %d", len(data.samples), total, args.epochs, warmup,
-             model.config.draft_vocab_size, args.ttt_steps, device, step)
+        step, epoch, batch_in_epoch, best, latest = resume(checkpoint, args, data, plans,
+                                                           model, optimizer, scheduler)
+        if best is not None and not (best_dir(args.out, best.step) / "model.safetensors") \
+                .is_file() and args.select == "best":
+            raise TrainError(f"{checkpoint}: its best held-out step {best.step} has no "
+                             f"weights in {best_dir(args.out, best.step)}; was it removed? "
+                             "Rerun with --select last, or use another --out")
+    args.out.mkdir(parents=True, exist_ok=True)
+    # out/best/ as the checkpoint knows it (none kept under --select last)
+    reset_best(args.out, best.step if best is not None and args.select == "best" else None)
+    keep_heldout_lines(heldout_file, step)  # a later line was measured after the checkpoint
+    log.info("%d samples (%d held out), %d steps (%d epochs, %d warmup), draft vocab %d, "
+             "TTT %d, %s; starting at step %d", num_samples, len(data.heldout), total,
+             args.epochs, warmup, model.config.draft_vocab_size, args.ttt_steps, device, step)
+    if data.heldout:
+        log.info("held-out measure every %d steps and at the end, %d batches; the draft "
+                 "written is the %s (tau_sim(%d))", eval_every, len(heldout_batches),
+                 "best" if args.select == "best" else "last step's", select_k)
     # (epoch, batch number in it, samples) of every step still to run
     todo = [(e, k, samples) for e in range(epoch, len(plans))
             for k, samples in enumerate(plans[e]) if e > epoch or k >= batch_in_epoch]
@@ -324,8 +383,11 @@ def train(args: argparse.Namespace, progress: ProgressReporter,
         position = sum(map(len, plans[next_epoch][:next_batch])) if next_epoch < len(plans) \
             else 0
         return {"step": step, "epoch": next_epoch, "batch_in_epoch": next_batch,
-                "position": position, "num_samples": len(data.samples), "seed": args.seed,
+                "position": position, "num_samples": num_samples, "seed": args.seed,
                 "total_steps": total, "rng": rng_state(),
+                "heldout_indices": [s.index for s in data.heldout],
+                "best": best.record() if best is not None else None,
+                "latest_heldout": latest.record() if latest is not None else None,
                 "args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()}}
 
     started, tokens_seen, saved_at, position = time.monotonic(), 0, step, (epoch, batch_in_epoch)
@@ -361,6 +423,26 @@ def train(args: argparse.Namespace, progress: ProgressReporter,
                          "%.0f tokens/s", step, total, epoch, shown.get("loss", math.nan),
                          shown.get("acc_0", math.nan), last, shown.get(f"acc_{last}", math.nan),
                          shown["lr"], shown["tokens_per_s"])
+            if heldout_batches and (step % eval_every == 0 or step == total):
+                latest = measure_heldout(model, head, prefetched(load, heldout_batches),
+                                         ttt_steps=args.ttt_steps, step=step, epoch=epoch)
+                if latest.beats(best, select_k):
+                    best = latest
+                    if args.select == "best":
+                        save_best(args.out, model, best.record())
+                with open(heldout_file, "a", encoding="utf-8") as f:
+                    f.write(json.dumps({**latest.record(), "best": best is latest}) + "\n")
+                assert best is not None
+                log.info("held-out at step %d: %s acc_0 %.3f loss %.4f; best step %d "
+                         "(tau_sim(%d) %.3f)", step,
+                         " ".join(f"tau_sim({k}) {latest.tau_sim[k]:.3f}"
+                                  for k in reported_ks(args.ttt_steps, select_k)),
+                         latest.accs[0], latest.loss, best.step, select_k,
+                         best.tau_sim[select_k])
+                shown.update(latest.metrics(reported_ks(args.ttt_steps, select_k)),
+                             heldout_best_step=best.step,
+                             heldout_best_tau=best.tau_sim[select_k])
+                progress.update(step, {**shown, "skipped_steps": skipped}, force=True)
             if step % args.save_every == 0 or step == total or stop():
                 save_checkpoint(args.out, model, optimizer, scheduler, state(*position))
                 saved_at = step
@@ -369,20 +451,60 @@ def train(args: argparse.Namespace, progress: ProgressReporter,
             save_checkpoint(args.out, model, optimizer, scheduler, state(*position))
         log.info("terminated at step %d, checkpoint saved; rerun to resume", step)
         return EXIT_TERMINATED
+    chosen = step
+    if args.select == "best" and best is not None and best.step != step:
+        model.load_trainable(load_draft_weights(
+            best_dir(args.out, best.step) / "model.safetensors", model))
+        chosen = best.step
     draft = write_draft(args.out, model, DTYPES[args.draft_dtype])
+    write_json(args.out / "train_summary.json", {
+        "select": args.select if data.heldout else "last", "select_k": select_k,
+        "chosen_step": chosen, "last_step": step, "heldout_samples": len(data.heldout),
+        "eval_every": eval_every if data.heldout else None,
+        "chosen": best.record() if best is not None and best.step == chosen else None,
+        "best": best.record() if best is not None else None,
+        "last": latest.record() if latest is not None else None})
     progress.update(step, shown, force=True)
-    log.info("done: %d steps; draft written to %s", step, draft)
+    if best is not None and latest is not None:
+        log.info("done: %d steps; draft written to %s from step %d (held-out tau_sim(%d) "
+                 "%.3f; best step %d: %.3f, last step %d: %.3f)", step, draft, chosen,
+                 select_k, (best if chosen == best.step else latest).tau_sim[select_k],
+                 best.step, best.tau_sim[select_k], latest.step, latest.tau_sim[select_k])
+    else:
+        log.info("done: %d steps; draft written to %s (no held-out samples: the last step)",
+                 step, draft)
     return 0
+
+
+def keep_heldout_lines(path: Path, up_to_step: int) -> None:
+    """out/heldout.jsonl without the lines of steps after `up_to_step` (measured by a
+    run killed after its last checkpoint: the rerun measures them again), or removed
+    when starting from step 0."""
+    if up_to_step == 0 or not path.is_file():
+        path.unlink(missing_ok=True)
+        return
+    kept = [json.dumps(record) + "\n" for _, record in read_jsonl(path, required=("step",))
+            if int(record["step"]) <= up_to_step]
+    replace_file(path, "".join(kept).encode("utf-8"), fsync=True)
 
 
 def resume(checkpoint: Path, args: argparse.Namespace, data: ExtractedData,
            plans: list[list[list[Sample]]], model: Eagle3Draft,
-           optimizer: torch.optim.Optimizer, scheduler: Any) -> tuple[int, int, int]:
+           optimizer: torch.optim.Optimizer, scheduler: Any
+           ) -> tuple[int, int, int, HeldoutMeasure | None, HeldoutMeasure | None]:
+    """Loads the checkpoint into the model, optimizer, scheduler and RNG: (step, epoch,
+    batch in the epoch, best held-out measure so far, latest held-out measure)."""
     state = json.loads((checkpoint / "trainer_state.json").read_text(encoding="utf-8"))
-    for key, ours in (("seed", args.seed), ("num_samples", len(data.samples))):
+    for key, ours in (("seed", args.seed),
+                      ("num_samples", len(data.samples) + len(data.heldout))):
         if state[key] != ours:
             raise TrainError(f"{checkpoint}: it has {key} {state[key]}, this run {ours}; "
                              "resuming would repeat or skip samples. Use another --out")
+    held = state.get("heldout_indices", [])  # none before held-out samples existed
+    if held != [s.index for s in data.heldout]:
+        raise TrainError(f"{checkpoint}: it held out {len(held)} samples, this run "
+                         f"{len(data.heldout)} (or other ones); resume with the same "
+                         f"--heldout-samples (here: {len(held)}) and --seed")
     if state["args"].get("batch_tokens") != args.batch_tokens:
         raise TrainError(f"{checkpoint}: it used --batch-tokens "
                          f"{state['args'].get('batch_tokens')}; resume with the same")
@@ -403,7 +525,9 @@ def resume(checkpoint: Path, args: argparse.Namespace, data: ExtractedData,
                          "batch boundary of this run's plan; was the data changed?")
     log.info("resuming from %s (step %d, epoch %d, sample %d of the epoch)", checkpoint,
              state["step"], epoch, state["position"])
-    return int(state["step"]), epoch, batch
+    best, latest = (HeldoutMeasure.from_record(state[key]) if state.get(key) else None
+                    for key in ("best", "latest_heldout"))
+    return int(state["step"]), epoch, batch, best, latest
 
 
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
@@ -437,11 +561,32 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
                         help="dtype of out/draft/model.safetensors (default bf16)")
     parser.add_argument("--trace-data", type=Path, default=None,
                         help="append one JSON line per step with the sample indices used")
+    parser.add_argument("--heldout-samples", default=None, metavar="N|SHARE",
+                        help="samples held out of training for the held-out measure: a "
+                        "count, or a share such as 0.05; 0 disables it (the draft is then "
+                        "the last step's). Default 2%% of the samples, at most 256, at "
+                        "least 1 from 20 samples on; the same ones on every rerun (--seed)")
+    parser.add_argument("--eval-every", type=int, default=None,
+                        help="held-out measure every N steps and at the end (default: every "
+                        "epoch, and at least 4 times over the run)")
+    parser.add_argument("--select", choices=("best", "last"), default="best",
+                        help="out/draft/ from the step with the best held-out tau_sim "
+                        "(default), or from the last step")
+    parser.add_argument("--select-k", type=int, default=None,
+                        help="draft tokens k of the tau_sim that --select best compares "
+                        "(default min(5, --ttt-steps))")
     parser.add_argument("-v", "--verbose", action="store_true")
     args = parser.parse_args(argv)
     for flag in ("ttt_steps", "epochs", "batch_tokens", "save_every", "log_every"):
         if getattr(args, flag) < 1:
             parser.error(f"--{flag.replace('_', '-')} must be >= 1")
+    for flag in ("eval_every", "select_k"):
+        if getattr(args, flag) is not None and getattr(args, flag) < 1:
+            parser.error(f"--{flag.replace('_', '-')} must be >= 1")
+    try:
+        heldout_count(args.heldout_samples, 1)
+    except ValueError as exc:
+        parser.error(f"--heldout-samples: {exc}")
     return args
 
 

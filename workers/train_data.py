@@ -48,6 +48,20 @@ class ExtractedData:
         self.samples = [entries[i] for i in sorted(entries)]
         if not self.samples:
             raise TrainError(f"{manifest}: no samples")
+        self.heldout: list[Sample] = []
+
+    def hold_out(self, count: int, seed: int) -> None:
+        """Moves `count` samples, drawn by a seeded permutation of the sample indices (the
+        same ones on every rerun), from `samples` (what the epochs are planned over) to
+        `heldout`, both in index order."""
+        everything = sorted([*self.samples, *self.heldout], key=lambda s: s.index)
+        if not 0 <= count < len(everything):
+            raise TrainError(f"cannot hold out {count} of {len(everything)} samples: "
+                             "at least one must be left to train on")
+        generator = torch.Generator().manual_seed(seed * 1_000_003 + 999_983)
+        chosen = set(torch.randperm(len(everything), generator=generator)[:count].tolist())
+        self.heldout = [s for k, s in enumerate(everything) if k in chosen]
+        self.samples = [s for k, s in enumerate(everything) if k not in chosen]
 
     def plan_epoch(self, epoch: int, seed: int, batch_tokens: int) -> list[list[Sample]]:
         """The epoch's batches, a pure function of (samples, epoch, seed, batch_tokens):
