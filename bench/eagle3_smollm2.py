@@ -1,16 +1,20 @@
 """The whole EAGLE-3 pipeline on a real target, SmolLM2-135M-Instruct, and what its draft
-is worth: acceptance length tau at k = 3 and 5, trained vs an untrained draft of the
-same shape, acceptance per draft position, and the training curve.
+is worth: acceptance length tau at k = 3 and 5 on the hand-written held-out questions and
+on synthetic held-out prompts, trained vs an untrained draft of the same shape,
+acceptance per draft position, the training curve and workers.train's held-out measure.
 
     python -m workers.smollm2 /models/smollm2          # once: the HF checkpoint
     python bench/eagle3_smollm2.py --model /models/smollm2 --work /tmp/e3 \
-        --prompts 3000 --eval-prompts 64 --device cuda --epochs 4
+        --prompts self:20000 --batch-size 2048 --device cuda
 
-Each step is the worker's own CLI, run as a subprocess with JOBSUP_PROGRESS_FILE set
-and that file polled (as the daemon would), so the curve is what jobsup shows. The
-prompts are synthetic (topics x tasks, seeded): there is no dataset download here. The
-held-out prompts never reach generation, extraction or training. `--steps` runs a
-subset (the work dir keeps what earlier steps made), to fit a time limit per call.
+`--prompts self:N` has the target write its own prompts (workers.generate
+--self-prompts), `synthetic:N` takes topics x tasks (workers.prompts, at most 2,926).
+`--conversations FILE` reuses another run's generate output, so arms that differ only
+later (`--store fp8`, training flags) share one generation. Each step is the worker's
+own CLI, run as a subprocess with JOBSUP_PROGRESS_FILE set and that file polled (as the
+daemon would), so the curve is what jobsup shows. The held-out prompts never reach
+generation, extraction or training. `--steps` runs a subset (the work dir keeps what
+earlier steps made), to fit a time limit per call.
 """
 
 from __future__ import annotations
@@ -27,15 +31,19 @@ from typing import Any
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
-from workers.prompts import prompt_texts, write_prompts  # noqa: E402
+from workers.prompts import TASKS, TOPICS, prompt_texts, write_prompts  # noqa: E402
 
 STEPS = ("prompts", "generate", "extract", "vocab", "train", "evaluate")
 
 def make_prompts(work: Path, n_train: int, n_eval: int, seed: int) -> tuple[Path, Path]:
-    """Training prompts and held-out ones, disjoint."""
-    texts = prompt_texts(n_train + n_eval, seed)
+    """Training prompts (the first of the seeded order) and held-out ones (its last: the
+    same for every arm whatever its size), disjoint."""
+    texts = prompt_texts(len(TOPICS) * len(TASKS), seed)
+    if n_train + n_eval > len(texts):
+        raise SystemExit(f"synthetic prompts: {n_train} + {n_eval} held out, but only "
+                         f"{len(texts)} distinct ones exist")
     return (write_prompts(work / "prompts.jsonl", texts[:n_train], "p"),
-            write_prompts(work / "held_out.jsonl", texts[n_train:], "h"))
+            write_prompts(work / "held_out.jsonl", texts[len(texts) - n_eval:], "h"))
 
 
 class Curve(threading.Thread):
@@ -78,65 +86,134 @@ def run_step(name: str, argv: list[str], work: Path) -> dict[str, object]:
     return {"step": name, "seconds": round(took, 1)}
 
 
+def parse_source(text: str) -> tuple[str, int]:
+    """`synthetic:N` (topics x tasks, workers.prompts), `self:N` (the target writes its
+    own prompts: workers.generate --self-prompts) or a bare N (synthetic)."""
+    kind, _, count = text.rpartition(":")
+    kind = kind or "synthetic"
+    if kind not in ("synthetic", "self") or not count.isdigit() or int(count) < 1:
+        raise argparse.ArgumentTypeError(f"--prompts: synthetic:N or self:N, not {text!r}")
+    return kind, int(count)
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model", type=Path, required=True, help="HF dir (workers.smollm2)")
-    parser.add_argument("--work", type=Path, required=True)
-    parser.add_argument("--prompts", type=int, default=3000)
-    parser.add_argument("--eval-prompts", type=int, default=64)
-    parser.add_argument("--max-tokens", type=int, default=256, help="per generated answer")
-    parser.add_argument("--eval-tokens", type=int, default=128, help="per evaluated prompt")
-    parser.add_argument("--batch-size", type=int, default=64, help="generation batch")
-    parser.add_argument("--epochs", type=int, default=4)
-    parser.add_argument("--draft-vocab-size", type=int, default=16384)
-    parser.add_argument("--device", default="cuda")
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--steps", default=",".join(STEPS))
+    add = parser.add_argument
+    add("--model", type=Path, required=True, help="HF dir (workers.smollm2)")
+    add("--work", type=Path, required=True)
+    add("--prompts", type=parse_source, default=("synthetic", 2000),
+        help="synthetic:N or self:N (default synthetic:2000)")
+    add("--conversations", type=Path, help="reuse this generate output (no generate step)")
+    add("--limit", type=int, help="extract only the first N conversations")
+    add("--eval-prompts", type=int, default=16, help="synthetic held-out prompts")
+    add("--eval-handwritten", type=int, default=80, help="hand-written questions (0: none)")
+    add("--max-tokens", type=int, default=256, help="per generated answer")
+    add("--eval-tokens", type=int, default=96, help="per evaluated prompt")
+    add("--batch-size", type=int, default=64, help="generation batch")
+    add("--store", choices=("bf16", "fp8"), default="bf16", help="extracted features")
+    add("--epochs", type=int, help="default: workers.train's")
+    add("--lr", type=float, help="default: workers.train's")
+    add("--batch-tokens", type=int, help="default: workers.train's")
+    add("-k", dest="ks", type=int, action="append", help="draft tokens (default 3 and 5)")
+    add("--no-baseline", action="store_true", help="no untrained-draft baseline")
+    add("--draft-vocab-size", type=int, default=16384)
+    add("--device", default="cuda")
+    add("--seed", type=int, default=0)
+    add("--steps", default=",".join(STEPS))
     args = parser.parse_args()
     work = args.work
     work.mkdir(parents=True, exist_ok=True)
     steps = args.steps.split(",")
     times = json.loads((work / "times.json").read_text()) if (work / "times.json").exists() \
         else {}
+    kind, count = args.prompts
     train_prompts, held_out = work / "prompts.jsonl", work / "held_out.jsonl"
-    conversations = work / "generate" / "conversations.jsonl"
+    conversations = args.conversations or work / "generate" / "conversations.jsonl"
     hidden, vocab, train_out = work / "hidden_states", work / "vocab.safetensors", work / "train"
     device = ["--device", args.device]
     if "prompts" in steps:
-        make_prompts(work, args.prompts, args.eval_prompts, args.seed)
+        make_prompts(work, count if kind == "synthetic" else 0, args.eval_prompts, args.seed)
+    source = (["--self-prompts", str(count), "--seed", str(args.seed)] if kind == "self"
+              else ["--prompts", str(train_prompts)])
+    train_flags = [f"--{name.replace('_', '-')}={value}" for name in
+                   ("epochs", "lr", "batch_tokens") if (value := getattr(args, name))]
+    evaluation = ["--no-handwritten"] if not args.eval_handwritten else \
+        ["--handwritten-limit", str(args.eval_handwritten)]
+    if args.eval_prompts:
+        evaluation += ["--prompts", str(held_out)]
     commands = {
-        "generate": ["workers.generate", "--prompts", str(train_prompts), "--out",
-                     str(conversations), "--backend", "transformers", "--model",
-                     str(args.model), "--max-tokens", str(args.max_tokens), "--batch-size",
-                     str(args.batch_size), *device],
+        "generate": ["workers.generate", *source, "--out", str(conversations), "--backend",
+                     "transformers", "--model", str(args.model), "--max-tokens",
+                     str(args.max_tokens), "--batch-size", str(args.batch_size), *device],
         "extract": ["workers.extract", "--model", str(args.model), "--data",
-                    str(conversations), "--out", str(hidden), *device],
+                    str(conversations), "--out", str(hidden), "--store", args.store,
+                    *(["--limit", str(args.limit)] if args.limit else []), *device],
         "vocab": ["workers.vocab", "--data", str(hidden), "--tokenizer", str(args.model),
                   "--draft-vocab-size", str(args.draft_vocab_size), "--out", str(vocab)],
         "train": ["workers.train", "--data", str(hidden), "--target", str(args.model),
-                  "--vocab", str(vocab), "--out", str(train_out), "--epochs",
-                  str(args.epochs), "--log-every", "10", *device],
+                  "--vocab", str(vocab), "--out", str(train_out), *train_flags,
+                  "--log-every", "10", *device],
         "evaluate": ["workers.evaluate", "--target", str(args.model), "--draft",
-                     str(train_out / "draft"), "--prompts", str(held_out), "--out",
-                     str(work / "eval"), "-k", "3", "-k", "5", "--max-new-tokens",
-                     str(args.eval_tokens), "--data", str(hidden), *device],
+                     str(train_out / "draft"), "--out", str(work / "eval"), *evaluation,
+                     *[f"-k{k}" for k in args.ks or (3, 5)], "--max-new-tokens",
+                     str(args.eval_tokens), "--data", str(hidden), "--exclude",
+                     str(conversations), *(["--no-baseline"] if args.no_baseline else []),
+                     *device],
     }
     conversations.parent.mkdir(parents=True, exist_ok=True)
     for name in STEPS[1:]:
-        if name in steps:
+        if name in steps and not (name == "generate" and args.conversations):
             times[name] = run_step(name, commands[name], work)["seconds"]
             (work / "times.json").write_text(json.dumps(times))
     print("\n| step | seconds |\n| --- | ---: |")
     for name, seconds in times.items():
         print(f"| {name} | {seconds:.0f} |")
+    print_rates(conversations, hidden, times)
     report = work / "eval" / "eval.json"
     if report.exists():
         print_eval(json.loads(report.read_text()))
     curve = work / "train.curve.json"
     if curve.exists():
         print_curve(json.loads(curve.read_text()))
+    held = train_out / "heldout.jsonl"
+    if held.exists():
+        print_heldout([json.loads(line) for line in held.read_text().splitlines()])
     return 0
+
+
+def print_rates(conversations: Path, hidden: Path, times: dict[str, float]) -> None:
+    """Generation and extraction tokens/s (step wall time, model loading included) and
+    the features' bytes per token on disk."""
+    if conversations.exists() and times.get("generate"):
+        usage = [json.loads(line).get("usage") or {} for line in
+                 conversations.read_text().splitlines() if line.strip()]
+        new = sum(u.get("completion_tokens", 0) for u in usage)
+        print(f"\ngenerate: {len(usage)} conversations, {new} new tokens, "
+              f"{new / times['generate']:,.0f} new tokens/s")
+    manifest = hidden / "manifest.jsonl"
+    if manifest.exists() and times.get("extract"):
+        records = [json.loads(line) for line in manifest.read_text().splitlines() if line]
+        tokens = sum(int(r.get("seq_len", 0)) for r in records)
+        size = sum(f.stat().st_size for f in hidden.rglob("*.safetensors"))
+        print(f"extract: {len(records)} samples, {tokens} tokens, "
+              f"{tokens / times['extract']:,.0f} tokens/s, {size / max(tokens, 1):,.0f} "
+              "bytes/token")
+
+
+def print_heldout(lines: list[dict[str, Any]]) -> None:
+    """workers.train's held-out measure at each evaluation (the draft chosen by it)."""
+    if not lines:
+        return
+    ks = [k for k in ("3", "5") if k in lines[0].get("tau_sim", {})]
+    print("\n| step | epoch | held-out loss | acc_0 | acc_2 | acc_6 | " + " | ".join(
+        f"tau_sim k={k}" for k in ks) + " |\n| ---: | ---: | ---: | ---: | ---: | ---: |"
+        + " ---: |" * len(ks))
+    for line in lines:
+        acc = line.get("acc") or []
+        print(f"| {line.get('step')} | {line.get('epoch')} | {cell(line.get('loss'))} | "
+              + " | ".join(cell(acc[i] if i < len(acc) else None) for i in (0, 2, 6))
+              + " | " + " | ".join(cell(line["tau_sim"][k]) for k in ks) + " |")
 
 
 def print_eval(report: dict[str, Any]) -> None:
