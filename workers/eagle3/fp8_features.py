@@ -23,11 +23,12 @@ to fp32:
 
     |x - decode(encode(x))| <= 2^-4 |x| + 2^-10 scale      (scale = row_amax / 448)
 
-up to fp32's own rounding of x / scale and q * scale (2^-24 relative each). The second
+up to fp32's own rounding of x / scale and q * scale (2^-24 relative each). The first
+term is reached to 16/17 (a value at 17/16 of a power of two, a tie, rounds to even:
+an error of 2^-4 of the power, 1/17 of the value). The second
 term is row_amax * 2^-10 / 448 ~ 2.2e-6 row_amax: relative error 1/16 at worst for
 every element above row_amax * 2^-15, absolute error beyond that. Decoded to bf16, the
-final rounding adds up to 2^-8 of the decoded value (bf16's unit roundoff). Both
-bounds are reached (tests/test_fp8_features.py).
+final rounding adds up to 2^-8 of the decoded value (bf16's unit roundoff).
 
 Encoding is a few elementwise ops and one amax over the hidden dim, vectorised over
 the whole batch on the device that computed it, with no host sync; it halves the
