@@ -38,6 +38,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from workers.eagle3.fp8_features import encode  # noqa: E402
 from workers.extractor import (  # noqa: E402
     Capture,
     Extractor,
@@ -46,7 +47,6 @@ from workers.extractor import (  # noqa: E402
     pack_batches,
     pad_batch,
 )
-from workers.eagle3.fp8_features import encode  # noqa: E402
 from workers.hidden_files import (  # noqa: E402
     WRITEBACK_MODES,
     Writeback,
@@ -188,7 +188,7 @@ def main() -> int:
     if args.tiny:
         args.samples, args.mean_len, args.batch_tokens = min(args.samples, 24), 200, 2048
     model = build_model(args.tiny, device)
-    hidden = model.config.hidden_size
+    hidden = int(model.config.hidden_size)
     samples = make_samples(args.samples, args.mean_len, model.config.vocab_size)
     sizes = file_sizes(samples, hidden)  # bf16: the disk ceiling's files
     tokens = sum(len(s.input_ids) for s in samples)

@@ -134,7 +134,7 @@ class Extractor:
         # vLLM's speculators train on; +1/4 disk. Carried next to the normed final state
         # as one [.., 2H] tensor through the copy and write path.
         self.keep_prenorm = keep_prenorm
-        # one of STORES: "fp8" encodes on the device, before the copy (workers/eagle3/fp8_features.py)
+        # one of STORES: "fp8" encodes on the device, before the copy (fp8_features.py)
         if store not in STORES:
             raise ValueError(f"store {store!r} is not one of {STORES}")
         self.fp8 = store == "fp8"

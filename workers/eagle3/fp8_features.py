@@ -91,7 +91,8 @@ def encode(x: torch.Tensor, layers: int) -> tuple[torch.Tensor, torch.Tensor]:
 def decode(q: torch.Tensor, scale: torch.Tensor,
            dtype: torch.dtype | None = None) -> torch.Tensor:
     """q [..., layers * H] float8_e4m3fn and scale [..., layers] -> [..., layers * H] in
-    `dtype` (None: fp32): the product is taken in fp32 (exact up to fp32 rounding), then cast once."""
+    `dtype` (None: fp32): the product is taken in fp32 (exact up to fp32 rounding),
+    then cast once."""
     import torch
 
     layers = scale.shape[-1]
@@ -99,8 +100,8 @@ def decode(q: torch.Tensor, scale: torch.Tensor,
     if width % layers:
         raise ValueError(f"last dimension {width} is not {layers} layers of equal width")
     grouped = q.unflatten(-1, (layers, width // layers)).to(torch.float32, copy=True)
-    decoded = grouped.mul_(scale.float().unsqueeze(-1)).flatten(-2)
-    return decoded if dtype in (None, torch.float32) else decoded.to(dtype)
+    decoded: torch.Tensor = grouped.mul_(scale.float().unsqueeze(-1)).flatten(-2)
+    return decoded if dtype is None or dtype == torch.float32 else decoded.to(dtype)
 
 
 def is_encoded(handle: Any, name: str) -> bool:
@@ -115,11 +116,11 @@ def read_feature(handle: Any, name: str, length: int | None = None,
     store: an fp8 one is decoded with its scales (to fp32 when `dtype` is None); any
     other is cast to `dtype`, or kept as stored when None."""
     part = handle.get_slice(name)
-    rows = part[:length] if length is not None else part[:]
+    rows: torch.Tensor = part[:length] if length is not None else part[:]
     if part.get_dtype() != SAFETENSORS_FP8:
         return rows if dtype is None else rows.to(dtype)
     scales = handle.get_slice(scale_name(name))
-    scale = scales[:length] if length is not None else scales[:]
+    scale: torch.Tensor = scales[:length] if length is not None else scales[:]
     return decode(rows, scale, dtype)
 
 
