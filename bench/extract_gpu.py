@@ -9,7 +9,10 @@ samples. Measured side by side in one run:
 4. the worker without overlap (compute, then copy, then write);
 
 each in every `--writeback` mode (default all: fsync, range, none), the final sync
-counted.
+counted, and for each `--store` (default bf16; `--store bf16 fp8` compares them side by
+side: fp8 is `workers.extract --store fp8`, float8_e4m3fn with per-token, per-layer
+scales encoded on the GPU before the copy, about half the bytes). With fp8 a fifth
+ceiling is measured: the forward passes plus the fp8 encode, nothing copied or written.
 
 Run on the H200: `python bench/extract_gpu.py --out /tmp/bench-extract`. `--tiny` runs
 a small config on the CPU to check the script. Prints a markdown table; `--json FILE`
@@ -35,6 +38,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from workers.eagle3.fp8_features import encode  # noqa: E402
 from workers.extractor import (  # noqa: E402
     Capture,
     Extractor,
@@ -87,9 +91,14 @@ def sync(device: str) -> None:
         torch.cuda.synchronize()
 
 
+STORES = {"bf16": "dtype", "fp8": "fp8"}
+"""The bench's --store names -> workers.extract's (the model computes in bf16)."""
+
+
 def prefill_ceiling(model: torch.nn.Module, samples: list[Sample], batch_tokens: int,
-                    device: str) -> float:
-    """Tokens/s of the forward passes alone, hooks included, outputs discarded."""
+                    device: str, fp8: bool = False) -> float:
+    """Tokens/s of the forward passes alone, hooks included, outputs discarded; with
+    `fp8`, the captured states also encoded as `--store fp8` encodes them."""
     base = model.get_decoder()
     layers = [2, len(base.layers) // 2, len(base.layers) - 3]
     capture = Capture(base, layers)
@@ -101,15 +110,20 @@ def prefill_ceiling(model: torch.nn.Module, samples: list[Sample], batch_tokens:
         for batch in batches:
             ids, mask = pad_batch(batch)
             base(input_ids=ids.to(device), attention_mask=mask.to(device), use_cache=False)
-            torch.cat([capture.states[i] for i in layers], dim=-1)  # the same concat
+            aux = torch.cat([capture.states[i] for i in layers], dim=-1)  # the same concat
+            if fp8:
+                encode(aux, 3)
+                encode(capture.states["final"], 1)
     sync(device)
     capture.remove()
     return tokens / (time.perf_counter() - t0)
 
 
-def file_sizes(samples: list[Sample], hidden: int) -> list[int]:
-    """Bytes of each sample's file (bf16 aux + final, int64 ids, uint8 mask)."""
-    return [len(s.input_ids) * (4 * hidden * 2 + 8 + 1) + 512 for s in samples]
+def file_sizes(samples: list[Sample], hidden: int, store: str = "bf16") -> list[int]:
+    """Bytes of each sample's file (bf16 aux + final, or fp8 with a 4-byte scale per
+    token and layer; int64 ids, uint8 mask)."""
+    per_token = 4 * hidden * 2 if store == "bf16" else 4 * hidden + 4 * 4
+    return [len(s.input_ids) * (per_token + 8 + 1) + 512 for s in samples]
 
 
 def disk_ceiling(out: Path, sizes: list[int], writers: int, writeback: str) -> float:
@@ -130,13 +144,13 @@ def disk_ceiling(out: Path, sizes: list[int], writers: int, writeback: str) -> f
 
 
 def run_worker(model: torch.nn.Module, samples: list[Sample], out: Path, *, overlap: bool,
-               batch_tokens: int, writers: int, writeback: str,
-               device: str) -> tuple[float, float]:
+               batch_tokens: int, writers: int, writeback: str, device: str,
+               store: str = "bf16") -> tuple[float, float]:
     out.mkdir(parents=True, exist_ok=True)
     stats = Stats(total=len(samples))
     extractor = Extractor(Target.of(model), out, batch_tokens=batch_tokens, writers=writers,
                           queue_depth=3, overlap=overlap, writeback=writeback,
-                          stats=stats)
+                          stats=stats, store=STORES[store])
     sync(device)
     t0 = time.perf_counter()
     extractor.run(samples)
@@ -164,6 +178,8 @@ def main() -> int:
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--writeback", nargs="+", choices=WRITEBACK_MODES,
                         default=list(WRITEBACK_MODES), help="modes to run (default all)")
+    parser.add_argument("--store", nargs="+", choices=list(STORES), default=["bf16"],
+                        help="stores to run, side by side (default bf16; bf16 fp8 for both)")
     parser.add_argument("--tiny", action="store_true", help="small CPU config (a smoke run)")
     parser.add_argument("--json", type=Path)
     args = parser.parse_args()
@@ -172,57 +188,71 @@ def main() -> int:
     if args.tiny:
         args.samples, args.mean_len, args.batch_tokens = min(args.samples, 24), 200, 2048
     model = build_model(args.tiny, device)
-    hidden = model.config.hidden_size
+    hidden = int(model.config.hidden_size)
     samples = make_samples(args.samples, args.mean_len, model.config.vocab_size)
-    sizes = file_sizes(samples, hidden)
+    sizes = file_sizes(samples, hidden)  # bf16: the disk ceiling's files
     tokens = sum(len(s.input_ids) for s in samples)
     print(f"{len(samples)} samples, {tokens} tokens (mean {tokens / len(samples):.0f}), "
           f"{sum(sizes) / 1e9:.1f} GB per pass, hidden {hidden}, "
           f"{model.config.num_hidden_layers} layers, device "
           f"{torch.cuda.get_device_name() if device == 'cuda' else 'cpu'}", flush=True)
     if device == "cuda":  # warm up kernels and the allocator
-        prefill_ceiling(model, samples[:16], args.batch_tokens, device)
+        prefill_ceiling(model, samples[:16], args.batch_tokens, device, "fp8" in args.store)
 
     results: dict[str, list[float]] = {}
     for _ in range(args.repeats):
         results.setdefault("prefill tokens/s", []).append(
             prefill_ceiling(model, samples, args.batch_tokens, device))
+        if "fp8" in args.store:
+            results.setdefault("prefill + fp8 encode tokens/s", []).append(
+                prefill_ceiling(model, samples, args.batch_tokens, device, fp8=True))
         for tag in args.writeback:
             clean(args.out)
             results.setdefault(f"disk GB/s ({tag})", []).append(
                 disk_ceiling(args.out / "raw", sizes, args.writers, tag))
-            for overlap in (True, False):
-                clean(args.out)
-                name = f"worker {'overlap' if overlap else 'serial'} ({tag})"
-                tps, gbs = run_worker(model, samples, args.out / "w", overlap=overlap,
-                                      batch_tokens=args.batch_tokens, writers=args.writers,
-                                      writeback=tag, device=device)
-                results.setdefault(f"{name} tokens/s", []).append(tps)
-                results.setdefault(f"{name} GB/s", []).append(gbs)
+            for store in args.store:
+                for overlap in (True, False):
+                    clean(args.out)
+                    name = f"worker {'overlap' if overlap else 'serial'} ({tag}, {store})"
+                    tps, gbs = run_worker(model, samples, args.out / "w", overlap=overlap,
+                                          batch_tokens=args.batch_tokens, writers=args.writers,
+                                          writeback=tag, device=device, store=store)
+                    results.setdefault(f"{name} tokens/s", []).append(tps)
+                    results.setdefault(f"{name} GB/s", []).append(gbs)
         print(json.dumps({k: round(v[-1], 3) for k, v in results.items()}), flush=True)
     clean(args.out)
 
     median = {k: statistics.median(v) for k, v in results.items()}
-    gb_per_token = sum(sizes) / tokens / 1e9
+    # per store: the bytes of a token on disk, and the compute ceiling it runs under
+    gb_per_token = {store: sum(file_sizes(samples, hidden, store)) / tokens / 1e9
+                    for store in args.store}
+    compute = {"bf16": median["prefill tokens/s"],
+               "fp8": median.get("prefill + fp8 encode tokens/s", 0.0)}
     print("\n| run | tokens/s | GB/s | % of the lower ceiling |")
     print("| --- | ---: | ---: | ---: |")
     print(f"| prefill ceiling (hooks, no copy, no write) | {median['prefill tokens/s']:,.0f} | "
-          f"{median['prefill tokens/s'] * gb_per_token:.2f} | |")
+          f"{median['prefill tokens/s'] * gb_per_token.get('bf16', 0.0):.2f} | |")
+    if "fp8" in args.store:
+        print(f"| prefill + fp8 encode ceiling (no copy, no write) | {compute['fp8']:,.0f} | "
+              f"{compute['fp8'] * gb_per_token['fp8']:.2f} | |")
     for tag in args.writeback:
         disk = median[f"disk GB/s ({tag})"]
-        ceiling_tps = min(median["prefill tokens/s"], disk / gb_per_token)
-        print(f"| disk ceiling ({tag}, {args.writers} threads) | {disk / gb_per_token:,.0f} | "
-              f"{disk:.2f} | |")
-        for mode in ("overlap", "serial"):
-            name = f"worker {mode} ({tag})"
-            tps = median[f"{name} tokens/s"]
-            print(f"| {name} | {tps:,.0f} | {median[f'{name} GB/s']:.2f} | "
-                  f"{100 * tps / ceiling_tps:.0f}% |")
-    print(f"\nmedians of {args.repeats} repeats; {gb_per_token * 1e6:.1f} kB per token")
+        print(f"| disk ceiling ({tag}, {args.writers} threads) | | {disk:.2f} | |")
+        for store in args.store:
+            ceiling_tps = min(compute[store], disk / gb_per_token[store])
+            for mode in ("overlap", "serial"):
+                name = f"worker {mode} ({tag}, {store})"
+                tps = median[f"{name} tokens/s"]
+                print(f"| {name} | {tps:,.0f} | {median[f'{name} GB/s']:.2f} | "
+                      f"{100 * tps / ceiling_tps:.0f}% |")
+    per_token = ", ".join(f"{store} {gb * 1e6:.1f} kB" for store, gb in gb_per_token.items())
+    print(f"\nmedians of {args.repeats} repeats; per token: {per_token}")
     if args.json:
         args.json.write_text(json.dumps({"results": results, "median": median,
                                          "samples": len(samples), "tokens": tokens,
-                                         "bytes_per_pass": sum(sizes)}, indent=2))
+                                         "bytes_per_pass": {
+                                             store: sum(file_sizes(samples, hidden, store))
+                                             for store in args.store}}, indent=2))
     nvidia = shutil.which("nvidia-smi")
     if nvidia:
         print(subprocess.run([nvidia, "--query-gpu=name,memory.used,memory.total",

@@ -66,6 +66,7 @@ from safetensors import safe_open
 
 from workers import speculators_draft
 from workers.common import ProgressReporter, fail, read_jsonl, setup_logging, write_json
+from workers.eagle3.fp8_features import is_encoded, read_feature, store_of
 from workers.hidden_files import (
     PRENORM_KEY,
     SHARD_SIZE,
@@ -82,6 +83,15 @@ EXIT_DISK_FULL = 4
 FORMATS = ("specforge", "speculators")
 PRENORM_HINT = ("re-extract with `python -m workers.extract --keep-prenorm-last` (it stores "
                 f"{PRENORM_KEY}, the last layer's output before the final norm; +1/4 disk)")
+
+
+FP8_EXPORT_DTYPE = torch.bfloat16
+"""What an fp8 extraction's hidden states are written as: both formats' trainers read
+bf16. speculators has an fp8 convention of its own (hs-connectors 0.9.0's FP8 backend:
+`hidden_states_scales` [S, 1, 1], one scale per token over all four layers, read with
+`--hidden-states-backend fp8`), but ours has one scale per token and layer: writing
+theirs would round every value a second time, and their default file backend, which
+the export's printed train command uses, reads bf16."""
 
 
 class ExportError(Exception):
@@ -141,11 +151,15 @@ def read_source(root: Path) -> Source:
 
 
 def read_sample(source: Source, entry: Entry, keys: Sequence[str]) -> dict[str, torch.Tensor]:
-    """The named tensors of one sample file, checked against the extraction's shapes."""
+    """The named tensors of one sample file, checked against the extraction's shapes;
+    hidden states stored fp8 (`workers.extract --store fp8`) come back decoded to bf16
+    (FP8_EXPORT_DTYPE), any others in the extraction's dtype."""
     path = source.root / entry.file
     if not path.is_file():
         raise ExportError(f"{path}: listed in the manifest but missing (rerun workers.extract "
                           "on the same --out to finish the extraction)")
+    length, hidden = entry.seq_len, source.hidden
+    widths = {"aux_hidden_states": 3 * hidden, "hidden_state": hidden, PRENORM_KEY: hidden}
     try:
         with safe_open(str(path), framework="pt") as f:
             present = set(f.keys())
@@ -154,13 +168,12 @@ def read_sample(source: Source, entry: Entry, keys: Sequence[str]) -> dict[str, 
                 raise ExportError(f"{path} has no {PRENORM_KEY}: {PRENORM_HINT}")
             if missing:
                 raise ExportError(f"{path}: no {', '.join(missing)} in it")
-            tensors = {k: f.get_tensor(k) for k in keys}
+            tensors = {k: read_feature(f, k, dtype=FP8_EXPORT_DTYPE)
+                       if k in widths and is_encoded(f, k) else f.get_tensor(k) for k in keys}
     except ExportError:
         raise
     except Exception as exc:  # a torn or foreign file (safetensors' own error types)
         raise ExportError(f"{path}: unreadable sample: {exc}") from exc
-    length, hidden = entry.seq_len, source.hidden
-    widths = {"aux_hidden_states": 3 * hidden, "hidden_state": hidden, PRENORM_KEY: hidden}
     for key, tensor in tensors.items():
         want = (length, widths[key]) if key in widths else (length,)
         if tuple(tensor.shape) != want:
@@ -540,7 +553,8 @@ def export_features(args: argparse.Namespace) -> tuple[Stats, dict[str, Any]]:
         log.info("vocab mapping: %s", fmt.write_vocab(*mapping))
     summary = {"hidden_states": str(source.root), "samples": stats.total,
                "aux_layer_ids": source.config.get("aux_layer_ids"),
-               "hidden_size": source.hidden, "vocab": str(args.vocab) if args.vocab else None}
+               "hidden_size": source.hidden, "vocab": str(args.vocab) if args.vocab else None,
+               "store": store_of(source.config)}
     if isinstance(fmt, Speculators):
         line = shlex.join(fmt.train_command(None if mapping is None else mapping[0].numel()))
         log.info("train on it with: %s", line)

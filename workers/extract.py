@@ -9,6 +9,16 @@ and renamed (a partial file never counts), listed in `manifest.jsonl`. With
 `--keep-prenorm-last` also `hidden_state_prenorm` [S, H], the last layer's output before
 the final norm (+1/4 disk), for `workers.export --to speculators`.
 
+Storage: `--store dtype` (the default) keeps the hidden states in the compute dtype
+(--dtype: bf16 on a GPU). `--store fp8` stores them as float8_e4m3fn with one fp32
+scale per token and per layer beside each (`aux_hidden_states_scale` [S, 3],
+`hidden_state_scale` [S, 1], `hidden_state_prenorm_scale` [S, 1]; x ~= fp8 * scale):
+about half the disk of bf16 (H + 4 bytes per token and layer instead of 2H), per
+element within 1/16 of the value plus 2^-10 of the scale (workers/eagle3/fp8_features.py).
+Encoded on the GPU before the device-to-host copy; train, export and every other reader
+decode it (train to its compute dtype, export to bf16). extract_config.json records the
+store, and a resume refuses another one.
+
 Speed: on a GPU the three costs — forward passes, device-to-host copies, file writes —
 overlap. Batches are packed by length (`--batch-tokens`), captured states are copied
 into a pool of pinned host buffers with non-blocking copies on a side stream, and a
@@ -72,6 +82,7 @@ from workers.common import (
     tokenize_conversation,
     write_json,
 )
+from workers.eagle3.fp8_features import DEFAULT_STORE, STORES, store_of
 from workers.extract_parent import run_parent
 from workers.hidden_files import (
     DEFAULT_WRITEBACK,
@@ -213,6 +224,12 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
                              "(workers.export --to speculators needs it); +1/4 disk. Off by "
                              "default: hidden_state (after the norm) cannot be turned back "
                              "into it")
+    parser.add_argument("--store", choices=STORES, default=DEFAULT_STORE,
+                        help="how hidden states are stored: dtype (the compute dtype, "
+                             "--dtype: bf16 on a GPU) or fp8 (float8_e4m3fn, one fp32 scale "
+                             "per token and per layer in <name>_scale; about half the disk "
+                             "of bf16, error <= 1/16 of each value + 2^-10 of its scale). "
+                             f"Default {DEFAULT_STORE}; a resume keeps the store it began with")
     parser.add_argument("--limit", type=int, default=None, help="only the first N samples")
     parser.add_argument("--gpus", default=None, metavar="N|all",
                         help="data-parallel: one process per GPU, each a shard of the samples")
@@ -311,7 +328,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         if task is not None and args.device == "cuda" and torch.cuda.device_count() > 1:
             local = int(os.environ.get("LOCAL_RANK", "0") or 0)  # tasks sharing a node's GPUs
             args.device = f"cuda:{local % torch.cuda.device_count()}"
-    check_prenorm_setting(args.out, args.keep_prenorm_last)
+    check_resume_settings(args.out, keep_prenorm=args.keep_prenorm_last, store=args.store)
     args.out.mkdir(parents=True, exist_ok=True)
     devices = rank_devices(args)
     if len(devices) > 1 or task is not None:
@@ -372,7 +389,7 @@ def extract_here(args: argparse.Namespace) -> int:
                           writers=args.writers, queue_depth=args.queue_depth,
                           overlap=not args.no_overlap, writeback=args.writeback,
                           progress=progress, stats=stats, keep_prenorm=args.keep_prenorm_last,
-                          manifest=manifest)
+                          manifest=manifest, store=args.store)
     summary_name = ("extract_summary.json" if args.rank is None
                     else str(rank_summary(args.out, args.rank).relative_to(args.out)))
     try:
@@ -397,20 +414,27 @@ def extract_here(args: argparse.Namespace) -> int:
     return 0
 
 
-def check_prenorm_setting(out: Path, keep: bool) -> None:
-    """A resumed extraction keeps its --keep-prenorm-last setting: files with and
-    without the pre-norm state in one tree would fail an export half-way. Any sample
-    file counts (each rank of a large run checks: opening every file is for the resume)."""
-    config = out / "extract_config.json"
-    if not config.is_file() or next(out.glob("rows_*/*.safetensors"), None) is None:
+def check_resume_settings(out: Path, *, keep_prenorm: bool, store: str) -> None:
+    """A resumed extraction keeps its --keep-prenorm-last setting and its --store: files
+    with and without the pre-norm state in one tree would fail an export half-way, and
+    fp8 files beside bf16 ones would make one dataset of two precisions that its
+    extract_config.json misdescribes. Any sample file counts (each rank of a large run
+    checks: opening every file is for the resume)."""
+    config_path = out / "extract_config.json"
+    if not config_path.is_file() or next(out.glob("rows_*/*.safetensors"), None) is None:
         return
     try:
-        before = bool(json.loads(config.read_text(encoding="utf-8")).get("keep_prenorm_last"))
+        config = json.loads(config_path.read_text(encoding="utf-8"))
+        before = bool(config.get("keep_prenorm_last"))
+        store_before = store_of(config)
     except (OSError, ValueError, AttributeError):
         return
-    if before != keep:
+    if before != keep_prenorm:
         fail(f"{out} was extracted {'with' if before else 'without'} --keep-prenorm-last; "
              f"rerun {'with' if before else 'without'} it to resume, or use a new --out")
+    if store_before != store:
+        fail(f"{out} was extracted with --store {store_before}; one output directory holds "
+             f"one store: rerun with --store {store_before} to resume, or use a new --out")
 
 
 def write_config(args: argparse.Namespace, target: Target) -> None:
@@ -420,7 +444,8 @@ def write_config(args: argparse.Namespace, target: Target) -> None:
               "hidden_size": target.hidden_size, "vocab_size": target.vocab_size,
               "aux_layer_ids": capture_layers(target.num_layers),
               "dtype": args.dtype, "experts": target.experts, "max_length": args.max_length,
-              "keep_prenorm_last": args.keep_prenorm_last, "writeback": args.writeback}
+              "keep_prenorm_last": args.keep_prenorm_last, "store": args.store,
+              "writeback": args.writeback}
     (args.out / "extract_config.json").write_text(json.dumps(config, indent=2) + "\n")
 
 

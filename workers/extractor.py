@@ -20,6 +20,7 @@ from typing import Any
 import torch
 
 from workers.common import ProgressReporter
+from workers.eagle3.fp8_features import DEFAULT_STORE, STORES, encode, scale_name
 from workers.hidden_files import (
     DEFAULT_WRITEBACK,
     PRENORM_KEY,
@@ -128,11 +129,15 @@ class Extractor:
                  writers: int = 4, queue_depth: int = 3, overlap: bool = True,
                  writeback: str = DEFAULT_WRITEBACK, progress: ProgressReporter | None = None,
                  stats: Stats | None = None, keep_prenorm: bool = False,
-                 manifest: Path | None = None):
+                 manifest: Path | None = None, store: str = DEFAULT_STORE):
         # also store the last layer's output before the final norm (PRENORM_KEY): what
         # vLLM's speculators train on; +1/4 disk. Carried next to the normed final state
         # as one [.., 2H] tensor through the copy and write path.
         self.keep_prenorm = keep_prenorm
+        # one of STORES: "fp8" encodes on the device, before the copy (fp8_features.py)
+        if store not in STORES:
+            raise ValueError(f"store {store!r} is not one of {STORES}")
+        self.fp8 = store == "fp8"
         self.base = target.decoder
         self.num_layers = target.num_layers
         self.layer_ids = capture_layers(self.num_layers)
@@ -154,14 +159,18 @@ class Extractor:
         self.manifest_lock = threading.Lock()
         self.started = time.monotonic()
         self._error: BaseException | None = None
-        # pinned host buffers, recycled: the bound on batches in flight
+        # pinned host buffers (bytes), recycled: the bound on batches in flight
         self._buffers: queue.Queue[torch.Tensor] = queue.Queue()
         if self.overlap:
             self.copy_stream = torch.cuda.Stream(device=self.device)
+            layers = 5 if keep_prenorm else 4
+            if self.fp8:  # 1 byte per value, plus a 4-byte scale per token and layer
+                token_bytes = layers * self.hidden + 4 * layers
+            else:
+                token_bytes = layers * self.hidden * self.dtype.itemsize
             for _ in range(queue_depth):
-                width = (5 if keep_prenorm else 4) * self.hidden
-                self._buffers.put(torch.empty(batch_tokens * width + batch_tokens,
-                                              dtype=self.dtype, pin_memory=True))
+                self._buffers.put(torch.empty(batch_tokens * token_bytes + 64,
+                                              dtype=torch.uint8, pin_memory=True))
 
     # -- the loop -------------------------------------------------------------------
     def run(self, samples: Sequence[Sample]) -> Stats:
@@ -172,11 +181,13 @@ class Extractor:
                 self._raise_writer_error()
                 with torch.inference_mode():
                     aux, final, finite = self._forward(batch, capture)
+                    features = self._stored(aux, final)
+                    del aux, final  # with --store fp8, only the encoded batch stays
                 if self.overlap:
-                    pending.extend(self._copy_async_then_write(batch, aux, final, finite))
+                    pending.extend(self._copy_async_then_write(batch, features, finite))
                 else:
-                    host = [t.to("cpu") for t in (aux, final, finite)]
-                    self._write_batch(batch, *host)
+                    host = {name: t.to("cpu") for name, t in features.items()}
+                    self._write_batch(batch, host, finite.to("cpu"))
                 pending = [f for f in pending if not f.done()]
             for future in pending:
                 future.result()
@@ -210,27 +221,43 @@ class Extractor:
                  (torch.isfinite(final) | ~valid).flatten(1).all(1)
         return aux, final, finite
 
-    def _copy_async_then_write(self, batch: Sequence[Sample], aux: torch.Tensor,
-                               final: torch.Tensor, finite: torch.Tensor) -> list[Future[None]]:
+    def _stored(self, aux: torch.Tensor, final: torch.Tensor) -> dict[str, torch.Tensor]:
+        """What goes to the host, still on the device: "aux" [B, L, 3H] and "final"
+        [B, L, H or 2H] as computed, or with --store fp8 encoded (one batched op each,
+        no host sync) plus their scales "aux_scale" [B, L, 3], "final_scale" [B, L, 1 or 2]."""
+        if not self.fp8:
+            return {"aux": aux, "final": final}
+        aux_q, aux_scale = encode(aux, 3)
+        final_q, final_scale = encode(final, final.shape[-1] // self.hidden)
+        return {"aux": aux_q, "final": final_q, "aux_scale": aux_scale,
+                "final_scale": final_scale}
+
+    def _copy_async_then_write(self, batch: Sequence[Sample], features: dict[str, torch.Tensor],
+                               finite: torch.Tensor) -> list[Future[None]]:
         """Copy into a pinned buffer on the side stream, then let a writer thread wait
         for that copy alone: the next forward pass starts at once."""
         buffer = self._buffers.get()  # blocks when `queue_depth` batches are in flight
-        b, length, _ = aux.shape
-        n_aux, n_final = aux.numel(), final.numel()
-        if buffer.numel() < n_aux + n_final:  # a sample longer than batch_tokens, alone
-            buffer = torch.empty(n_aux + n_final, dtype=self.dtype, pin_memory=True)
-        host_aux = buffer[:n_aux].view(b, length, 3 * self.hidden)
-        host_final = buffer[n_aux:n_aux + n_final].view(b, length, final.shape[-1])
-        host_finite = torch.empty(b, dtype=torch.bool, pin_memory=True)
+        # widest elements first: every view into the byte buffer starts aligned
+        ordered = sorted(features.items(), key=lambda item: -item[1].element_size())
+        total = sum(t.numel() * t.element_size() for _, t in ordered)
+        if buffer.numel() < total:  # a sample longer than batch_tokens, alone
+            buffer = torch.empty(total, dtype=torch.uint8, pin_memory=True)
+        host: dict[str, torch.Tensor] = {}
+        offset = 0
+        for name, t in ordered:
+            size = t.numel() * t.element_size()
+            host[name] = buffer[offset:offset + size].view(t.dtype).view(t.shape)
+            offset += size
+        host_finite = torch.empty(len(batch), dtype=torch.bool, pin_memory=True)
         self.copy_stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(self.copy_stream):
-            host_aux.copy_(aux, non_blocking=True)
-            host_final.copy_(final, non_blocking=True)
+            for name, t in ordered:
+                host[name].copy_(t, non_blocking=True)
             host_finite.copy_(finite, non_blocking=True)
             done = torch.cuda.Event()
             done.record(self.copy_stream)
         # the device tensors must live until the copy has read them
-        for t in (aux, final, finite):
+        for t in (*features.values(), finite):
             t.record_stream(self.copy_stream)
 
         remaining = [len(batch)]
@@ -239,7 +266,7 @@ class Extractor:
         def write(row: int) -> None:
             try:
                 done.synchronize()
-                self._write_sample(batch[row], host_aux, host_final, host_finite, row)
+                self._write_sample(batch[row], host, host_finite, row)
             finally:
                 with lock:
                     remaining[0] -= 1
@@ -259,14 +286,14 @@ class Extractor:
         if self._error is not None:
             raise self._error
 
-    def _write_batch(self, batch: Sequence[Sample], aux: torch.Tensor, final: torch.Tensor,
+    def _write_batch(self, batch: Sequence[Sample], host: dict[str, torch.Tensor],
                      finite: torch.Tensor) -> None:
-        futures = [self.writers.submit(self._write_sample, s, aux, final, finite, row)
+        futures = [self.writers.submit(self._write_sample, s, host, finite, row)
                    for row, s in enumerate(batch)]
         for future in futures:  # no overlap: wait for the writes before the next batch
             future.result()
 
-    def _write_sample(self, sample: Sample, aux: torch.Tensor, final: torch.Tensor,
+    def _write_sample(self, sample: Sample, host: dict[str, torch.Tensor],
                       finite: torch.Tensor, row: int) -> None:
         length = len(sample.input_ids)
         if not bool(finite[row]):
@@ -275,14 +302,19 @@ class Extractor:
             with self.manifest_lock:
                 self.stats.nonfinite.append(sample.id)
             return
-        tensors = {
-            "aux_hidden_states": aux[row, :length].contiguous(),
-            "hidden_state": final[row, :length, :self.hidden].contiguous(),
-            "input_ids": torch.tensor(sample.input_ids, dtype=torch.int64),
-            "loss_mask": torch.tensor(sample.loss_mask, dtype=torch.uint8),
-        }
+        aux, final, hidden = host["aux"], host["final"], self.hidden
+        tensors = {"aux_hidden_states": aux[row, :length].contiguous(),
+                   "hidden_state": final[row, :length, :hidden].contiguous()}
         if self.keep_prenorm:
-            tensors[PRENORM_KEY] = final[row, :length, self.hidden:].contiguous()
+            tensors[PRENORM_KEY] = final[row, :length, hidden:].contiguous()
+        if self.fp8:  # each fp8 tensor's scales [S, layers] beside it
+            tensors[scale_name("aux_hidden_states")] = host["aux_scale"][row, :length].contiguous()
+            tensors[scale_name("hidden_state")] = host["final_scale"][row, :length, :1].contiguous()
+            if self.keep_prenorm:
+                tensors[scale_name(PRENORM_KEY)] = \
+                    host["final_scale"][row, :length, 1:].contiguous()
+        tensors["input_ids"] = torch.tensor(sample.input_ids, dtype=torch.int64)
+        tensors["loss_mask"] = torch.tensor(sample.loss_mask, dtype=torch.uint8)
         parts = safetensors_parts(tensors, {"id": sample.id, "index": str(sample.index)})
         size = sum(p.nbytes for p in parts)
         path = sample_path(self.out, sample.index)

@@ -71,8 +71,10 @@ def safetensors_dtypes() -> dict[torch.dtype, str]:
     through safetensors)."""
     import torch
 
+    from workers.eagle3.fp8_features import SAFETENSORS_FP8
+
     return {torch.bfloat16: "BF16", torch.float16: "F16", torch.float32: "F32",
-            torch.int64: "I64", torch.uint8: "U8"}
+            torch.int64: "I64", torch.uint8: "U8", torch.float8_e4m3fn: SAFETENSORS_FP8}
 
 
 def safetensors_parts(tensors: dict[str, torch.Tensor],

@@ -17,6 +17,7 @@ import torch
 from safetensors import safe_open
 
 from workers.common import read_jsonl
+from workers.eagle3.fp8_features import is_encoded, read_feature
 
 SORT_WINDOW = 1024
 """Samples of the epoch's permutation sorted by length together before packing."""
@@ -104,7 +105,8 @@ def load_batch(root: Path, samples: Sequence[Sample], hidden_size: int, max_leng
     """Reads only the rows needed (memory-mapped slices), right-padded to a multiple of 8.
     The hidden states are cast to `dtype` (the trainer's compute dtype) as they are
     copied into the batch, so bf16 extractions train on CPU in fp32; None keeps the
-    files' dtype."""
+    files' dtype. An fp8 extraction (`--store fp8`) is decoded with its per-token,
+    per-layer scales to `dtype` (None: fp32, the exact product)."""
     lengths = [min(s.seq_len, max_length) for s in samples]
     padded = -(-max(lengths) // 8) * 8
     out: dict[str, torch.Tensor] = {}
@@ -119,7 +121,10 @@ def load_batch(root: Path, samples: Sequence[Sample], hidden_size: int, max_leng
                     if name in widths and (len(shape) != 2 or shape[1] != widths[name]):
                         raise TrainError(f"{path}: {name} is {shape}, expected "
                                          f"[S, {widths[name]}]: extracted from another model?")
-                    tensor = part[:length]
+                    if name in widths and is_encoded(f, name):  # --store fp8
+                        tensor = read_feature(f, name, length, dtype)
+                    else:
+                        tensor = part[:length]
                     if name not in out:
                         cast = dtype if dtype is not None and name in widths else tensor.dtype
                         out[name] = torch.zeros((len(samples), padded, *tensor.shape[1:]),
