@@ -74,9 +74,10 @@ def pipeline_run(
     """Submit a pipeline's steps as jobs chained with depends_on; prints their ids."""
     if kind != "eagle3":
         fail(JobsupError(f"unknown pipeline {kind!r}", hint="available: eagle3"))
+    if not prompts.startswith(SELF_PROMPTS_PREFIX):  # a file, as the daemon sees it
+        prompts = str(Path(prompts).resolve())
     body: dict[str, Any] = {
-        "model": str(model.resolve()),
-        "prompts": prompts if prompts.startswith(SELF_PROMPTS_PREFIX) else str(Path(prompts).resolve()),
+        "model": str(model.resolve()), "prompts": prompts,
         "out": str(out.resolve()), "name": name, "serve": serve, "endpoint": endpoint,
         "port": port, "max_tokens": max_tokens, "draft_vocab_size": draft_vocab_size,
         "ttt_steps": ttt_steps, "epochs": epochs, "device": device, "dtype": dtype,
