@@ -11,6 +11,11 @@ no conversation of theirs reaches extraction or training, and `workers.evaluate`
 them (`--skip`), dropping any whose id or text is in the generated conversations anyway
 (`--exclude`: a repeated prompt, or a malformed line that shifted generate's count).
 
+With `prompts` `self:N` the target writes its prompts (`workers.generate --self-prompts`,
+Magpie): generate samples N + `eval_prompts` of them into a prompts file beside the
+conversations and answers the first N (`--limit`); evaluate takes the rest from that
+file. Only the transformers backend samples them.
+
 With `serve`, the target's OpenAI-compatible server (`vllm serve`, or the repo's
 stand-in) is a job of its own: generation waits for its `/health`, and the daemon stops
 it once generation has ended (`stop_when_ended`).
@@ -48,6 +53,10 @@ the draft is broken (wrong layers, a misaligned vocabulary, too little training)
 merely weak."""
 
 
+SELF_PROMPTS_PREFIX = "self:"
+"""`prompts` `self:N`: the target writes N prompts (workers.generate --self-prompts)."""
+
+
 PipelineStep = Literal["all", "generate", "serve", "extract", "vocab", "train", "evaluate"]
 """A step of the EAGLE-3 pipeline, or `all` of them (the pipeline's `slurm` keys)."""
 
@@ -56,7 +65,8 @@ class Eagle3Pipeline(BaseModel):
     """The body of `POST /api/v1/pipelines/eagle3` (and `jobsup pipeline run eagle3`)."""
 
     model: str = Field(description="the target model: a local directory (HF format)")
-    prompts: str = Field(description='prompts JSONL: {"id", "messages": [...]} per line')
+    prompts: str = Field(description='prompts JSONL: {"id", "messages": [...]} per line; or '
+                                     '`self:N`: the target writes N prompts itself')
     out: str = Field(description="directory for every step's output")
     name: str = Field(default="eagle3", min_length=1, max_length=100,
                       description="prefix of the jobs' names")
@@ -121,6 +131,23 @@ class Eagle3Pipeline(BaseModel):
     def _no_nul(cls, value: Any) -> Any:
         return check_no_nul(value)
 
+    @field_validator("prompts")
+    @classmethod
+    def _self_prompts_count(cls, value: str) -> str:
+        if value.startswith(SELF_PROMPTS_PREFIX):
+            count = value.removeprefix(SELF_PROMPTS_PREFIX)
+            if not (count.isascii() and count.isdigit() and int(count) > 0):
+                raise ValueError(f"{value!r}: {SELF_PROMPTS_PREFIX}N takes a whole number "
+                                 "of prompts > 0 for the target to write, e.g. self:5000")
+        return value
+
+    @property
+    def self_prompts(self) -> int | None:
+        """N of `prompts` `self:N`, else None (a prompts file)."""
+        if not self.prompts.startswith(SELF_PROMPTS_PREFIX):
+            return None
+        return int(self.prompts.removeprefix(SELF_PROMPTS_PREFIX))
+
     @model_validator(mode="after")
     def _server_choice(self) -> Eagle3Pipeline:
         if self.serve and self.endpoint:
@@ -129,6 +156,10 @@ class Eagle3Pipeline(BaseModel):
             self.backend = "openai"
         if self.backend == "openai" and not (self.serve or self.endpoint):
             raise ValueError("the openai backend needs serve (vllm|stub) or an endpoint")
+        if self.self_prompts and self.backend == "openai":
+            raise ValueError("prompts self:N: the target writes its prompts only on the "
+                             "transformers backend; drop serve/endpoint, or give a prompts "
+                             "file")
         if self.launcher == "local" and self.slurm:
             raise ValueError("slurm: the steps run on the local launcher; drop the slurm "
                              "sections or set launcher slurm")
@@ -167,21 +198,31 @@ def count_prompts(path: Path) -> int:
 def eagle3_jobs(p: Eagle3Pipeline, *, resolve: Callable[[int], str]) -> Iterator[JobSpec]:
     """The pipeline's job specs, in submission order. `resolve(i)` is the id the i-th
     yielded spec got (the caller submits each before asking for the next)."""
-    model, prompts, out = Path(p.model), Path(p.prompts), Path(p.out)
+    model, out = Path(p.model), Path(p.out)
+    conversations = out / "generate" / "conversations.jsonl"
     if not model.exists():
         raise InvalidSpec(f"model: {str(model)!r} does not exist", field="model")
-    if not prompts.is_file():
-        raise InvalidSpec(f"prompts: {str(prompts)!r} is not a file", field="prompts")
     if p.init is not None and not Path(p.init).exists():
         raise InvalidSpec(f"init: {p.init!r} does not exist", field="init")
-    n_prompts = count_prompts(prompts)
-    if n_prompts == 0:
-        raise InvalidSpec(f"prompts: {str(prompts)!r} has no prompts", field="prompts")
-    if p.eval_prompts >= n_prompts:
-        raise InvalidSpec(f"eval_prompts: holding out {p.eval_prompts} of the {n_prompts} "
-                          "prompts for evaluation leaves none to train on; lower it (0: no "
-                          "evaluate step)", field="eval_prompts")
-    n_train = n_prompts - p.eval_prompts
+    if p.self_prompts is not None:  # the target writes N to train on, then the held-out
+        n_train = p.self_prompts
+        n_prompts = n_train + p.eval_prompts
+        # where workers.generate puts them (workers.eagle3.self_prompts.prompts_path)
+        prompts = conversations.with_name("conversations.self_prompts.jsonl")
+        source = ["--self-prompts", str(n_prompts)]
+    else:
+        prompts = Path(p.prompts)
+        if not prompts.is_file():
+            raise InvalidSpec(f"prompts: {str(prompts)!r} is not a file", field="prompts")
+        n_prompts = count_prompts(prompts)
+        if n_prompts == 0:
+            raise InvalidSpec(f"prompts: {str(prompts)!r} has no prompts", field="prompts")
+        if p.eval_prompts >= n_prompts:
+            raise InvalidSpec(f"eval_prompts: holding out {p.eval_prompts} of the "
+                              f"{n_prompts} prompts for evaluation leaves none to train on; "
+                              "lower it (0: no evaluate step)", field="eval_prompts")
+        n_train = n_prompts - p.eval_prompts
+        source = ["--prompts", str(prompts)]
     py = [p.python, "-m"]
     labels = {"pipeline": "eagle3", "pipeline_name": p.name, **p.labels}
 
@@ -198,12 +239,11 @@ def eagle3_jobs(p: Eagle3Pipeline, *, resolve: Callable[[int], str]) -> Iterator
                 field=field) from None
 
     device = ["--device", p.device] if p.device else []
-    conversations = out / "generate" / "conversations.jsonl"
     hidden = out / "hidden_states"
     vocab = out / "vocab" / "vocab.safetensors"
     endpoint = p.endpoint or f"http://127.0.0.1:{p.port}/v1"
 
-    generate = [*py, "workers.generate", "--prompts", str(prompts), "--out", str(conversations),
+    generate = [*py, "workers.generate", *source, "--out", str(conversations),
                 "--backend", p.backend]
     if p.eval_prompts:
         generate += ["--limit", str(n_train)]

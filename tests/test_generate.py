@@ -288,3 +288,323 @@ def test_retry_after_and_backoff() -> None:
         assert min(60, 2**attempt) / 2 <= backoff_s(attempt, 1.0, None) <= min(60, 2**attempt)
     assert backoff_s(0, 1.0, 12.0) == 12.0
     assert backoff_s(0, 1.0, 10_000.0) == 600.0
+
+
+# -- self prompts: the target writes the prompts (Magpie) ----------------------------------
+
+SMOLLM2_TEMPLATE = (  # SmolLM2-Instruct's own: a default system prompt when none is given
+    "{% for message in messages %}{% if loop.first and messages[0]['role'] != 'system' %}"
+    "{{ '<|im_start|>system\\nYou are a helpful AI assistant named SmolLM, trained by "
+    "Hugging Face<|im_end|>\\n' }}{% endif %}{{'<|im_start|>' + message['role'] + '\\n' + "
+    "message['content'] + '<|im_end|>' + '\\n'}}{% endfor %}{% if add_generation_prompt %}"
+    "{{ '<|im_start|>assistant\\n' }}{% endif %}")
+WORDS = ["river", "mountain", "quiet", "engine", "lantern", "copper", "orbit", "garden",
+         "velvet", "thunder", "pencil", "harbor", "meadow", "signal", "canyon", "marble",
+         "falcon", "cipher", "glacier", "ember"]
+
+
+@pytest.fixture(scope="module")
+def word_writer(tiny: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The tiny model rewired into a unigram writer: every layer's output projections
+    zeroed and every embedding the same vector, so the next-token distribution is fixed:
+    the tokenizer's lower-case word tokens, equally likely, and `<|end|>` with
+    probability 1/9 (about 8 words a turn). It writes word salad that passes the
+    filters, which exercises the whole self-prompts path; a random model's output
+    rarely would."""
+    import math
+
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny)
+    model = AutoModelForCausalLM.from_pretrained(tiny)
+    words = sorted(i for t, i in tokenizer.get_vocab().items()
+                   if t.startswith("Ġ") and t[1:].isalpha() and t[1:].islower() and len(t) > 3)
+    hidden = model.config.hidden_size
+    with torch.no_grad():
+        for layer in model.model.layers:
+            layer.self_attn.o_proj.weight.zero_()
+            layer.mlp.down_proj.weight.zero_()
+        model.model.embed_tokens.weight.zero_()
+        model.model.embed_tokens.weight[:, 0] = 1.0  # after the final norm: sqrt(H) e_0
+        head = model.lm_head.weight
+        head.zero_()
+        scale = math.sqrt(hidden)
+        head[:, 0] = -30 / scale
+        head[words, 0] = 0.0
+        head[tokenizer.convert_tokens_to_ids("<|end|>"), 0] = math.log(len(words) / 8) / scale
+    out = tmp_path_factory.mktemp("writer") / "writer"
+    model.save_pretrained(out)
+    tokenizer.save_pretrained(out)
+    return out
+
+
+def test_pre_query_template_keeps_what_the_template_puts_before_the_user(tiny: Path) -> None:
+    from transformers import AutoTokenizer
+
+    from workers.eagle3.self_prompts import pre_query_template, template_markers
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny)
+    template = pre_query_template(tokenizer)
+    assert (template.text, template.end_of_turn) == ("<|user|>\n", "<|end|>")
+    assert template.end_of_turn_id == tokenizer.convert_tokens_to_ids("<|end|>")
+    assert {"<|user|>", "<|assistant|>", "<|end|>"} <= set(template_markers(tokenizer))
+
+    tokenizer.add_special_tokens({"additional_special_tokens": ["<|im_start|>", "<|im_end|>"]})
+    tokenizer.chat_template = SMOLLM2_TEMPLATE
+    smol = pre_query_template(tokenizer)
+    assert smol.text == ("<|im_start|>system\nYou are a helpful AI assistant named SmolLM, "
+                         "trained by Hugging Face<|im_end|>\n<|im_start|>user\n")
+    assert smol.end_of_turn == "<|im_end|>"
+    # the answers are asked without a system message too, so they get the same one
+    asked = tokenizer.apply_chat_template([{"role": "user", "content": "Hi there"}],
+                                          tokenize=False, add_generation_prompt=True)
+    assert asked.startswith(smol.text + "Hi there<|im_end|>")
+
+    tokenizer.chat_template = "{% for m in messages %}{{ m['content'] }}\n\n{% endfor %}"
+    with pytest.raises(ValueError, match="no special token ends a user turn"):
+        pre_query_template(tokenizer)
+    tokenizer.chat_template = None
+    with pytest.raises(ValueError, match="no chat template"):
+        pre_query_template(tokenizer)
+
+
+def test_each_filter_rejects_with_its_reason() -> None:
+    from workers.eagle3.self_prompts import FilterSettings, rejection_reason
+
+    settings = FilterSettings(markers=("<|im_start|>", "<|im_end|>", "<|", "[INST]"))
+    cases = [
+        ("How do I reverse a linked list in place?", True, None),
+        ("Écris-moi un poème sur la mer, s'il te plaît.", True, None),  # Latin script
+        ("   \n\t ", True, "empty"),
+        ("How do I reverse a linked list in place and", False, "truncated"),
+        ("What is<|im_end|>\n<|im_start|>assistant\nIt is", True, "template_debris"),
+        ("[INST] Tell me a joke about cats", True, "template_debris"),
+        ("user\nTell me a joke about cats", True, "template_debris"),
+        ("Assistant: Sure, here is a joke about cats", True, "template_debris"),
+        ("Tell me a joke.\nUser: and another one please", True, "template_debris"),
+        ("Как приготовить борщ дома без мяса?", True, "other_language"),
+        ("如何在家里做一个简单的蛋糕？请告诉我步骤。", True, "other_language"),
+        ("Rust: explain лайфтаймы и заимствование простыми словами", True, "other_language"),
+        ("Help me", True, "too_short"),
+        ("42?", True, "too_short"),  # no letters: not another language, but short
+    ]
+    got = [rejection_reason(text, ended=ended, settings=settings)
+           for text, ended, _ in cases]
+    assert got == [reason for _, _, reason in cases]
+    assert rejection_reason("Help me", ended=True,
+                            settings=FilterSettings(min_words=2)) is None
+
+
+def test_exact_and_near_duplicates_are_found_and_distinct_prompts_kept() -> None:
+    import random
+
+    from workers.eagle3.self_prompts import Deduplicator, jaccard, normalize, shingles
+
+    dedup = Deduplicator()
+    first = "Explain how binary search works on a sorted array of integers."
+    dedup.add(first)
+    assert dedup.check("  EXPLAIN how binary search\nworks on a sorted array of integers. ") \
+        == "exact_duplicate"
+    near = "Explain how binary search works on a sorted list of integers."
+    similarity = jaccard(shingles(normalize(first)), shingles(normalize(near)))
+    assert 0.7 <= similarity < 0.9  # one word changed
+    assert dedup.check(near) == "near_duplicate"
+    other = "Explain how a hash table resolves collisions between two keys."
+    assert jaccard(shingles(normalize(first)), shingles(normalize(other))) < 0.3
+    assert dedup.check(other) is None
+
+    # at scale: 3,000 distinct word sequences and a one-word variant of each of 500
+    rng = random.Random(7)
+    originals = [" ".join(rng.choice(WORDS) for _ in range(14)) for _ in range(3000)]
+    variants = []
+    for text in originals[:500]:
+        words = text.split()
+        words[rng.randrange(len(words))] = "zebra"
+        variants.append(" ".join(words))
+    started = time.monotonic()
+    big = Deduplicator()
+    kept = 0
+    for text in originals:
+        if big.check(text) is None:
+            big.add(text)
+            kept += 1
+    found = [big.check(text) for text in variants]
+    elapsed_s = time.monotonic() - started
+    truly_near = [jaccard(shingles(normalize(v)), shingles(normalize(o))) >= 0.7
+                  for v, o in zip(variants, originals[:500], strict=True)]
+    assert kept == 3000  # random 14-word sequences are far apart: nothing falsely dropped
+    caught = sum(f == "near_duplicate" for f, t in zip(found, truly_near, strict=True) if t)
+    assert caught >= 0.95 * sum(truly_near) and sum(truly_near) > 400
+    assert elapsed_s < 60, elapsed_s  # ~2 s on an idle core
+    again = Deduplicator()  # deterministic: the same decisions in a fresh one
+    for text in originals[:500]:
+        again.add(text)
+    assert [again.check(text) for text in variants] == found
+
+
+def test_distinct_n_and_the_summary_fields() -> None:
+    from collections import Counter
+
+    from workers.eagle3.self_prompts import SelfPromptStats, distinct_n
+
+    texts = ["a b c", "A b  d"]
+    assert distinct_n(texts, 1) == 4 / 6 and distinct_n(texts, 2) == 3 / 4
+    assert distinct_n(texts, 3) == 1.0 and distinct_n(["one"], 2) == 0.0
+    stats = SelfPromptStats(sampled=10, accepted=2,
+                            rejected=Counter(exact_duplicate=3, near_duplicate=1, empty=4))
+    summary = stats.summary(texts, target=2)
+    assert summary["exact_duplicate_share"] == 0.3 and summary["near_duplicate_share"] == 0.1
+    assert summary["rejected"]["empty"] == 4 and summary["rejected"]["truncated"] == 0
+    assert (summary["mean_prompt_words"], summary["distinct_1"]) == (3.0, 4 / 6)
+    assert summary["target"] == 2
+
+
+def word_sampler(calls: list[int], crash_after: int | None = None) -> Any:
+    """A stand-in target: per seed, the same mix of usable prompts, repeats, debris,
+    truncated and short ones."""
+    import random
+
+    from workers.eagle3.self_prompts import Sample
+
+    def sample(count: int, seed: int) -> list[Sample]:
+        if crash_after is not None and len(calls) >= crash_after:
+            raise RuntimeError("killed")
+        calls.append(count)
+        rng = random.Random(seed)
+        out = []
+        for _ in range(count):
+            kind = rng.random()
+            words = " ".join(rng.choice(WORDS) for _ in range(rng.randint(6, 12)))
+            if kind < 0.1:
+                out.append(Sample("river mountain quiet engine lantern", True))  # repeats
+            elif kind < 0.2:
+                out.append(Sample(f"{words}<|end|>\n<|assistant|>", True))
+            elif kind < 0.3:
+                out.append(Sample(words, False))
+            elif kind < 0.4:
+                out.append(Sample("ok", True))
+            else:
+                out.append(Sample(words.capitalize() + "?", True))
+        return out
+
+    return sample
+
+
+def test_self_prompts_resume_after_a_crash_without_duplicates(tmp_path: Path) -> None:
+    from workers.common import ProgressReporter
+    from workers.eagle3.self_prompts import (
+        CollectSettings,
+        collect,
+        normalize,
+        prompts_path,
+        summary_path,
+    )
+
+    out, progress = tmp_path / "conv.jsonl", tmp_path / "progress.json"
+    settings = CollectSettings(target=40, batch_size=8, seed=3, max_rounds=6)
+    calls: list[int] = []
+    with pytest.raises(RuntimeError, match="killed"):
+        collect(out, word_sampler(calls, crash_after=3), settings,
+                ProgressReporter(total=40, unit="self prompt", path=str(progress)))
+    before = records(prompts_path(out))
+    assert 0 < len(before) < 40 and sum(calls) == 24
+    assert json.loads(summary_path(out).read_text())["sampled"] == 24
+    with open(prompts_path(out), "a") as f:  # killed in the middle of a line too
+        f.write('{"id": "self-0000')
+
+    summary = collect(out, word_sampler(calls), settings,
+                      ProgressReporter(total=40, unit="self prompt", path=str(progress)))
+    after = records(prompts_path(out))
+    assert after[:len(before)] == before  # the accepted prompts are kept as they were
+    texts = [r["messages"][0]["content"] for r in after]
+    assert len(after) == 40 and len({normalize(t) for t in texts}) == 40
+    assert len({r["id"] for r in after}) == 40
+    assert summary["accepted"] == 40 and summary["prompts_in_file"] == 40
+    assert summary["sampled"] == summary["accepted"] + sum(summary["rejected"].values())
+    for reason in ("exact_duplicate", "template_debris", "truncated", "too_short"):
+        assert summary["rejected"][reason] > 0, reason
+    assert summary == json.loads(summary_path(out).read_text())
+    report = json.loads(progress.read_text())
+    assert (report["done"], report["total"], report["unit"]) == (40, 40, "self prompt")
+    assert report["metrics"]["sampled"] == summary["sampled"]
+
+    sampled = summary["sampled"]  # enough already: nothing is sampled
+    assert collect(out, word_sampler(calls), settings,
+                   ProgressReporter(total=40, unit="self prompt"))["sampled"] == sampled
+
+
+def test_self_prompts_give_up_after_max_rounds_with_counts(tmp_path: Path) -> None:
+    from workers.common import ProgressReporter
+    from workers.eagle3.self_prompts import (
+        CollectSettings,
+        Sample,
+        SelfPromptsIncomplete,
+        collect,
+        summary_path,
+    )
+
+    def debris(count: int, seed: int) -> list[Sample]:
+        return [Sample("<|user|> what now is it", True)] * count
+
+    with pytest.raises(SelfPromptsIncomplete) as caught:
+        collect(tmp_path / "c.jsonl", debris, CollectSettings(10, 4, 0, max_rounds=2),
+                ProgressReporter(total=10, unit="self prompt"))
+    summary = json.loads(summary_path(tmp_path / "c.jsonl").read_text())
+    # round 1: 10 / 0.5 * 1.1 = 22; round 2 the same (nothing accepted to rate by)
+    assert summary["sampled"] == 44 == summary["rejected"]["template_debris"]
+    assert "0 of 10 self prompts accepted after 2 rounds (44 sampled; rejected: " \
+           "template_debris 44)" in str(caught.value)
+
+
+def test_self_prompts_end_to_end_and_rerun(word_writer: Path, tmp_path: Path) -> None:
+    """The target writes 6 prompts and answers the first 4 (--limit, as the pipeline
+    holds the rest out); a rerun asking for 9 keeps the 6, writes 3 more, answers 5."""
+    out, progress = tmp_path / "conv.jsonl", tmp_path / "progress.json"
+    prompts_file, summary_file = (tmp_path / "conv.self_prompts.jsonl",
+                                  tmp_path / "conv.self_prompts.summary.json")
+    common = ("--backend", "transformers", "--model", word_writer, "--out", out,
+              "--device", "cpu", "--max-tokens", "4", "--batch-size", "4", "--seed", "1")
+    first = generate("--self-prompts", "6", "--limit", "4", *common,
+                     env={"JOBSUP_PROGRESS_FILE": str(progress)}, timeout=240)
+    assert first.returncode == 0, first.stderr
+    written = records(prompts_file)
+    assert [r["id"] for r in written] == [f"self-{i:06d}" for i in range(6)]
+    assert sorted(r["id"] for r in records(out)) == [r["id"] for r in written[:4]]
+    for record in records(out):
+        assert record["messages"][0] == next(
+            r for r in written if r["id"] == record["id"])["messages"][0]
+    summary = json.loads(summary_file.read_text())
+    assert summary["accepted"] == 6 and summary["settings"]["pre_query"] == "<|user|>\n"
+    assert summary["sampled"] == 6 + sum(summary["rejected"].values())
+    assert 0 < summary["distinct_1"] <= summary["distinct_2"] <= 1
+    assert "self prompts: 6 accepted of" in first.stderr
+    assert json.loads(progress.read_text())["done"] == 4  # the answering phase's report
+
+    second = generate("--self-prompts", "9", *common, timeout=240)
+    assert second.returncode == 0, second.stderr
+    again = records(prompts_file)
+    assert again[:6] == written and len(again) == 9
+    assert len({r["messages"][0]["content"].lower() for r in again}) == 9
+    assert sorted(r["id"] for r in records(out)) == [r["id"] for r in again]
+    assert json.loads(summary_file.read_text())["sampled"] > summary["sampled"]
+    assert "4 already in" in second.stderr
+
+
+def test_self_prompts_usage_errors_and_a_model_that_writes_nothing_usable(
+        tiny: Path, tmp_path: Path) -> None:
+    both = generate("--self-prompts", "5", "--prompts", tmp_path / "p.jsonl",
+                    "--out", tmp_path / "o.jsonl")
+    assert both.returncode == 2 and "not allowed with argument" in both.stderr
+    openai = generate("--self-prompts", "5", "--out", tmp_path / "o.jsonl")
+    assert openai.returncode == 2 and "--self-prompts needs --backend transformers" \
+        in openai.stderr
+    # a random model rarely closes the turn within 3 tokens: all truncated, then exit 1
+    result = generate("--self-prompts", "3", "--out", tmp_path / "o.jsonl", "--backend",
+                      "transformers", "--model", tiny, "--device", "cpu",
+                      "--prompt-max-tokens", "3", "--max-rounds", "1", timeout=240)
+    assert result.returncode == 1, result.stderr
+    assert "0 of 3 self prompts accepted after 1 rounds (7 sampled" in result.stderr
+    summary = json.loads((tmp_path / "o.self_prompts.summary.json").read_text())
+    assert summary["sampled"] == 7 and summary["rejected"]["truncated"] >= 5
+    assert not (tmp_path / "o.jsonl").exists()  # nothing answered

@@ -237,3 +237,39 @@ def test_cli_slurm_options_name_a_step(tmp_path: Path) -> None:
          "--prompts", "p", "--out", str(tmp_path), "--slurm", "partition=gpu",
          "--url", "http://127.0.0.1:9"], capture_output=True, text=True, timeout=60)
     assert wrong.returncode == 2 and "STEP:KEY=VALUE" in wrong.stderr, wrong.stderr
+
+
+def test_self_prompts_spelling_writes_the_held_out_prompts_too(tiny_model: Path,
+                                                               tmp_path: Path) -> None:
+    """`prompts` `self:N`: generate has the target write N + eval_prompts prompts and
+    answers the first N; evaluate reads the rest from the file generate writes."""
+    from supervisor.errors import InvalidSpec
+    from supervisor.pipeline import Eagle3Pipeline, eagle3_jobs
+
+    out = tmp_path / "run"
+    request = Eagle3Pipeline.model_validate(body(tiny_model, out, prompts="self:40",
+                                                 eval_prompts=8))
+    steps = {s.labels["step"]: s for s in eagle3_jobs(request, resolve=lambda i: f"j{i}")}
+    generate = steps["generate"].command
+    assert "--prompts" not in generate
+    assert generate[generate.index("--self-prompts") + 1] == "48"
+    assert generate[generate.index("--limit") + 1] == "40"
+    assert steps["generate"].expected_items == 40 == steps["extract"].expected_items
+    evaluate = steps["evaluate"].command
+    options = dict(zip(evaluate[3::2], evaluate[4::2], strict=True))
+    assert options["--prompts"] == str(out / "generate" / "conversations.self_prompts.jsonl")
+    assert (options["--skip"], options["--limit"]) == ("40", "8")
+
+    no_eval = Eagle3Pipeline.model_validate(body(tiny_model, out, prompts="self:5",
+                                                 eval_prompts=0))
+    generate = next(eagle3_jobs(no_eval, resolve=lambda i: f"j{i}")).command
+    assert generate[generate.index("--self-prompts") + 1] == "5" and "--limit" not in generate
+
+    for prompts, extra, word in [("self:0", {}, "whole number of prompts > 0"),
+                                 ("self:abc", {}, "whole number of prompts > 0"),
+                                 ("self:-3", {}, "whole number of prompts > 0"),
+                                 ("self:", {}, "whole number of prompts > 0"),
+                                 ("self:10", {"serve": "stub"}, "transformers backend")]:
+        with pytest.raises((ValueError, InvalidSpec)) as caught:
+            Eagle3Pipeline.model_validate(body(tiny_model, out, prompts=prompts, **extra))
+        assert word in str(caught.value), (prompts, str(caught.value))

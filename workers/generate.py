@@ -3,6 +3,14 @@ reasoning trace, where the server returns one) is kept as one conversation per l
 
   python -m workers.generate --prompts prompts.jsonl --out conversations.jsonl \\
       --backend openai --endpoint http://127.0.0.1:8000/v1 --concurrency 64
+  python -m workers.generate --self-prompts 5000 --out conversations.jsonl \\
+      --backend transformers --model /models/target
+
+With --self-prompts N the target first writes the prompts (Magpie: its chat template up
+to a user turn's content, continued until the turn ends), which are filtered and
+de-duplicated (workers/eagle3/self_prompts.py) into OUT_STEM.self_prompts.jsonl beside
+the output, with counts in OUT_STEM.self_prompts.summary.json; a rerun keeps them and
+samples only what is missing.
 
 Backends: `openai` is a concurrent client of an OpenAI-compatible server (`vllm serve`,
 SGLang) with retries and backoff; `transformers` generates locally in batches (small
@@ -17,6 +25,7 @@ import argparse
 import asyncio
 import logging
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -29,6 +38,7 @@ from workers.common import (
     require_file,
     setup_logging,
 )
+from workers.eagle3 import self_prompts
 from workers.generate_output import (
     Answer,
     OutputFile,
@@ -46,6 +56,7 @@ EXIT_CODES = """exit codes:
   0  every prompt is in the output
   1  some prompts failed permanently (rerun to retry them)
   2  usage error (missing file, bad flag, model that cannot be loaded)
+     or --self-prompts: fewer than N prompts accepted within --max-rounds
   3  aborted: K prompts in a row failed, the server never answered, or the output
      cannot be written"""
 DEFAULT_MAX_NEW_TOKENS = 1024
@@ -94,8 +105,17 @@ def load_prompts(path: Path, limit: int | None) -> tuple[list[Prompt], list[int]
 
 # -- transformers backend -------------------------------------------------------------------
 
-def run_transformers(args: argparse.Namespace, prompts: list[Prompt], output: OutputFile,
-                     state: RunState) -> None:
+@dataclass(frozen=True)
+class LocalTarget:
+    """A target loaded by the transformers backend: it answers, and in self-prompts mode
+    first writes the prompts."""
+
+    model: Any
+    tokenizer: Any
+    device: str
+
+
+def load_local_target(args: argparse.Namespace) -> LocalTarget:
     log.info("loading %s", args.model)
     started = time.monotonic()
     import torch
@@ -115,8 +135,20 @@ def run_transformers(args: argparse.Namespace, prompts: list[Prompt], output: Ou
     if not tokenizer.chat_template:
         raise RunError(f"the tokenizer in {args.model} has no chat template", 2)
     log.info("model loaded on %s in %.1f s", device, time.monotonic() - started)
-    state.started = time.monotonic()  # rates count generation, not loading
     model.eval()
+    return LocalTarget(model, tokenizer, device)
+
+
+def run_transformers(args: argparse.Namespace, target: LocalTarget, prompts: list[Prompt],
+                     output: OutputFile, state: RunState) -> None:
+    """Greedy (or --temperature) answers in batches of prompts of similar length: the
+    prompts are sorted by their token count, longest first (a batch too large for the
+    device fails at the start, not hours in), so little of a batch is left padding.
+    Records land in that order, each with its own id."""
+    import torch
+
+    model, tokenizer, device = target.model, target.tokenizer, target.device
+    state.started = time.monotonic()  # rates count generation, not loading
     tokenizer.padding_side = "left"  # new tokens follow every prompt directly
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token
@@ -130,10 +162,15 @@ def run_transformers(args: argparse.Namespace, prompts: list[Prompt], output: Ou
         if args.temperature > 0:
             options["temperature"] = args.temperature
 
+    rendered = {p.id: str(tokenizer.apply_chat_template(p.messages, tokenize=False,
+                                                        add_generation_prompt=True))
+                for p in prompts}
+    lengths = {prompt_id: len(tokenizer(text, add_special_tokens=False)["input_ids"])
+               for prompt_id, text in rendered.items()}
+    prompts = sorted(prompts, key=lambda p: -lengths[p.id])  # stable: ties keep file order
+
     def generate(batch: list[Prompt]) -> list[Answer]:
-        texts = [tokenizer.apply_chat_template(p.messages, tokenize=False,
-                                               add_generation_prompt=True) for p in batch]
-        encoded = tokenizer(texts, return_tensors="pt", padding=True,
+        encoded = tokenizer([rendered[p.id] for p in batch], return_tensors="pt", padding=True,
                             add_special_tokens=False).to(device)
         with torch.inference_mode():
             out = model.generate(**encoded, **options)
@@ -191,8 +228,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         prog="python -m workers.generate", description=__doc__, epilog=EXIT_CODES,
         formatter_class=argparse.RawDescriptionHelpFormatter)
     add = parser.add_argument
-    add("--prompts", required=True, help='JSONL: {"id": str, "messages": [{role, content}]} '
-        '(or ShareGPT "conversations": [{from: human|gpt|system, value}])')
+    source = parser.add_mutually_exclusive_group(required=True)
+    source.add_argument(
+        "--prompts", help='JSONL: {"id": str, "messages": [{role, content}]} (or ShareGPT '
+                          '"conversations": [{from: human|gpt|system, value}])')
+    source.add_argument(
+        "--self-prompts", type=positive(int), metavar="N",
+        help="the target writes N prompts itself (transformers backend), then answers them")
     add("--out", required=True, type=Path, help="conversations JSONL (appended; rerun resumes)")
     add("--backend", choices=["openai", "transformers"], default="openai")
     add("--model", help="openai: served model name (default: the first of /models); "
@@ -218,11 +260,64 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     add("--limit", type=positive(int), help="only the first N valid prompts")
     add("--wait-for-server", type=float, default=0.0, metavar="SECONDS",
         help="openai: wait up to SECONDS for the server to answer before starting")
+    self_prompts = parser.add_argument_group("--self-prompts")
+    self_prompts.add_argument("--prompt-temperature", type=float, default=1.0,
+                              help="sampling temperature of the prompts (0: greedy)")
+    self_prompts.add_argument("--prompt-top-p", type=float, default=1.0,
+                              help="nucleus sampling of the prompts")
+    self_prompts.add_argument("--prompt-max-tokens", type=positive(int), default=256,
+                              help="a prompt not ended within this many tokens is "
+                                   "rejected as truncated")
+    self_prompts.add_argument("--min-prompt-words", type=positive(int), default=3,
+                              help="shorter prompts are rejected")
+    self_prompts.add_argument("--max-rounds", type=positive(int), default=8,
+                              help="sampling rounds (each sized by the acceptance so far) "
+                                   "before giving up with exit 1")
+    self_prompts.add_argument("--seed", type=int, default=0,
+                              help="seed of the prompt sampling (reproducible runs)")
     add("-v", "--verbose", action="store_true")
     args = parser.parse_args(argv)
     if args.retries < 0:
         parser.error("--retries must be >= 0")
+    if args.self_prompts and args.backend != "transformers":
+        parser.error("--self-prompts needs --backend transformers (the openai backend "
+                     "cannot yet have a server continue a raw chat template)")
+    if args.prompt_temperature < 0 or not 0 < args.prompt_top_p <= 1:
+        parser.error("--prompt-temperature must be >= 0 and --prompt-top-p in (0, 1]")
     return args
+
+
+def write_self_prompts(args: argparse.Namespace, target: LocalTarget) -> dict[str, Any]:
+    """The target's own prompts into `self_prompts.prompts_path(args.out)` (Magpie)."""
+    tokenizer = target.tokenizer
+    try:
+        template = self_prompts.pre_query_template(tokenizer)
+    except ValueError as exc:
+        raise RunError(f"--self-prompts: {exc}", 2) from None
+    log.info("self prompts: continuing %r until %r", template.text, template.end_of_turn)
+    sampling = self_prompts.SamplingSettings(args.prompt_temperature, args.prompt_top_p,
+                                             args.prompt_max_tokens)
+    sampler = self_prompts.transformers_sampler(target.model, tokenizer, template, sampling,
+                                                target.device)
+    filters = self_prompts.FilterSettings(
+        min_words=args.min_prompt_words,
+        markers=(*self_prompts.GENERIC_MARKERS, *self_prompts.template_markers(tokenizer)))
+    settings = self_prompts.CollectSettings(args.self_prompts, args.batch_size, args.seed,
+                                            args.max_rounds, filters)
+    context = {"pre_query": template.text, "end_of_turn": template.end_of_turn,
+               "temperature": sampling.temperature, "top_p": sampling.top_p,
+               "max_new_tokens": sampling.max_new_tokens, "seed": args.seed}
+    summary = self_prompts.collect(args.out, sampler, settings,
+                                   ProgressReporter(total=args.self_prompts, unit="self prompt"),
+                                   context)
+    rejected = ", ".join(f"{reason} {count}" for reason, count in summary["rejected"].items()
+                         if count) or "none"
+    log.info("self prompts: %d accepted of %d sampled (rejected: %s); distinct-1/2/3 "
+             "%.2f/%.2f/%.2f, %.1f words on average; in %s", summary["accepted"],
+             summary["sampled"], rejected, summary["distinct_1"], summary["distinct_2"],
+             summary["distinct_3"], summary["mean_prompt_words"],
+             self_prompts.prompts_path(args.out))
+    return summary
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -230,11 +325,24 @@ def main(argv: list[str] | None = None) -> None:
     setup_logging(args.verbose)
     if not args.verbose:  # one line per request is too many at 100k prompts
         logging.getLogger("httpx").setLevel(logging.WARNING)
-    prompts_path = require_file(args.prompts, "prompts file")
     if args.backend == "transformers":
         if not args.model:
             fail("--backend transformers needs --model PATH, a local model directory")
         require_file(args.model, "model directory")
+    target: LocalTarget | None = None
+    if args.self_prompts:
+        try:
+            target = load_local_target(args)
+            write_self_prompts(args, target)
+        except RunError as exc:
+            fail(str(exc), exc.exit_code)
+        except self_prompts.SelfPromptsIncomplete as exc:
+            fail(str(exc), 1)
+        except KeyboardInterrupt:
+            fail("interrupted; rerun to resume", 130)
+        prompts_path = self_prompts.prompts_path(args.out)
+    else:
+        prompts_path = require_file(args.prompts, "prompts file")
     prompts, malformed = load_prompts(prompts_path, args.limit)
     output = OutputFile(args.out)
     todo = [p for p in prompts if p.id not in output.done_ids]
@@ -248,7 +356,7 @@ def main(argv: list[str] | None = None) -> None:
         if todo and args.backend == "openai":
             asyncio.run(run_openai(args, todo, output, state))
         elif todo:
-            run_transformers(args, todo, output, state)
+            run_transformers(args, target or load_local_target(args), todo, output, state)
     except RunError as exc:
         error = exc
     except KeyboardInterrupt:

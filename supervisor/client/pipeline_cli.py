@@ -13,7 +13,7 @@ from supervisor.client.output import console, fail, usage_error, warn
 from supervisor.client.submit_cli import slurm_section
 from supervisor.client.tui import follow_jobs
 from supervisor.errors import JobsupError
-from supervisor.pipeline import DEFAULT_MIN_ACCEPTANCE_LENGTH
+from supervisor.pipeline import DEFAULT_MIN_ACCEPTANCE_LENGTH, SELF_PROMPTS_PREFIX
 
 
 class DemoModel(StrEnum):
@@ -28,7 +28,9 @@ pipeline_app = typer.Typer(no_args_is_help=True, help="Multi-step pipelines (EAG
 def pipeline_run(
     kind: Annotated[str, typer.Argument(help="Pipeline kind: eagle3.")],
     model: Annotated[Path, typer.Option(help="Target model directory (HF format).")],
-    prompts: Annotated[Path, typer.Option(help="Prompts JSONL.")],
+    prompts: Annotated[str, typer.Option(
+        help="Prompts JSONL, or self:N: the target writes N prompts itself (Magpie; "
+             "transformers backend).")],
     out: Annotated[Path, typer.Option(help="Output directory of all steps.")],
     name: Annotated[str, typer.Option(help="Prefix of the jobs' names.")] = "eagle3",
     serve: Annotated[str | None, typer.Option(
@@ -75,8 +77,10 @@ def pipeline_run(
     """Submit a pipeline's steps as jobs chained with depends_on; prints their ids."""
     if kind != "eagle3":
         fail(JobsupError(f"unknown pipeline {kind!r}", hint="available: eagle3"))
+    if not prompts.startswith(SELF_PROMPTS_PREFIX):  # a file, as the daemon sees it
+        prompts = str(Path(prompts).resolve())
     body: dict[str, Any] = {
-        "model": str(model.resolve()), "prompts": str(prompts.resolve()),
+        "model": str(model.resolve()), "prompts": prompts,
         "out": str(out.resolve()), "name": name, "serve": serve, "endpoint": endpoint,
         "port": port, "max_tokens": max_tokens, "draft_vocab_size": draft_vocab_size,
         "ttt_steps": ttt_steps, "epochs": epochs, "device": device, "dtype": dtype,
