@@ -109,9 +109,10 @@ def main() -> int:
     add("--eval-prompts", type=int, default=16, help="synthetic held-out prompts")
     add("--eval-handwritten", type=int, default=80, help="hand-written questions (0: none)")
     add("--max-tokens", type=int, default=256, help="per generated answer")
+    add("--prompt-max-tokens", type=int, default=128, help="per self-written prompt")
     add("--eval-tokens", type=int, default=96, help="per evaluated prompt")
     add("--batch-size", type=int, default=64, help="generation batch")
-    add("--store", choices=("bf16", "fp8"), default="bf16", help="extracted features")
+    add("--store", choices=("dtype", "fp8"), default="dtype", help="extracted features")
     add("--epochs", type=int, help="default: workers.train's")
     add("--lr", type=float, help="default: workers.train's")
     add("--batch-tokens", type=int, help="default: workers.train's")
@@ -134,7 +135,8 @@ def main() -> int:
     device = ["--device", args.device]
     if "prompts" in steps:
         make_prompts(work, count if kind == "synthetic" else 0, args.eval_prompts, args.seed)
-    source = (["--self-prompts", str(count), "--seed", str(args.seed)] if kind == "self"
+    source = (["--self-prompts", str(count), "--seed", str(args.seed),
+               "--prompt-max-tokens", str(args.prompt_max_tokens)] if kind == "self"
               else ["--prompts", str(train_prompts)])
     train_flags = [f"--{name.replace('_', '-')}={value}" for name in
                    ("epochs", "lr", "batch_tokens") if (value := getattr(args, name))]
