@@ -180,7 +180,7 @@ def main() -> int:
         print_curve(json.loads(curve.read_text()))
     held = train_out / "heldout.jsonl"
     if held.exists():
-        print_heldout([json.loads(line) for line in held.read_text().splitlines()])
+        print_heldout(read_jsonl(held))
     return 0
 
 
@@ -188,19 +188,24 @@ def print_rates(conversations: Path, hidden: Path, times: dict[str, float]) -> N
     """Generation and extraction tokens/s (step wall time, model loading included) and
     the features' bytes per token on disk."""
     if conversations.exists() and times.get("generate"):
-        usage = [json.loads(line).get("usage") or {} for line in
-                 conversations.read_text().splitlines() if line.strip()]
+        usage = [record.get("usage") or {} for record in read_jsonl(conversations)]
         new = sum(u.get("completion_tokens", 0) for u in usage)
         print(f"\ngenerate: {len(usage)} conversations, {new} new tokens, "
               f"{new / times['generate']:,.0f} new tokens/s")
     manifest = hidden / "manifest.jsonl"
     if manifest.exists() and times.get("extract"):
-        records = [json.loads(line) for line in manifest.read_text().splitlines() if line]
+        records = read_jsonl(manifest)
         tokens = sum(int(r.get("seq_len", 0)) for r in records)
         size = sum(f.stat().st_size for f in hidden.rglob("*.safetensors"))
         print(f"extract: {len(records)} samples, {tokens} tokens, "
               f"{tokens / times['extract']:,.0f} tokens/s, {size / max(tokens, 1):,.0f} "
               "bytes/token")
+
+
+def read_jsonl(path: Path) -> list[dict[str, Any]]:
+    """One record per "\n"-ended line (not str.splitlines: the text holds U+2028 and
+    other characters it would split at)."""
+    return [json.loads(line) for line in path.read_text().split("\n") if line.strip()]
 
 
 def print_heldout(lines: list[dict[str, Any]]) -> None:
