@@ -5,11 +5,29 @@ One place, so that a job's ETA or output size reads the same in a terminal and i
 
 from __future__ import annotations
 
+import re
 from datetime import UTC, datetime
 from typing import overload
 
 MISSING = "-"
 """What a value not known yet reads as."""
+
+_TERMINAL_CONTROLS = re.compile(
+    r"\x1b\[[0-?]*[ -/]*[@-~]"            # CSI: colours, cursor moves, erase (ESC [ ... m)
+    r"|\x1b\][^\x07\x1b]*(?:\x07|\x1b\\)?"  # OSC: window titles, hyperlinks
+    r"|\x1b[ -/]*[0-~]?"                    # other escapes (ESC ( B, ESC 7, a lone ESC)
+    r"|[\x00-\x08\x0b\x0c\x0e-\x1f\x7f]")  # other C0 controls and DEL: NUL, BEL, ...
+"""What a terminal interprets instead of showing. The page's log pane removes the same
+(supervisor/api/static/job.js, TERMINAL_CONTROLS)."""
+
+
+def terminal_text(text: str) -> str:
+    """`text` as a terminal shows it, less its layout: escape sequences (ANSI colours,
+    cursor moves, OSC titles and links) and control characters other than tab, newline
+    and carriage return removed (a NUL or a colour code is noise in Slack, a webhook or
+    an alert's cause). Carriage returns stay: tqdm's redraws are read by `log_line`."""
+    return _TERMINAL_CONTROLS.sub("", text)
+
 
 _BYTE_UNITS = (("PB", 1e15), ("TB", 1e12), ("GB", 1e9), ("MB", 1e6), ("kB", 1e3))
 

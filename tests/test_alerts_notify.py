@@ -27,6 +27,15 @@ def slack_message(body: dict[str, Any]) -> str:
     return "\n".join(texts)
 
 
+def strings(value: Any) -> list[str]:
+    """Every string in a decoded JSON body."""
+    if isinstance(value, str):
+        return [value]
+    items = value.values() if isinstance(value, dict) else value if isinstance(value, list) \
+        else []
+    return [text for item in items for text in strings(item)]
+
+
 def slack_daemon(make_daemon, receiver: Receiver, **env: str) -> Daemon:
     return make_daemon(env={"JOBSUP_SLACK_WEBHOOK_URL": receiver.url,
                             "JOBSUP_NOTIFY_ON_SUCCESS": "false", **env})
@@ -67,6 +76,33 @@ def test_crash_gives_exactly_one_message_within_5_s(make_daemon, receiver: Recei
     (alert,) = daemon.http.get("/api/v1/alerts", params={"state": "firing"}).json()
     assert alert["rule"] == "crashed" and alert["job_id"] == job["id"]
     assert [a["rule"] for a in daemon.job(job["id"])["alerts"]] == ["crashed"]
+
+
+def test_colour_codes_and_nul_bytes_never_reach_slack_or_the_webhook(
+        make_daemon, receiver: Receiver) -> None:
+    """A job that logs in colour (as rich, loguru and torch's warnings do) and writes a
+    NUL byte: the crash's Slack message and the generic webhook's event carry the words,
+    not the escape codes or the NUL (#32 item 8)."""
+    hook = Receiver()
+    try:
+        daemon = make_daemon(env={"JOBSUP_SLACK_WEBHOOK_URL": receiver.url,
+                                  "JOBSUP_WEBHOOK_URL": hook.url})
+        job = daemon.submit(python_job(
+            "import sys; print('\\x1b[1;31mERROR\\x1b[0m \\x1b]0;title\\x07loading"
+            " shard 3\\x00 of 8'); print('RuntimeError: CUDA out of memory\\x1b[0m');"
+            " sys.exit(1)"), name="colourful")
+        daemon.wait_state(job["id"], "failed")
+        wait_for(lambda: receiver.posts and hook.posts, 15, what="both messages")
+        ((_, slack),), ((_, event),) = receiver.posts, hook.posts
+        for body in (slack, event):
+            whole = "\n".join(strings(body))  # the decoded strings, not JSON's \u001b
+            assert not set(whole) & {"\x1b", "\x00", "\x07"}, repr(whole)
+            assert "ERROR loading shard 3 of 8" in whole, whole
+        assert "ERROR loading shard 3 of 8" in slack_message(slack)
+        assert "ERROR loading shard 3 of 8" in event["log_tail"]
+        assert "CUDA out of memory" in event["cause"]
+    finally:
+        hook.close()
 
 
 def test_a_crashed_job_arrives_in_block_kit_with_host_attempt_cause_tail_and_links(
@@ -253,6 +289,24 @@ for i in range(200):
     resolved = daemon.http.get("/api/v1/alerts", params={"state": "resolved"}).json()
     assert [a["rule"] for a in resolved] == ["stalled"] and resolved[0]["resolved_at"]
     daemon.http.post(f"/api/v1/jobs/{job['id']}/stop")
+
+
+def test_an_idle_job_without_an_output_contract_sends_no_stall(
+        make_daemon, receiver: Receiver, tmp_path: Path) -> None:
+    """Two equally quiet jobs: the one with an output dir is stalled before its first
+    item, the one that never said what progress looks like (a server, a `sleep`) is idle
+    and sends nothing (#32 item 4: it was flagged after stall_timeout_s)."""
+    daemon = slack_daemon(make_daemon, receiver)
+    idle = daemon.submit(python_job("import time; time.sleep(120)"), name="idle-server",
+                         stall_timeout_s=2)
+    watched = daemon.submit(python_job("import time; time.sleep(120)"), name="watched",
+                            output_dir=str(tmp_path / "out"), stall_timeout_s=2)
+    wait_for(lambda: receiver.posts, 20, what="the watched job's stall")
+    daemon.wait_ticks(3)  # the idle one began at the same time: it would have come by now
+    assert len(receiver.posts) == 1 and "watched" in receiver.texts()[0], receiver.texts()
+    assert daemon.job(idle["id"])["alerts"] == []
+    for job in (idle, watched):
+        daemon.http.post(f"/api/v1/jobs/{job['id']}/stop")
 
 
 def test_success_message_and_incomplete(make_daemon, receiver: Receiver, tmp_path: Path) -> None:

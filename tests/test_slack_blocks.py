@@ -223,6 +223,7 @@ def test_fence_safe_and_log_lines() -> None:
     assert fence_safe("a ``` b").replace(messages.ZERO_WIDTH_SPACE, "") == "a ``` b"
     assert log_line("  5%|#  \r 50%|#####  \r100%|########## \n") == "100%|##########"
     assert log_line("x" * 5000) == "x" * 299 + "…"
+    assert log_line("\x1b[1;31mERROR\x1b[0m shard\x00 3\r\x1b[2K 4\x07") == " 4"
     text, n = code_block([f"line {i}" for i in range(1000)], 200, "*t*\n")
     assert len(text) <= 200 and text.endswith("line 999\n```") and n == len(text.split("\n")) - 3
     text, n = code_block(["z" * 5000], 3000)  # one line always fits, capped

@@ -19,7 +19,7 @@ from typing import Any
 from urllib.parse import quote
 
 from supervisor.alerting.notify import redact
-from supervisor.formatting import format_bytes, format_duration, from_iso
+from supervisor.formatting import format_bytes, format_duration, from_iso, terminal_text
 
 SCHEMA = "jobsup.event/v1"
 """The generic webhook's body format; a breaking change gets a new version."""
@@ -91,7 +91,9 @@ def fence_safe(text: str) -> str:
 
 def log_line(line: str) -> str:
     """A log line as a terminal would show it (what follows its last carriage return:
-    tqdm redraws its bar with them), capped at LOG_LINE_MAX_CHARS."""
+    tqdm redraws its bar with them; no colour codes or control characters), capped at
+    LOG_LINE_MAX_CHARS."""
+    line = terminal_text(line)
     shown = line.rstrip().rsplit("\r", 1)[-1] or line.strip()
     return cut(shown, LOG_LINE_MAX_CHARS)
 
@@ -225,7 +227,8 @@ def compose(kind: str, job: dict[str, Any], *, alert: dict[str, Any] | None,
         "cause": cause(kind, job, alert), "attempt": job.get("attempt"),
         "max_attempts": max_attempts(job), "run_time_s": run_s,
         "stopped_by_user": stopped_by_user(job),
-        "job": job, "alert": alert, "log_tail": log_tail, "links": links(job, context)})
+        "job": job, "alert": alert, "log_tail": [terminal_text(line) for line in log_tail],
+        "links": links(job, context)})
     pairs = facts(kind, event["job"], run_s)  # from the redacted job, like the rest
     tail = event["log_tail"] if kind != "resolved" else []
     event["text"] = plain_text(kind, event, pairs, tail)

@@ -11,8 +11,10 @@ output's filesystem, else its log's where that is another one),
 model may load for 24 minutes without output, so the job is stalled only when it shows no
 activity at all
 (CPU time, read bytes and GPU memory all flat) for `stall_timeout_s`, or when it passes
-`startup_timeout_s`. After the first item it is stalled when no new item arrives for
-`stall_timeout_s`.
+`startup_timeout_s`; the first only for a job with an output contract (`output_dir` or
+`expected_items`): a quiet job that never said what progress looks like may simply be
+idle (a server, a notebook kernel, a `sleep`), and was 600 s of Slack noise (#32).
+After the first item it is stalled when no new item arrives for `stall_timeout_s`.
 Both clocks start when the job began running on a node: its launch, or for a job that
 waited in a cluster scheduler's queue (a SLURM job PENDING, `queued`), when it left the
 queue (`running_since`). A queued job is never stalled: hours in the queue are no stall,
@@ -31,7 +33,7 @@ import re
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
-from supervisor.formatting import format_bytes, format_duration
+from supervisor.formatting import format_bytes, format_duration, terminal_text
 
 CRASHED, STALLED, DISK_WILL_FILL = "crashed", "stalled", "disk_will_fill"
 DISK_LOW, GPU_MEMORY_HIGH, INCOMPLETE = "disk_low", "gpu_memory_high", "incomplete"
@@ -124,6 +126,9 @@ class JobFacts:
     running_since: float | None = None
     """When it left that queue and began running; None while queued, and for a job that
     never waited in one (`started_at`, its launch, is its start)."""
+    output_contract: bool = True
+    """It said where its items appear (`output_dir` or `expected_items`), so silence
+    before the first item is a stall; without one, only `startup_timeout_s` is."""
 
 
 @dataclass(frozen=True)
@@ -206,7 +211,7 @@ def stall_message(job: JobFacts, now: float) -> str | None:
                     "after start "
                     f"(startup timeout {format_duration(job.startup_timeout_s)})")
         quiet_since = max(job.activity_at or begun, begun)
-        if now - quiet_since > job.stall_timeout_s:
+        if job.output_contract and now - quiet_since > job.stall_timeout_s:
             return (f"{job.name}: no activity (CPU, reads, GPU memory flat) for "
                     f"{format_duration(now - quiet_since)} before its first item")
         return None
@@ -279,7 +284,7 @@ def classify_exit(*, exit_code: int | None, signal: int | None, oom_kills: int,
     elif signal == 9:
         notes.append("SIGKILL from outside the job: possibly the kernel OOM killer (a guess; "
                      "no OOM kill recorded in a readable cgroup)")
-    text = "\n".join(log_tail)
+    text = terminal_text("\n".join(log_tail))  # a cause quotes the log: no colour codes
     rank = failed_rank(text)
     if rank:
         notes.insert(0, rank)

@@ -100,10 +100,17 @@
   }
 
   const logEl = document.getElementById("log");
+  // what a terminal interprets instead of showing (supervisor/formatting.py, terminal_text):
+  // escape sequences (colours, cursor moves, OSC titles) and control characters but tab,
+  // newline and carriage return
+  const TERMINAL_CONTROLS = /\x1b\[[0-?]*[ -\/]*[@-~]|\x1b\][^\x07\x1b]*(?:\x07|\x1b\\)?|\x1b[ -\/]*[0-~]?|[\x00-\x08\x0b\x0c\x0e-\x1f\x7f]/g;
   async function loadLog() {
     const answer = await fetch(api + "/logs?tail=200", { cache: "no-store" });
     if (!answer.ok) return;
-    const text = await answer.text();
+    const text = (await answer.text()).replace(TERMINAL_CONTROLS, "");
+    // someone selecting in the log (to copy an error) keeps the selection until they let go
+    const selection = window.getSelection();
+    if (selection && !selection.isCollapsed && logEl.contains(selection.anchorNode)) return;
     if (text !== logEl.textContent) {
       const atEnd = logEl.scrollTop + logEl.clientHeight >= logEl.scrollHeight - 4;
       logEl.textContent = text;
