@@ -174,6 +174,55 @@ class CrossSite:
         self.server.server_close()
 
 
+def test_a_selection_survives_the_live_refresh(daemon: Daemon, tab: Tab,
+                                               tmp_path: Path) -> None:
+    """An ended job's id, selected to be copied, stays selected while the table refreshes
+    around it with a running job's progress (#32 item 3: the refresh replaced the whole
+    fragment every 2 s and the selection went with it)."""
+    ended = daemon.submit(python_job("raise SystemExit(3)"), name="ended-one")["id"]
+    daemon.wait_state(ended, "failed")
+    out = tmp_path / "out"
+    writer = daemon.submit(metric_reporter(out, 600, 0.1), name="writer", output_dir=str(out),
+                           pattern="item*.bin", expected_items=600)["id"]
+    wait_for(lambda: (daemon.job(writer)["progress"]["items_done"] or 0) >= 1, 20,
+             what="the writer's first item")
+    page = tab.page
+    assert page.goto(daemon.url + "/").status == 200
+    page.wait_for_function("() => window.jobsup.refreshes >= 1")
+    selected = page.evaluate("""(id) => {
+        const code = document.querySelector('#job-' + id + ' code.id');
+        const range = document.createRange(); range.selectNodeContents(code);
+        const selection = window.getSelection();
+        selection.removeAllRanges(); selection.addRange(range);
+        return selection.toString(); }""", ended)
+    assert selected == ended
+    before = count_of(page, writer)
+    start = page.evaluate("window.jobsup.refreshes")
+    page.wait_for_function(f"() => window.jobsup.refreshes >= {start + 2}", timeout=20000)
+    wait_for(lambda: count_of(page, writer) > before, 20, what="the writer's count moving")
+    assert page.evaluate("window.getSelection().toString()") == ended
+    assert not tab.errors, tab.errors
+
+
+def test_job_page_log_shows_text_not_colour_codes_or_nul(daemon: Daemon, tab: Tab) -> None:
+    """A coloured log line with a NUL and a window-title escape in it reads as its words in
+    the log pane (#32 item 8); the API's /logs keeps the bytes (a terminal shows them)."""
+    job_id = daemon.submit(python_job(
+        "import time; print('\\x1b[1;32mready\\x1b[0m \\x1b]0;title\\x07step\\x00 7',"
+        " flush=True); time.sleep(60)"), name="colourful")["id"]
+    wait_for(lambda: "ready" in daemon.http.get(f"/api/v1/jobs/{job_id}/logs").text, 20,
+             what="the line in the log")
+    assert "\x1b[1;32m" in daemon.http.get(f"/api/v1/jobs/{job_id}/logs").text
+    page = tab.page
+    assert page.goto(f"{daemon.url}/jobs/{job_id}").status == 200
+    page.wait_for_function("() => document.getElementById('log').textContent.includes('step')")
+    shown = page.evaluate("document.getElementById('log').textContent")
+    assert "ready step 7" in shown, repr(shown)
+    assert not set(shown) & {"\x1b", "\x00", "\x07"}, repr(shown)
+    assert not tab.errors, tab.errors
+    daemon.http.post(f"/api/v1/jobs/{job_id}/stop")
+
+
 @pytest.mark.slow
 def test_job_page_charts_logs_and_stop(daemon: Daemon, tab: Tab, browser: Any,
                                        tmp_path: Path) -> None:

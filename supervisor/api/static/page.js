@@ -1,5 +1,7 @@
-// jobsup status page: swaps the server-rendered fragment (#live) in every 2 s without
-// reloading, and shows ISO times as local times. No dependencies.
+// jobsup status page: brings the server-rendered fragment (#live) up to date every 2 s
+// without reloading, changing only the nodes that differ (so a selection in what did not
+// change, an ended job's id or error, survives the refresh), and shows ISO times as
+// local times. No dependencies.
 "use strict";
 (function () {
   const REFRESH_MS = 2000;
@@ -12,6 +14,33 @@
     }
   }
 
+  // Makes `into`'s children equal to `from`'s, touching only what differs: a text that
+  // changed is set, an element of another tag or id is replaced, attributes are synced.
+  function morph(into, from) {
+    const have = Array.from(into.childNodes), want = Array.from(from.childNodes);
+    want.forEach((node, i) => {
+      const old = have[i];
+      if (!old) { into.appendChild(document.importNode(node, true)); return; }
+      if (old.nodeType !== node.nodeType || old.nodeName !== node.nodeName
+          || (old.id || "") !== (node.id || "")) {
+        into.replaceChild(document.importNode(node, true), old);
+        return;
+      }
+      if (old.nodeType !== Node.ELEMENT_NODE) {
+        if (old.nodeValue !== node.nodeValue) old.nodeValue = node.nodeValue;
+        return;
+      }
+      for (const attr of Array.from(old.attributes)) {
+        if (!node.hasAttribute(attr.name)) old.removeAttribute(attr.name);
+      }
+      for (const attr of Array.from(node.attributes)) {
+        if (old.getAttribute(attr.name) !== attr.value) old.setAttribute(attr.name, attr.value);
+      }
+      morph(old, node);
+    });
+    for (let i = have.length - 1; i >= want.length; i--) into.removeChild(have[i]);
+  }
+
   async function refresh() {
     if (!live) return;
     const query = live.dataset.query;
@@ -20,9 +49,11 @@
       const answer = await fetch(url, { headers: { Accept: "text/html" }, cache: "no-store" });
       if (answer.status === 401) { window.location.reload(); return; }  // the session ended
       if (!answer.ok) { document.body.classList.add("stale"); return; }
-      live.innerHTML = await answer.text();
+      const fresh = document.createElement("template");
+      fresh.innerHTML = await answer.text();
+      localTimes(fresh.content);  // before the comparison: unchanged times stay untouched
+      morph(live, fresh.content);
       document.body.classList.remove("stale");
-      localTimes(live);
       live.dispatchEvent(new CustomEvent("jobsup:refreshed"));
     } catch (err) {
       document.body.classList.add("stale");  // the daemon is unreachable: keep the last view
