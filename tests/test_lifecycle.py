@@ -49,6 +49,18 @@ P, R, S, F, ST, L = (JobState.PENDING, JobState.RUNNING, JobState.SUCCEEDED, Job
           stop_cause="because the jobs it served have ended"), NEVER,
      Decision(ST, ExitReason.STOPPED, "stopped because the jobs it served have ended "
                                       "(SIGKILL after the grace)")),
+    # the daemon's own stop on its exit is no person's: pending again, nothing counted
+    # (#32 item 2), whatever the exit and the policy
+    (Exit(0, None, stop_requested=True, by_daemon_exit=True,
+          stop_cause="because the daemon is exiting (--stop-jobs-on-exit)"), NEVER,
+     Decision(P, ExitReason.STOPPED, "stopped because the daemon is exiting "
+              "(--stop-jobs-on-exit) (SIGTERM); runs again when the daemon starts",
+              requeue=True)),
+    (Exit(None, 9, stop_requested=True, by_daemon_exit=True, stopped_by="SIGKILL after the "
+          "grace", stop_cause="because the daemon is exiting (--stop-jobs-on-exit)"), RETRY,
+     Decision(P, ExitReason.STOPPED, "stopped because the daemon is exiting "
+              "(--stop-jobs-on-exit) (SIGKILL after the grace); runs again when the daemon "
+              "starts", requeue=True)),
     # restarts: backoff x2 per restart, capped
     (Exit(3, None), RETRY,
      Decision(P, ExitReason.EXIT, "exited with code 3; restart 2/3 in 2.0 s", 2.0)),

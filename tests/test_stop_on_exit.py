@@ -85,12 +85,49 @@ def test_sigterm_stops_jobs_and_waits_for_them(make_daemon, tmp_path: Path) -> N
     assert stubborn_log.read_text().splitlines() == ["15"]
     assert GRACE_S <= took_s < GRACE_S + 8, took_s
     assert not any(alive(pid) for pid in pids)
-    for job in (clean, stubborn):
+    for job in (clean, stubborn):  # no person stopped them: they run again (#32 item 2)
         state, reason = stored_state(daemon.data_dir, job["id"])
-        assert state == "stopped", (state, reason)
-        assert "daemon is exiting" in (reason or ""), reason
+        assert state == "pending", (state, reason)
+        assert "daemon is exiting" in (reason or "") and "runs again" in (reason or ""), reason
     assert stored_state(daemon.data_dir, later["id"])[0] == "pending"
     assert "every job stopped" in daemon.log()
+
+
+def test_a_pipeline_cut_by_the_daemons_exit_completes_after_its_restart(
+        make_daemon, tmp_path: Path) -> None:
+    """A running, B waiting on A; the daemon (--stop-jobs-on-exit, Docker's way) is
+    SIGTERMed and started again: A runs again as a new attempt and succeeds, then B, with
+    no one acting (#32 item 2: A was `stopped` and B `failed — dependency stopped`). A
+    person's stop still ends a job for good."""
+    daemon: Daemon = make_daemon({"JOBSUP_STOP_JOBS_ON_EXIT": "1"})
+    first_run = tmp_path / "first-run"
+    # the first attempt waits to be stopped; the next one finishes at once
+    step = python_job(f"import os, time\nif not os.path.exists({str(first_run)!r}):\n"
+                      f"    open({str(first_run)!r}, 'w').close(); time.sleep(600)\n"
+                      "print('done')")
+    a = daemon.submit(step, name="extract", stop_grace_s=GRACE_S)
+    b = daemon.submit(python_job("print('trained')"), name="train", depends_on=[a["id"]])
+    user_stopped = daemon.submit(python_job("import time; time.sleep(600)"), name="by-hand")
+    wait_for(first_run.exists, 15, what="A's first attempt running")
+    daemon.wait_state(user_stopped["id"], "running")
+    daemon.http.post(f"/api/v1/jobs/{user_stopped['id']}/stop")
+    daemon.wait_state(user_stopped["id"], "stopped")
+    assert daemon.proc is not None
+    daemon.proc.terminate()
+    assert daemon.proc.wait(GRACE_S + 15) in (0, -15), daemon.log()
+    assert stored_state(daemon.data_dir, a["id"])[0] == "pending"
+    assert stored_state(daemon.data_dir, b["id"])[0] == "pending"
+
+    daemon.start()
+    done = daemon.wait_state(b["id"], "succeeded", timeout=30)
+    again = daemon.job(a["id"])
+    assert again["state"] == "succeeded" and again["attempt"] == 2 and again["restarts"] == 0
+    events = [(e["to_state"], e["reason"] or "")
+              for e in daemon.http.get(f"/api/v1/jobs/{a['id']}/events").json()]
+    assert any(to == "pending" and "runs again when the daemon starts" in why
+               for to, why in events), events
+    assert done["state"] == "succeeded"
+    assert daemon.job(user_stopped["id"])["state"] == "stopped"  # a person's stop holds
 
 
 def test_without_the_flag_jobs_outlive_the_daemon(make_daemon, tmp_path: Path) -> None:

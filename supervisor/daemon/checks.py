@@ -164,15 +164,17 @@ class JobChecks(EngineBase):
         stopped_by = ("SIGKILL after the grace" if status.killed_after_grace else
                       "SIGKILL by the daemon's backstop"
                       if (job.id, job.attempt) in self._killed else "SIGTERM")
-        stop_cause = ("because the jobs it served have ended"
-                      if stop_requested and self._served_its_purpose(session, job)
+        served = stop_requested and self._served_its_purpose(session, job)
+        by_daemon_exit = stop_requested and not served and job.id in self._stopped_for_exit
+        stop_cause = ("because the jobs it served have ended" if served
                       else "because the daemon is exiting (--stop-jobs-on-exit)"
-                      if job.id in self._stopped_for_exit else "on request")
+                      if by_daemon_exit else "on request")
         spec = stored_spec(job.spec_json)
         decision = lifecycle.after_exit(
             lifecycle.Exit(status.exit_code, status.signal, spawn_error=status.spawn_error,
                            stop_requested=stop_requested, stopped_by=stopped_by,
-                           stop_cause=stop_cause, oom=oom is not None, notes=notes or None,
+                           stop_cause=stop_cause, by_daemon_exit=by_daemon_exit,
+                           oom=oom is not None, notes=notes or None,
                            scheduler_end=self.backend_for(job).scheduler_end(
                                self._attempt(job))),
             lifecycle.Restarts(spec.restart_policy, done=job.restarts, limit=spec.max_restarts,

@@ -153,7 +153,8 @@ class EngineBase:
         restart_at = (now + decision.restart_in_s if decision.restart_in_s is not None
                       else None)
         store.transition(session, job, decision.state, now=at, reason=decision.reason,
-                         exit_reason=decision.exit_reason, restart_at=restart_at)
+                         exit_reason=decision.exit_reason, restart_at=restart_at,
+                         clear_stop=decision.requeue)
         if restart_at is not None:
             self.wake_at(restart_at)
 

@@ -7,6 +7,7 @@ is checked against a table (`tests/test_lifecycle.py`), as supervisord's `transi
 
     pending ──start──> running ──exit 0──────────────> succeeded
        ^                  │ ──exit != 0, signal, OOM──> failed   (or pending: restart)
+       │<─────────────────│ ──stopped by the daemon's exit (runs again at its start)
        │                  │ ──stop requested──────────> stopped
        └──launch cut short┘ ──vanished, no record─────> lost
 """
@@ -39,6 +40,9 @@ class Decision:
     reason: str
     restart_in_s: float | None = None
     """For a restart: seconds until the next attempt may start."""
+    requeue: bool = False
+    """Pending again after a stop no person asked for (the daemon's own exit): the stop
+    request is cleared and no restart is counted."""
 
 
 @dataclass(frozen=True)
@@ -54,6 +58,9 @@ class Exit:
     stopped_by: str = "SIGTERM"
     """How a stopped job ended: SIGTERM, SIGKILL after the grace, or the backstop's."""
     stop_cause: str = "on request"
+    by_daemon_exit: bool = False
+    """The stop was the daemon's own, on its way out (`--stop-jobs-on-exit`), not a
+    person's: the job runs again when the daemon starts (#32: its dependents failed)."""
     oom: bool = False
     """The kernel's OOM killer took it (cgroup count) or its log says CUDA OOM."""
     notes: str | None = None
@@ -79,6 +86,10 @@ class Restarts:
 
 def after_exit(ended: Exit, restarts: Restarts) -> Decision:
     """An attempt's recorded end: stopped, succeeded, failed, or pending for a restart."""
+    if ended.stop_requested and ended.by_daemon_exit:
+        return Decision(JobState.PENDING, ExitReason.STOPPED,
+                        f"stopped {ended.stop_cause} ({ended.stopped_by}); runs again "
+                        "when the daemon starts", requeue=True)
     if ended.stop_requested:
         return Decision(JobState.STOPPED, ExitReason.STOPPED,
                         f"stopped {ended.stop_cause} ({ended.stopped_by})")

@@ -229,11 +229,15 @@ def events(session: Session, job_id: str) -> Sequence[JobEvent]:
 
 def transition(session: Session, job: Job, to: JobState, *, now: float,
                reason: str | None, exit_reason: ExitReason | None = None,
-               restart_at: float | None = None, retry_at: float | None = None) -> None:
+               restart_at: float | None = None, retry_at: float | None = None,
+               clear_stop: bool = False) -> None:
     """The one place a job's state changes: sets it (with why it ended, when its
     restart is due, counted as a restart, or when a launch that could not start is
-    tried again, not counted) and records the event."""
+    tried again, not counted; `clear_stop`: the stop request that ended its attempt is
+    forgotten, as for one the daemon's exit made) and records the event."""
     from_state = job.state
+    if clear_stop:
+        job.stop_requested_at = None
     job.state = to.value
     job.reason = reason
     if exit_reason is not None:
