@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import shlex
 import subprocess
 import sys
 from pathlib import Path
@@ -42,6 +43,9 @@ def test_submit_ls_show_logs_follow(daemon: Daemon) -> None:
     assert "state\tsucceeded\n" in shown.stdout and "\tpending\trunning\t" in shown.stdout
     tail = jobsup("logs", job_id, "-n", "1", url=daemon.url)
     assert tail.stdout == "tick 2\n"
+    assert tail.stderr == "(the last 1 line; --tail N for more)\n"  # it says it cut
+    whole = jobsup("logs", job_id, url=daemon.url)  # 3 lines of the default 100: all
+    assert whole.stdout.splitlines()[-3:] == ["tick 0", "tick 1", "tick 2"] and not whole.stderr
 
 
 @pytest.mark.slow
@@ -55,6 +59,35 @@ def test_follow_spans_restarts(make_daemon, tmp_path: Path) -> None:
 
 
 @pytest.mark.slow
+def test_show_quotes_the_command_and_says_what_a_pending_job_waits_for(daemon: Daemon) -> None:
+    """`show` prints the command as a shell would take it back, and a pending job's
+    reason names the dependencies it waits for, not "-" (#32 item 9)."""
+    first = daemon.submit([sys.executable, "-c", "import time; time.sleep(600)"], name="first")
+    command = [sys.executable, "-c", "print('a b')"]
+    later = daemon.submit(command, name="later", depends_on=[first["id"]])
+    daemon.wait_state(first["id"], "running")
+    shown = jobsup("show", later["id"], url=daemon.url)
+    assert shown.returncode == 0, shown.stderr
+    assert f"command\t{shlex.join(command)}\n" in shown.stdout, shown.stdout
+    assert f"reason\twaiting for {first['id']} (first, running)\n" in shown.stdout, shown.stdout
+    daemon.http.post(f"/api/v1/jobs/{first['id']}/stop")
+
+
+@pytest.mark.slow
+def test_a_daemon_with_a_token_tells_the_cli_user_about_jobsup_token(make_daemon) -> None:
+    """The 401's hint is the CLI user's: set JOBSUP_TOKEN (not an HTTP header), or it
+    is not the daemon's (#32 item 9)."""
+    daemon = make_daemon(env={"JOBSUP_TOKEN": "s3cret-token-of-this-daemon-0123456789"})
+    for env, hint in (({}, "set JOBSUP_TOKEN to it"),
+                      ({"JOBSUP_TOKEN": "another-token-0123456789abcdef"},
+                       "JOBSUP_TOKEN is not the daemon's token")):
+        listed = jobsup("ls", url=daemon.url, env=env)
+        lines = listed.stderr.splitlines()
+        assert listed.returncode == 1 and "HTTP 401" in lines[0], listed.stderr
+        assert lines[1].startswith("hint: ") and hint in lines[1], listed.stderr
+
+
+@pytest.mark.slow
 def test_stop_from_the_cli(daemon: Daemon) -> None:
     job = daemon.submit([sys.executable, "-c", "import time; time.sleep(600)"])
     daemon.wait_state(job["id"], "running")
@@ -62,6 +95,16 @@ def test_stop_from_the_cli(daemon: Daemon) -> None:
     assert stopped.returncode == 0 and "stopped" in stopped.stdout
     again = jobsup("stop", job["id"], url=daemon.url)
     assert again.returncode == 1 and "already ended" in again.stderr
+    # several ids, as `jobsup ls -q | xargs jobsup stop` gives them; an unknown one in
+    # between is reported and the others are still stopped (#32 item 9)
+    two = [daemon.submit([sys.executable, "-c", "import time; time.sleep(600)"])["id"]
+           for _ in range(2)]
+    for job_id in two:
+        daemon.wait_state(job_id, "running")
+    many = jobsup("stop", two[0], "nope", two[1], url=daemon.url)
+    assert many.returncode == 1 and "no job with id 'nope'" in many.stderr, many
+    assert [line.split()[0] for line in many.stdout.splitlines()] == two, many.stdout
+    assert all(daemon.job(job_id)["state"] == "stopped" for job_id in two)
 
 
 @pytest.mark.slow

@@ -79,6 +79,7 @@ def test_wrong_options_exit_2_before_any_request(listener: Listener, tmp_path: P
         (("submit", "--name", "x", "--env", "NOEQUALS", "--", "true"), "KEY=VALUE"),
         (("submit", "--name", "x", "--stall-timeout", "inf", "--", "true"), "finite"),
         (("logs", "abc", "--attempt", "0"), "--attempt: 0 is not an attempt number"),
+        (("logs", "abc", "--tail", "-1"), "--tail: -1 is not a number of lines"),
         (("wait", "abc", "--timeout", "-1"), "--timeout: -1.0 is not a number of seconds"),
         (("completion", "tcsh"), "SHELL: 'tcsh' is not one of bash, zsh, fish"),
     ]

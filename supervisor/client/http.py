@@ -9,6 +9,10 @@ import httpx
 from supervisor.errors import JobsupError
 
 
+class DaemonUnreachable(JobsupError):
+    """No answer at all from the daemon (as opposed to an answer refusing something)."""
+
+
 class Client:
     def __init__(self, url: str, token: str | None = None, timeout_s: float = 10.0):
         self.url = url.rstrip("/")
@@ -19,7 +23,7 @@ class Client:
         try:
             response = self._http.request(method, path, **kwargs)
         except httpx.TransportError as exc:
-            raise JobsupError(
+            raise DaemonUnreachable(
                 f"cannot reach the jobsup daemon at {self.url} ({exc.__class__.__name__})",
                 hint="start it with `jobsup serve`, or point --url / JOBSUP_URL at it",
             ) from None
@@ -29,6 +33,10 @@ class Client:
                 message, hint = body.get("error") or str(body), body.get("hint")
             except ValueError:
                 message, hint = response.text.strip() or response.reason_phrase, None
+            if response.status_code == 401:  # the CLI's side of it, not the header's
+                hint = ("the daemon has a token: set JOBSUP_TOKEN to it (the CLI sends it "
+                        "as the bearer token)" if "Authorization" not in self._http.headers
+                        else "JOBSUP_TOKEN is not the daemon's token")
             raise JobsupError(f"{message} (HTTP {response.status_code})", hint=hint)
         return response
 

@@ -6,6 +6,7 @@ lines."""
 from __future__ import annotations
 
 import math
+import shlex
 import sys
 import time
 from typing import Annotated, Any
@@ -15,7 +16,7 @@ from rich.text import Text
 
 from supervisor.client import outcome
 from supervisor.client.completion import choices, job_ids
-from supervisor.client.http import Client
+from supervisor.client.http import Client, DaemonUnreachable
 from supervisor.client.options import (
     DEFAULT_URL,
     Url,
@@ -24,6 +25,7 @@ from supervisor.client.options import (
     pairs,
 )
 from supervisor.client.output import (
+    EXIT_ERROR,
     console,
     err_console,
     fail,
@@ -31,6 +33,7 @@ from supervisor.client.output import (
     print_fields,
     print_json,
     print_rows,
+    report,
     short_time,
     usage_error,
 )
@@ -43,6 +46,9 @@ STATES = tuple(s.value for s in JobState)
 POLICIES = tuple(p.value for p in RestartPolicy)
 ALERT_STATES = tuple(s.value for s in AlertState)
 
+LOG_TAIL_DEFAULT = 100
+LOG_TAIL_MAX = 1_000_000
+"""The daemon's bounds on /logs?tail (api/routes.py job_logs)."""
 JobId = Annotated[str, typer.Argument(help="Job id.", autocompletion=job_ids,
                                       show_default=False)]
 Json = Annotated[bool, typer.Option("--json", help="Print the API's JSON.")]
@@ -149,7 +155,8 @@ def show(job_id: JobId, as_json: Json = False, url: Url = DEFAULT_URL) -> None:
     done, total = p["items_done"], p["items_total"]
     rows = [
         ("id", job["id"]), ("name", job["name"]), ("state", state_text(job["state"])),
-        ("reason", job.get("reason") or "-"), ("command", " ".join(spec["command"])),
+        ("reason", job.get("reason") or waiting_for(c, job) or "-"),
+        ("command", shlex.join(spec["command"])),
         ("cwd", spec.get("cwd") or "-"), ("pid", str(job["pid"] or "-")),
         ("exit", f"code {job['exit_code']}" if job["exit_code"] is not None
          else f"signal {job['signal']}" if job["signal"] is not None else "-"),
@@ -182,9 +189,28 @@ def show(job_id: JobId, as_json: Json = False, url: Url = DEFAULT_URL) -> None:
                          f"{event['to_state']}\t{event['reason'] or '-'}\n")
 
 
+def waiting_for(c: Client, job: dict[str, Any]) -> str | None:
+    """What a pending job without a reason waits for: its dependencies not yet
+    succeeded (None when it waits for nothing the CLI can name)."""
+    if job["state"] != JobState.PENDING.value:
+        return None
+    waits = []
+    for dep_id in job["spec"].get("depends_on") or []:
+        try:
+            dep = c.get(f"/api/v1/jobs/{dep_id}")
+        except JobsupError:
+            waits.append(dep_id)
+            continue
+        if dep["state"] != JobState.SUCCEEDED.value:
+            waits.append(f"{dep_id} ({dep['name']}, {dep['state']})")
+    return "waiting for " + ", ".join(waits) if waits else None
+
+
 def logs(
     job_id: JobId,
-    tail: Annotated[int, typer.Option("--tail", "-n", help="Lines to show.")] = 100,
+    tail: Annotated[int, typer.Option(
+        "--tail", "-n", help="Lines to show, from the end (0: none, e.g. with --follow).")
+    ] = LOG_TAIL_DEFAULT,
     follow: Annotated[bool, typer.Option(
         "--follow", "-f", help="Keep printing new output (and later attempts' output) until "
                                "the job ends; exit with its outcome (see `jobsup wait`).")
@@ -198,12 +224,18 @@ def logs(
     if attempt is not None and attempt < 1:
         usage_error(f"--attempt: {attempt} is not an attempt number",
                     hint="--attempt: 1 for the first launch, 2 for the next, ...")
+    if not 0 <= tail <= LOG_TAIL_MAX:
+        usage_error(f"--tail: {tail} is not a number of lines",
+                    hint=f"--tail N, N from 0 to {LOG_TAIL_MAX:,} (the last N lines)")
     try:
         c = client(url)
         params = {"tail": tail} if attempt is None else {"tail": tail, "attempt": attempt}
         response = c.request("GET", f"/api/v1/jobs/{job_id}/logs", params=params)
         sys.stdout.write(response.text)
         sys.stdout.flush()
+        if tail and response.text.count("\n") >= tail:  # earlier lines may be left out
+            err_console.print(f"(the last {tail} line{'s' * (tail != 1)}; --tail N for more)",
+                              highlight=False, soft_wrap=True)
         if follow:
             job = outcome.follow_log(c, job_id,
                                      int(response.headers.get("x-jobsup-log-offset", "0")),
@@ -216,23 +248,46 @@ def logs(
 
 
 def stop(
-    job_id: JobId,
-    wait: Annotated[bool, typer.Option(help="Wait until the job has ended.")] = True,
+    ids: Annotated[list[str], typer.Argument(
+        help="Job ids (`jobsup ls -q --state running | xargs jobsup stop`).",
+        autocompletion=job_ids, show_default=False, metavar="ID")],
+    wait: Annotated[bool, typer.Option(help="Wait until the jobs have ended.")] = True,
     url: Url = DEFAULT_URL,
 ) -> None:
-    """Stop a job: SIGTERM to its whole process group, SIGKILL after the grace."""
-    try:
-        job = stop_job(client(url), job_id, wait=wait)
-    except JobsupError as exc:
-        fail(exc)
-    console.print(job_line(job), highlight=False, soft_wrap=True)
+    """Stop jobs: SIGTERM to each one's whole process group, SIGKILL after its grace.
+    Every job is asked first, then waited for. One that cannot be stopped (an unknown id,
+    a job already ended) is reported and the others are still stopped; the exit code is
+    then 1."""
+    c = client(url)
+    asked: list[dict[str, Any]] = []
+    refused = 0
+    for job_id in dict.fromkeys(ids):
+        try:
+            asked.append(c.post(f"/api/v1/jobs/{job_id}/stop"))
+        except DaemonUnreachable as exc:
+            fail(exc)
+        except JobsupError as exc:
+            report(exc)
+            refused += 1
+    for job in asked:
+        try:
+            job = until_ended(c, job) if wait else job
+        except JobsupError as exc:
+            fail(exc)
+        console.print(job_line(job), highlight=False, soft_wrap=True)
+    if refused:
+        raise typer.Exit(EXIT_ERROR)
 
 
 def stop_job(c: Client, job_id: str, *, wait: bool) -> dict[str, Any]:
     job: dict[str, Any] = c.post(f"/api/v1/jobs/{job_id}/stop")
-    while wait and not outcome.ended(job):
+    return until_ended(c, job) if wait else job
+
+
+def until_ended(c: Client, job: dict[str, Any]) -> dict[str, Any]:
+    while not outcome.ended(job):
         time.sleep(0.2)
-        job = c.get(f"/api/v1/jobs/{job_id}")
+        job = c.get(f"/api/v1/jobs/{job['id']}")
     return job
 
 

@@ -25,7 +25,7 @@ EXIT_USAGE = 2
 """The command line is wrong; no request was made (click's own usage errors use 2 too)."""
 
 
-def fail(exc: JobsupError, code: int = EXIT_ERROR) -> NoReturn:
+def report(exc: JobsupError) -> None:
     """`error:` / `hint:` on stderr, each on one line however long (a path or a pattern
     such as `[z-a]` comes out as it is: no wrapping, no markup)."""
     err_console.print(Text.assemble(("error:", "bold red"), " ", exc.message),
@@ -33,6 +33,11 @@ def fail(exc: JobsupError, code: int = EXIT_ERROR) -> NoReturn:
     if exc.hint:
         err_console.print(Text.assemble(("hint:", "bold"), " ", exc.hint), soft_wrap=True,
                           highlight=False)
+
+
+def fail(exc: JobsupError, code: int = EXIT_ERROR) -> NoReturn:
+    """`report` the error, then exit with `code`."""
+    report(exc)
     raise typer.Exit(code)
 
 
