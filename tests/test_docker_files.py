@@ -123,11 +123,37 @@ def test_base_images_are_pinned_by_tag_and_digest() -> None:
 
 
 def test_every_pip_install_uses_the_constraints() -> None:
+    """Dependencies are installed with the constraints; the project itself after them
+    with --no-deps (nothing left for it to resolve)."""
     text = (DOCKER / "Dockerfile").read_text()
     installs = re.findall(r"pip install[^\n]*", text)
-    assert len(installs) == 2
+    assert len(installs) == 4
     for line in installs:
-        assert "-c /tmp/jobsup-src/constraints.txt" in line, line
+        assert "-c /tmp/jobsup-deps/constraints.txt" in line \
+            or line.strip() == "pip install --no-deps /tmp/jobsup-src \\", line
+
+
+def test_a_source_edit_does_not_reinstall_the_dependencies() -> None:
+    """In each stage the dependencies (torch's CUDA wheels: GBs) are installed from
+    pyproject.toml and the constraints alone, before the source is copied in, so Docker's
+    layer cache keeps them across source edits (#32 item 11: `COPY .` came first)."""
+    text = (DOCKER / "Dockerfile").read_text()
+    for name, body in stages(DOCKER / "Dockerfile").items():
+        lines = [line.strip() for line in body.splitlines()]
+        copies = [i for i, line in enumerate(lines) if line.startswith("COPY ")]
+        deps = next(i for i, line in enumerate(lines) if "-r /tmp/jobsup-deps/requirements.txt"
+                    in line)
+        assert lines[copies[0]] == "COPY pyproject.toml constraints.txt /tmp/jobsup-deps/", name
+        assert copies[0] < deps < copies[1] and lines[copies[1]] == "COPY . /tmp/jobsup-src", name
+    script = re.search(r'ARG REQUIREMENTS="([^"]+)"', text)
+    assert script is not None
+    for extra in ("workers", "postgresql"):  # the script lists what pip would install
+        listed = subprocess.run(
+            [sys.executable, "-c", script[1].replace("/tmp/jobsup-deps/", f"{REPO}/"), extra],
+            capture_output=True, text=True, check=True).stdout.split("\n")
+        project = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]
+        wanted = project["dependencies"] + project["optional-dependencies"][extra]
+        assert [line for line in listed if line] == wanted
 
 
 def test_constraints_pin_every_runtime_worker_and_postgresql_dependency() -> None:
@@ -153,7 +179,8 @@ def test_constraints_pin_every_runtime_worker_and_postgresql_dependency() -> Non
 def test_gpu_image_runs_the_workers_on_cuda() -> None:
     gpu = stages(DOCKER / "Dockerfile")["gpu"]
     assert "NVIDIA_DRIVER_CAPABILITIES=compute,utility" in gpu
-    assert re.search(r'"torch==\$\{TORCH_VERSION\}" "/tmp/jobsup-src\[workers\]"', gpu)
+    assert re.search(r'"torch==\$\{TORCH_VERSION\}" -r /tmp/jobsup-deps/requirements.txt', gpu)
+    assert '"$REQUIREMENTS" workers > /tmp/jobsup-deps/requirements.txt' in gpu
     args = arg_defaults(DOCKER / "Dockerfile")
     assert args["TORCH_INDEX"].startswith("https://download.pytorch.org/whl/cu")
     torch_pin = next(line for line in (REPO / "constraints.txt").read_text().splitlines()
