@@ -57,6 +57,20 @@ def test_no_activity_ever_counts_from_the_start() -> None:
     assert message is not None and "no activity" in message
 
 
+def test_a_quiet_job_without_an_output_contract_is_idle_not_stalled() -> None:
+    """No output_dir, no expected_items, no item yet: a server or a `sleep` is idle, not
+    stalled (#32 item 4: 600 s of Slack noise per such job); its startup timeout still
+    counts, and its first item (a progress file, tqdm) brings the usual rule."""
+    job = facts(activity_at=None, output_contract=False)
+    assert alert_rules.stall_message(job, T0 + 100_000) is None
+    assert "stalled" not in rules(job, T0 + 100_000)
+    timed = dataclasses.replace(job, startup_timeout_s=1800.0)
+    assert "startup timeout" in (alert_rules.stall_message(timed, T0 + 1801) or "")
+    started = dataclasses.replace(job, first_item_at=T0 + 10, last_progress_at=T0 + 10,
+                                  items_done=1)
+    assert "no new item" in (alert_rules.stall_message(started, T0 + 611) or "")
+
+
 def test_startup_timeout_stalls_even_with_activity() -> None:
     job = facts(startup_timeout_s=1800.0, activity_at=T0 + 1899)
     assert alert_rules.stall_message(job, T0 + 1799) is None

@@ -223,6 +223,7 @@ class AlertRecorder:
             min_acceptance_length=spec.min_acceptance_length,
             queued=view.queued if view else False,
             running_since=view.running_since if view else None,
+            output_contract=spec.output_dir is not None or spec.expected_items is not None,
         )
 
     def _enqueue(self, session: Session, kind: str, job: Job, alert: Alert | None,
