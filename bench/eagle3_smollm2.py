@@ -31,6 +31,7 @@ from typing import Any
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
+from workers.common import read_jsonl  # noqa: E402
 from workers.prompts import TASKS, TOPICS, prompt_texts, write_prompts  # noqa: E402
 
 STEPS = ("prompts", "generate", "extract", "vocab", "train", "evaluate")
@@ -180,7 +181,7 @@ def main() -> int:
         print_curve(json.loads(curve.read_text()))
     held = train_out / "heldout.jsonl"
     if held.exists():
-        print_heldout(read_jsonl(held))
+        print_heldout(records(held))
     return 0
 
 
@@ -188,24 +189,24 @@ def print_rates(conversations: Path, hidden: Path, times: dict[str, float]) -> N
     """Generation and extraction tokens/s (step wall time, model loading included) and
     the features' bytes per token on disk."""
     if conversations.exists() and times.get("generate"):
-        usage = [record.get("usage") or {} for record in read_jsonl(conversations)]
+        usage = [record.get("usage") or {} for record in records(conversations)]
         new = sum(u.get("completion_tokens", 0) for u in usage)
         print(f"\ngenerate: {len(usage)} conversations, {new} new tokens, "
               f"{new / times['generate']:,.0f} new tokens/s")
     manifest = hidden / "manifest.jsonl"
     if manifest.exists() and times.get("extract"):
-        records = read_jsonl(manifest)
-        tokens = sum(int(r.get("seq_len", 0)) for r in records)
+        samples = records(manifest)
+        tokens = sum(int(r.get("seq_len", 0)) for r in samples)
         size = sum(f.stat().st_size for f in hidden.rglob("*.safetensors"))
-        print(f"extract: {len(records)} samples, {tokens} tokens, "
+        print(f"extract: {len(samples)} samples, {tokens} tokens, "
               f"{tokens / times['extract']:,.0f} tokens/s, {size / max(tokens, 1):,.0f} "
               "bytes/token")
 
 
-def read_jsonl(path: Path) -> list[dict[str, Any]]:
-    """One record per "\n"-ended line (not str.splitlines: the text holds U+2028 and
-    other characters it would split at)."""
-    return [json.loads(line) for line in path.read_text().split("\n") if line.strip()]
+def records(path: Path) -> list[dict[str, Any]]:
+    """The JSONL file's records (workers.common.read_jsonl reads by "\n", never at the
+    U+2028 inside a conversation that str.splitlines split at)."""
+    return [record for _, record in read_jsonl(path)]
 
 
 def print_heldout(lines: list[dict[str, Any]]) -> None:
