@@ -10,7 +10,8 @@ acceptance per draft position, the training curve and workers.train's held-out m
 `--prompts self:N` has the target write its own prompts (workers.generate
 --self-prompts), `synthetic:N` takes topics x tasks (workers.prompts, at most 2,926).
 `--conversations FILE` reuses another run's generate output, so arms that differ only
-later (`--store fp8`, training flags) share one generation. Each step is the worker's
+later (`--store fp8`, training flags) share one generation; `--features DIR` reuses an
+extraction the same way. Each step is the worker's
 own CLI, run as a subprocess with JOBSUP_PROGRESS_FILE set and that file polled (as the
 daemon would), so the curve is what jobsup shows. The held-out prompts never reach
 generation, extraction or training. `--steps` runs a subset (the work dir keeps what
@@ -107,6 +108,8 @@ def main() -> int:
         help="synthetic:N or self:N (default synthetic:2000)")
     add("--conversations", type=Path, help="reuse this generate output (no generate step)")
     add("--limit", type=int, help="extract only the first N conversations")
+    add("--features", type=Path, help="reuse this extract output (no extract step): arms "
+        "that differ only in training share one extraction")
     add("--eval-prompts", type=int, default=16, help="synthetic held-out prompts")
     add("--eval-handwritten", type=int, default=80, help="hand-written questions (0: none)")
     add("--max-tokens", type=int, default=256, help="per generated answer")
@@ -117,6 +120,9 @@ def main() -> int:
     add("--epochs", type=int, help="default: workers.train's")
     add("--lr", type=float, help="default: workers.train's")
     add("--batch-tokens", type=int, help="default: workers.train's")
+    add("--head-init", choices=("target", "random"), help="default: workers.train's")
+    add("--eval-dtype", default="auto", help="workers.evaluate --dtype (fp32: no bf16 "
+        "near-ties in the lossless check)")
     add("-k", dest="ks", type=int, action="append", help="draft tokens (default 3 and 5)")
     add("--no-baseline", action="store_true", help="no untrained-draft baseline")
     add("--draft-vocab-size", type=int, default=16384)
@@ -132,7 +138,8 @@ def main() -> int:
     kind, count = args.prompts
     train_prompts, held_out = work / "prompts.jsonl", work / "held_out.jsonl"
     conversations = args.conversations or work / "generate" / "conversations.jsonl"
-    hidden, vocab, train_out = work / "hidden_states", work / "vocab.safetensors", work / "train"
+    hidden, vocab, train_out = (args.features or work / "hidden_states",
+                                work / "vocab.safetensors", work / "train")
     device = ["--device", args.device]
     if "prompts" in steps:
         make_prompts(work, count if kind == "synthetic" else 0, args.eval_prompts, args.seed)
@@ -140,7 +147,8 @@ def main() -> int:
                "--prompt-max-tokens", str(args.prompt_max_tokens)] if kind == "self"
               else ["--prompts", str(train_prompts)])
     train_flags = [f"--{name.replace('_', '-')}={value}" for name in
-                   ("epochs", "lr", "batch_tokens") if (value := getattr(args, name))]
+                   ("epochs", "lr", "batch_tokens", "head_init")
+                   if (value := getattr(args, name))]
     evaluation = ["--no-handwritten"] if not args.eval_handwritten else \
         ["--handwritten-limit", str(args.eval_handwritten)]
     if args.eval_prompts:
@@ -162,11 +170,12 @@ def main() -> int:
                      *[f"-k{k}" for k in args.ks or (3, 5)], "--max-new-tokens",
                      str(args.eval_tokens), "--data", str(hidden), "--exclude",
                      str(conversations), *(["--no-baseline"] if args.no_baseline else []),
-                     *device],
+                     "--dtype", args.eval_dtype, *device],
     }
     conversations.parent.mkdir(parents=True, exist_ok=True)
     for name in STEPS[1:]:
-        if name in steps and not (name == "generate" and args.conversations):
+        if name in steps and not (name == "generate" and args.conversations) \
+                and not (name == "extract" and args.features):
             times[name] = run_step(name, commands[name], work)["seconds"]
             (work / "times.json").write_text(json.dumps(times))
     print("\n| step | seconds |\n| --- | ---: |")

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -22,7 +23,14 @@ from safetensors.torch import load_file, save_file
 from tests.helpers import make_conversations, make_model, wait_for, worker_env
 from workers import extract, vocab
 from workers.common import ProgressReporter
-from workers.draft import DraftConfig, Eagle3Draft, TargetHead, load_draft_weights, ttt_losses
+from workers.draft import (
+    DraftConfig,
+    Eagle3Draft,
+    TargetHead,
+    head_loss,
+    load_draft_weights,
+    ttt_losses,
+)
 from workers.train import (
     build_model,
     build_optimizer,
@@ -206,6 +214,69 @@ def test_loss_decreases_on_extracted_data(tiny: dict[str, Path], tmp_path: Path)
     assert history[-1]["acc_0"] >= 0.9 > history[0]["acc_0"]
     assert all(math.isfinite(x) for x in losses)
     assert {"loss_0", "loss_2", "acc_0", "acc_2", "lr", "grad_norm"} <= set(history[-1])
+
+
+def test_head_starts_as_the_targets_rows_and_norm(tiny: dict[str, Path],
+                                                  tmp_path: Path) -> None:
+    """--head-init target (the default): the draft's logits before any step are the
+    target's lm_head over the draft vocabulary after the target's final norm; random
+    leaves neither."""
+    target = tmp_path / "target"  # the tiny model with a final norm away from ones
+    shutil.copytree(tiny["model"], target)
+    weights = load_file(target / "model.safetensors")
+    weights["model.norm.weight"] = torch.linspace(0.5, 1.5, weights["model.norm.weight"]
+                                                  .numel()).to(weights["model.norm.weight"])
+    save_file(weights, str(target / "model.safetensors"), metadata={"format": "pt"})
+    base = ["--data", str(tiny["data"]), "--target", str(target), "--vocab",
+            str(tiny["vocab"]), "--out", str(tmp_path / "out")]
+    data = ExtractedData(tiny["data"])
+    model, _ = build_model(parse_args(base), data, torch.device("cpu"))
+    rows = weights["lm_head.weight"][model.t2d]
+    assert rows.shape[0] == model.config.draft_vocab_size
+    assert torch.equal(model.lm_head.weight, rows.float())
+    assert torch.equal(model.norm.weight, weights["model.norm.weight"].float())
+    random, _ = build_model(parse_args([*base, "--head-init", "random"]), data,
+                            torch.device("cpu"))
+    assert not torch.equal(random.lm_head.weight, rows.float())
+    assert torch.equal(random.norm.weight, torch.ones_like(random.norm.weight))
+
+
+def test_recomputed_head_gives_the_same_losses_and_gradients() -> None:
+    """The head and loss of each TTT step are recomputed in backward (checkpoint), not
+    kept: the same losses, hits and gradients as keeping them."""
+    model, config = tiny_draft()
+    generator = torch.Generator().manual_seed(1)
+    aux = torch.randn(2, 9, 3 * config.hidden_size, generator=generator)
+    ids = torch.randint(0, config.vocab_size, (2, 9), generator=generator)
+    target = torch.randn(2, 9, config.draft_vocab_size, generator=generator)
+    valid = torch.rand(2, 9, generator=generator) > 0.3
+
+    def recomputed() -> tuple[list[float], list[int], dict[str, torch.Tensor]]:
+        model.zero_grad()
+        losses, hits, _ = ttt_losses(model, aux, ids, target, valid, 3)
+        sum(losses).backward()
+        return ([x.item() for x in losses], [int(h) for h in hits],
+                {n: p.grad.clone() for n, p in model.trainable().items()})
+
+    def kept() -> tuple[list[float], list[int], dict[str, torch.Tensor]]:
+        """The same sums with every step's logits kept for backward."""
+        model.zero_grad()
+        losses, hits = [], []
+        for i, hidden in enumerate(model.unroll(aux, ids, 3)):
+            mask = valid[:, 1 + i:]
+            total, hit = head_loss(model, hidden[:, :9 - 1 - i][mask], target[:, 1 + i:][mask])
+            losses.append(total / mask.sum().clamp(min=1))
+            hits.append(int(hit))
+        sum(losses).backward()
+        return ([x.item() for x in losses], hits,
+                {n: p.grad.clone() for n, p in model.trainable().items()})
+
+    kept, recomputed = kept(), recomputed()
+    assert kept[0] == pytest.approx(recomputed[0], rel=1e-6)
+    assert kept[1] == recomputed[1]
+    for name, grad in kept[2].items():
+        assert torch.allclose(grad, recomputed[2][name], atol=1e-7), name
+    assert any(g.abs().sum() > 0 for g in kept[2].values())
 
 
 # -- 3. kill -9 and resume --------------------------------------------------------------

@@ -50,6 +50,7 @@ import torch.nn.functional as F
 from safetensors import safe_open
 from safetensors.torch import save_file
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
 from workers import serving
 
@@ -303,6 +304,22 @@ class Eagle3Draft(nn.Module):
             if isinstance(module, nn.Linear):
                 nn.init.normal_(module.weight, std=init_std)
 
+    @torch.no_grad()
+    def init_head(self, lm_head: torch.Tensor, norm: torch.Tensor | None) -> None:
+        """Starts the output head as the target's: lm_head from the target's rows of the
+        draft vocabulary (`lm_head[t2d]`, draft ids in ascending target-id order, as
+        `set_vocab` maps them), the final norm from the target's (none: ones). The draft's
+        logits are then the target's own head applied to the draft's hidden state, so
+        training starts from "predict the target's last hidden state" instead of from a
+        random projection (speculators' trainer starts its draft the same way)."""
+        rows = lm_head[self.t2d.to(lm_head.device)]
+        if tuple(rows.shape) != tuple(self.lm_head.weight.shape):
+            raise ValueError(f"the target's lm_head gives {list(rows.shape)} draft rows, "
+                             f"the draft's is {list(self.lm_head.weight.shape)}")
+        self.lm_head.weight.copy_(rows)
+        if norm is not None:
+            self.norm.weight.copy_(norm)
+
     def trainable(self) -> dict[str, nn.Parameter]:
         """The trained weights by SGLang name, in a stable order (optimizer state)."""
         return {n: p for n, p in self.named_parameters() if p.requires_grad}
@@ -385,14 +402,27 @@ def ttt_losses(model: Eagle3Draft, aux: torch.Tensor, input_ids: torch.Tensor,
     for i, hidden in enumerate(model.unroll(aux, input_ids, steps)):
         span = max(length - 1 - i, 0)
         mask = valid[:, 1 + i:]  # target position t + 1 + i for draft position t
-        logits = model.logits(hidden[:, :span][mask]).float()
-        target = target_logits[:, 1 + i:][mask].float().softmax(-1)
+        rows, target = hidden[:, :span][mask], target_logits[:, 1 + i:][mask]
+        if torch.is_grad_enabled():  # the [rows, draft_vocab] logits are made again in
+            # backward instead of kept: 7 steps of them were most of training's memory
+            total, hits = checkpoint(head_loss, model, rows, target, use_reentrant=False)
+        else:
+            total, hits = head_loss(model, rows, target)
         count = mask.sum()
-        per_row = torch.logsumexp(logits, -1) - (target * logits).sum(-1)
-        losses.append(per_row.sum() / count.clamp(min=1))
-        correct.append((logits.argmax(-1) == target.argmax(-1)).sum())
+        losses.append(total / count.clamp(min=1))
+        correct.append(hits)
         counts.append(count)
     return losses, correct, counts
+
+
+def head_loss(model: Eagle3Draft, rows: torch.Tensor,
+              target_logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(summed soft cross-entropy against softmax(target_logits), top-1 hits) of the
+    draft head on hidden-state rows [N, H], in fp32."""
+    logits = model.logits(rows).float()
+    target = target_logits.float().softmax(-1)
+    per_row = torch.logsumexp(logits, -1) - (target * logits).sum(-1)
+    return per_row.sum(), (logits.argmax(-1) == target.argmax(-1)).sum()
 
 
 # -- files -----------------------------------------------------------------------------

@@ -159,6 +159,20 @@ def load_target_head(model_dir: Path, device: torch.device,
     return config, embed, read(heads[0]) if heads else embed
 
 
+def load_target_norm(model_dir: Path, device: torch.device,
+                     dtype: torch.dtype) -> torch.Tensor | None:
+    """The target's final norm weight [H] (`model.norm.weight`, a multimodal target's
+    language model's), None when its files have none by that name."""
+    files = _tensor_files(model_dir)
+    names = sorted((n for n in files if n == "model.norm.weight"
+                    or n.endswith(".model.norm.weight")),
+                   key=lambda n: ("language_model" not in n, len(n)))
+    if not names:
+        return None
+    with safe_open(str(files[names[0]]), framework="pt") as f:
+        return f.get_tensor(names[0]).to(device=device, dtype=dtype)
+
+
 def load_vocab(path: Path) -> tuple[torch.Tensor, torch.Tensor]:
     from workers.vocab_mapping import VocabError, load_mapping
 
@@ -310,6 +324,12 @@ def build_model(args: argparse.Namespace, data: ExtractedData,
     model.set_vocab(d2t, t2d)
     if args.init is not None:
         model.load_trainable(load_draft_weights(args.init, model))
+    elif args.head_init == "target":
+        norm = load_target_norm(args.target, device, dtype)
+        if norm is None:
+            log.warning("--head-init target: the target has no model.norm.weight; the "
+                        "draft's final norm starts at ones")
+        model.init_head(lm_head, norm)
     return model, TargetHead(lm_head, t2d)
 
 
@@ -543,6 +563,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--init", type=Path, help="a saved draft directory to start from; "
                         "its own d2t/t2d are used (--vocab must match them), and it must "
                         "have been trained on the layers --data captured")
+    parser.add_argument("--head-init", choices=("target", "random"), default="target",
+                        help="the draft's lm_head and final norm start as the target's "
+                        "(its rows of the draft vocabulary; default) or random")
     parser.add_argument("--ttt-steps", type=int, default=7, help="TTT unroll (default 7)")
     parser.add_argument("--epochs", type=int, default=1)
     parser.add_argument("--lr", type=float, default=1e-4)
