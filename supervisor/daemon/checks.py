@@ -90,8 +90,9 @@ class JobChecks(EngineBase):
                 return
             if pid_known:
                 worker = backend.read_worker(attempt)
-            if worker is None or not backend.worker_alive(worker):
+            if worker is None or not backend.worker_running(worker):
                 # a stopped shim cannot reap the worker nor record its exit: continue it
+                # (it then ends what the worker left in its group, as at any exit)
                 log.warning("job %s: its shim (pid %s) was stopped (SIGSTOP) after the "
                             "worker ended; continuing it (SIGCONT)", job.id, attempt.shim_pid)
                 backend.resume_shim(attempt)
