@@ -26,6 +26,13 @@ from uvicorn.config import STARTUP_FAILURE
 from supervisor.api.metrics import JobsCollector, build_registry
 from supervisor.api.routes import TickTimes, create_app
 from supervisor.config import Settings
+from supervisor.daemon.connections import (
+    ConnectionBounds,
+    listen_backlog,
+    max_connections,
+    quiet_accept_errors,
+    raise_open_file_limit,
+)
 from supervisor.daemon.loop import Engine
 from supervisor.daemon.recovery import open_database
 from supervisor.errors import DatabaseTaken, UnsafeBind
@@ -191,6 +198,7 @@ class _Server(uvicorn.Server):
         if self.ready_line:
             log.info("%s", self.ready_line)
         self._loop, self._exit_requested = asyncio.get_running_loop(), asyncio.Event()
+        quiet_accept_errors(self._loop)
         if await self.on_tick(0):  # the Date header; asked to exit before the loop was up
             return
         undo = _wake_on_signals(self._loop)
@@ -307,11 +315,16 @@ def settle_heap() -> None:
 def serve(settings: Settings) -> None:
     check_bind(settings)
     settings.jobs_dir.mkdir(parents=True, exist_ok=True)
+    _, open_files = raise_open_file_limit()
     with data_dir_lock(settings.data_dir) as data_dir, \
             database_lock(settings.resolved_database_url) as lock:
         guard = LockGuard(lock, data_dir)
         app = build_app(settings, guard)
-        server = _Server(uvicorn.Config(app, host=settings.host, port=settings.port,
+        # idle and half-sent connections cannot take the descriptors the tick needs
+        bounds = ConnectionBounds(max_connections(open_files))
+        server = _Server(uvicorn.Config(bounds.app(app), http=bounds.protocol(),
+                                        backlog=listen_backlog(open_files),
+                                        host=settings.host, port=settings.port,
                                         log_level="warning", access_log=False))
         server.ready_line = (f"jobsup daemon ready on http://{settings.host}:{settings.port} "
                              f"(data dir {settings.data_dir})")

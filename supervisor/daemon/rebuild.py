@@ -204,7 +204,7 @@ def _recorded_end(jdir: Path, job: Job, spec: JobSpec,
     if not isinstance(record, dict) or record.get("attempt") != job.attempt:
         return None
     try:
-        state = JobState(record.get("state"))
+        state = JobState(str(record.get("state")))
         exit_reason = (ExitReason(record["exit_reason"]) if record.get("exit_reason")
                        else None)
     except ValueError:

@@ -249,7 +249,7 @@ def request_stop(session: Session, job_id: str, *, now: float, by_person: bool =
         update(Job).where(Job.id == job_id, Job.stop_requested_at.is_(None))
         .values(stop_requested_at=now)
     )
-    if by_person and getattr(stopped, "rowcount", 0):
+    if by_person and stopped.rowcount:  # type: ignore[attr-defined]
         _write_marker(session, job_id, STOP_RECORD, {"requested_at": time.time()})
 
 
