@@ -7,16 +7,21 @@ connections are a flood) and is flooded from this process."""
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import select
 import socket
+import threading
 import time
 from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
+import uvicorn
 
-from tests.helpers import Daemon, job_module, wait_for
+from supervisor.daemon.connections import ConnectionBounds
+from tests.helpers import Daemon, free_port, job_module, wait_for
 
 OPEN_FILES = 512
 FLOOD = 2000
@@ -95,3 +100,47 @@ def test_half_sent_connections_do_not_hang_the_api_or_hide_an_exit(tmp_path: Pat
     log = daemon.log()
     assert "Traceback" not in log and log.count("out of system resource") <= 1, log[-3000:]
     assert "closing the oldest idle ones" in log
+
+
+@pytest.mark.timeout(60)
+def test_a_late_head_is_closed_and_an_answer_in_progress_never_is() -> None:
+    """The bounds on their own, in a real uvicorn server on loopback with a 0.5 s head
+    timeout and room for 4 connections: a request answered slowly (1.5 s) is neither
+    timed out nor evicted by 8 half-sent connections; those are evicted, or closed for
+    their late head."""
+
+    async def slow(scope: dict[str, Any], receive: Any, send: Any) -> None:
+        assert scope["type"] == "http"
+        await asyncio.sleep(1.5)
+        await send({"type": "http.response.start", "status": 200, "headers": []})
+        await send({"type": "http.response.body", "body": b"done"})
+
+    bounds = ConnectionBounds(4, head_timeout_s=0.5)
+    port = free_port()
+    server = uvicorn.Server(uvicorn.Config(bounds.app(slow), http=bounds.protocol(),
+                                           port=port, lifespan="off", log_level="warning"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    flood: list[socket.socket] = []
+    try:
+        wait_for(lambda: server.started, 10, what="the server")
+        answer: list[httpx.Response] = []
+        asking = threading.Thread(target=lambda: answer.append(
+            httpx.get(f"http://127.0.0.1:{port}/", timeout=10)))
+        asking.start()
+        time.sleep(0.2)  # its request is being answered
+        flood = half_sent(port, 8)
+        asking.join(10)
+        assert answer and answer[0].text == "done"
+        for s in flood:  # each closed by the server: evicted, or its head late
+            s.settimeout(3)
+            try:
+                assert s.recv(100) == b""
+            except ConnectionResetError:  # closed with its half head unread
+                pass
+        assert bounds.closed_over_limit >= 4 and bounds.closed_idle >= 1
+    finally:
+        for s in flood:
+            s.close()
+        server.should_exit = True
+        thread.join(10)
