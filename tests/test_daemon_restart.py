@@ -178,3 +178,38 @@ def test_a_daemon_whose_lock_another_took_stops(make_daemon) -> None:
     assert "Traceback" not in first.log()
     job = second.submit(python_job("print('second')"))
     assert second.wait_state(job["id"], "succeeded", "failed", "lost")["state"] == "succeeded"
+
+
+CLEANS_UP = ("import pathlib, signal, sys, time\n"
+             "def term(*_):\n"
+             "    time.sleep(3)\n"
+             "    pathlib.Path(sys.argv[1]).write_text('cleaned')\n"
+             "    sys.exit(0)\n"
+             "signal.signal(signal.SIGTERM, term)\n"
+             "print('ready', flush=True)\n"
+             "while True: time.sleep(0.1)\n")
+
+
+def test_a_stop_recorded_before_a_crash_gets_its_whole_grace(make_daemon,
+                                                             tmp_path: Path) -> None:
+    """Issue #30, item 8: the daemon recorded a stop a minute ago and died before it sent
+    the SIGTERM. The restarted daemon sends it and gives the job its whole grace (8 s)
+    for its 3 s of cleanup; it used to SIGKILL it a tick after the SIGTERM, the grace
+    counted from the request."""
+    daemon: Daemon = make_daemon()
+    cleaned = tmp_path / "cleaned"
+    job = daemon.submit(python_job(CLEANS_UP) + [str(cleaned)], name="cleaner",
+                        stop_grace_s=8)
+    wait_for(lambda: "ready" in daemon.logs(job["id"]), 15, what="the job's handler set")
+    daemon.kill()
+    url = daemon.env.get("JOBSUP_DATABASE_URL") or f"sqlite:///{daemon.data_dir / 'jobsup.db'}"
+    engine = make_engine(url)
+    with engine.begin() as conn:  # the stop, as the dead daemon recorded it
+        conn.execute(text("UPDATE jobs SET stop_requested_at = :t WHERE id = :id"),
+                     {"t": time.time() - 60, "id": job["id"]})
+    engine.dispose()
+    daemon.start()
+    done = daemon.wait_state(job["id"], "stopped", "failed", "lost", timeout=20)
+    assert (done["state"], done["exit_code"], done["signal"]) == ("stopped", 0, None), done
+    assert cleaned.read_text() == "cleaned"
+    assert "after stop; SIGKILL" not in daemon.log()

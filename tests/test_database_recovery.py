@@ -35,7 +35,16 @@ from supervisor.storage.database import (
     upgrade,
 )
 from supervisor.storage.tables import Job, JobEvent
-from tests.helpers import PY, REPO, Daemon, free_port, job_module, python_job, wait_for
+from tests.helpers import (
+    PY,
+    REPO,
+    Daemon,
+    Receiver,
+    free_port,
+    job_module,
+    python_job,
+    wait_for,
+)
 
 
 def db_path(daemon: Daemon) -> Path:
@@ -449,3 +458,67 @@ def test_a_postgresql_role_that_cannot_create_the_tables_is_told_how(
     assert "hint: make the role the database's owner" in result.stderr
     assert "s3cret" not in result.stdout + result.stderr
     assert "Traceback" not in result.stderr
+
+
+def test_a_rebuilt_database_keeps_stops_dependency_failures_and_told_alerts(
+        make_daemon: Callable[..., Daemon], tmp_path: Path, receiver: Receiver) -> None:
+    """Issue #30, item 4: stop X (pending on L), let F crash (its `crashed` alert sent)
+    and fail D with it, kill -9 the daemon, delete the database, start: X stays stopped
+    and never runs when L succeeds, D stays failed (not failed again), F's alert is not
+    sent again."""
+    go = tmp_path / "go"
+    daemon = make_daemon(env={"JOBSUP_SLACK_WEBHOOK_URL": receiver.url})
+    long = daemon.submit(job_module("waits_for_file", go), name="long")["id"]
+    stopped = daemon.submit(python_job("print('ran')"), name="x", depends_on=[long])["id"]
+    crashed = daemon.submit(python_job("import sys; sys.exit(3)"), name="f")["id"]
+    dependent = daemon.submit(python_job("print('ran')"), name="d", depends_on=[crashed])["id"]
+    assert daemon.http.post(f"/api/v1/jobs/{stopped}/stop").status_code == 202
+    daemon.wait_state(stopped, "stopped")
+    daemon.wait_state(dependent, "failed")
+    wait_for(lambda: any("crashed" in t for t in receiver.texts()), 15, what="F's alert")
+    before = {job_id: daemon.job(job_id) for job_id in (stopped, crashed, dependent)}
+
+    daemon.kill()
+    db_path(daemon).unlink()
+    remove_wal(db_path(daemon))
+    daemon.start()
+    assert "rebuilt 4 jobs" in daemon.log()
+    for job_id, was in before.items():
+        job = daemon.job(job_id)
+        assert (job["state"], job["reason"], job["exit_code"]) == (
+            was["state"], was["reason"], was["exit_code"]), job
+    alerts = daemon.http.get("/api/v1/alerts").json()
+    assert [(a["job_id"], a["rule"], a["state"]) for a in alerts] == [
+        (crashed, "crashed", "firing")]
+
+    go.touch()  # L succeeds: X must not start, D must not fail again
+    daemon.wait_state(long, "succeeded")
+    daemon.wait_ticks(3)
+    assert daemon.job(stopped)["state"] == "stopped"
+    assert not (daemon.data_dir / "jobs" / stopped / "attempt-1").exists()
+    for job_id in (stopped, dependent):
+        assert len(daemon.events(job_id)) == 1, daemon.events(job_id)  # the rebuild's only
+    assert sum("crashed" in t for t in receiver.texts()) == 1, receiver.texts()
+
+
+@pytest.mark.both_databases
+def test_rebuild_honours_a_stop_the_engine_had_not_acted_on(tmp_path: Path,
+                                                           sessions: Any) -> None:
+    """A stop recorded (`stop.json`) before the engine acted: a waiting job is rebuilt
+    stopped, a running one keeps its stop request (the engine then stops it)."""
+    jobs_dir = tmp_path / "jobs"
+    spec = JobSpec(name="step", command=["/bin/true"], cwd="/")
+    me = {"pid": os.getpid(), "create_time": create_time(os.getpid()),
+          "start_ticks": start_ticks_of(os.getpid())}
+    write_job(jobs_dir, "d0000001", spec)
+    write_job(jobs_dir, "d0000002", spec)
+    write_attempt(jobs_dir, "d0000002", 1, shim=me)
+    for job_id in ("d0000001", "d0000002"):
+        atomic_write_json(jobs_dir / job_id / "stop.json", {"requested_at": 1.0})
+    with sessions() as session:
+        recovery.rebuild(session, jobs_dir, now=3000.0)
+        session.commit()
+        waiting, running = session.get(Job, "d0000001"), session.get(Job, "d0000002")
+        assert waiting is not None and running is not None
+        assert (waiting.state, waiting.exit_reason) == ("stopped", "stopped")
+        assert (running.state, running.stop_requested_at) == ("running", 3000.0)

@@ -68,3 +68,32 @@ def test_stopped_shim_is_continued_when_its_worker_ends(make_daemon, tmp_path: P
     done = daemon.wait_state(job["id"], "failed", timeout=10)
     assert (done["exit_code"], done["exit_reason"]) == (3, "exit"), done
     assert "continuing it (SIGCONT)" in daemon.log()
+
+
+@pytest.mark.timeout(60)
+def test_stopped_shim_is_continued_when_its_worker_ends_leaving_a_child(
+        make_daemon, tmp_path: Path) -> None:
+    """Issue #30, item 9: the worker leaves a child in its group and exits 3 while its
+    shim is stopped. The job ended with the worker: the shim is continued, ends the child
+    and records the exit; before, the live child kept the shim stopped and the job
+    `running` until the child ended."""
+    daemon: Daemon = make_daemon()
+    flag, child_pid = tmp_path / "go", tmp_path / "child.pid"
+    code = ("import os, subprocess, sys, time\n"
+            "child = subprocess.Popen(['sleep', '300'])\n"
+            f"open({str(child_pid)!r}, 'w').write(str(child.pid))\n"
+            f"while not os.path.exists({str(flag)!r}): time.sleep(0.05)\n"
+            "os._exit(3)")
+    job = daemon.submit([PY, "-c", code], name="stopped-shim-child")
+    running_worker(daemon, job["id"])
+    wait_for(child_pid.exists, 10, what="the worker's child started")
+    child = int(child_pid.read_text())
+    shim = identity(daemon.data_dir, job["id"], "shim.json")
+    os.kill(shim[0], signal.SIGSTOP)
+    wait_for(lambda: process_state(shim[0]) == "T", 5, what="shim stopped")
+    t0 = time.monotonic()
+    flag.touch()
+    done = daemon.wait_state(job["id"], "failed", timeout=15)
+    assert (done["exit_code"], done["exit_reason"]) == (3, "exit"), done
+    assert time.monotonic() - t0 < 10
+    wait_for(lambda: process_state(child) in (None, "Z"), 5, what="the child ended")

@@ -4,12 +4,9 @@ re-adopt jobs, serve the API."""
 from __future__ import annotations
 
 import asyncio
-import errno
-import fcntl
 import gc
 import ipaddress
 import logging
-import os
 import signal
 import socket
 import sys
@@ -20,7 +17,7 @@ from contextlib import asynccontextmanager, contextmanager, suppress
 from email.utils import formatdate
 from pathlib import Path
 from types import FrameType
-from typing import IO, Any
+from typing import Any
 
 import uvicorn
 from fastapi import FastAPI
@@ -29,10 +26,18 @@ from uvicorn.config import STARTUP_FAILURE
 from supervisor.api.metrics import JobsCollector, build_registry
 from supervisor.api.routes import TickTimes, create_app
 from supervisor.config import Settings
+from supervisor.daemon.connections import (
+    ConnectionBounds,
+    listen_backlog,
+    max_connections,
+    quiet_accept_errors,
+    raise_open_file_limit,
+)
 from supervisor.daemon.loop import Engine
 from supervisor.daemon.recovery import open_database
-from supervisor.errors import DaemonAlreadyRunning, DatabaseTaken, UnsafeBind
+from supervisor.errors import DatabaseTaken, UnsafeBind
 from supervisor.storage.database import DatabaseLock, database_lock, make_sessionmaker
+from supervisor.storage.filelock import FileLock
 
 log = logging.getLogger(__name__)
 
@@ -59,29 +64,18 @@ def check_bind(settings: Settings) -> None:
 
 
 @contextmanager
-def data_dir_lock(data_dir: Path) -> Iterator[IO[str]]:
-    """Hold an exclusive lock on `<data_dir>/daemon.lock` while the daemon lives. The
-    kernel drops it when the process dies, even by SIGKILL; the file records the pid."""
+def data_dir_lock(data_dir: Path) -> Iterator[FileLock]:
+    """Hold an exclusive lock on `<data_dir>/daemon.lock` while the daemon lives
+    (`FileLock`: dropped by the kernel when the process dies, even by SIGKILL; the file
+    records the pid; confirmed before each tick, so a deleted lock file is seen)."""
     data_dir.mkdir(parents=True, exist_ok=True)
-    lock_file = open(data_dir / "daemon.lock", "a+")  # noqa: SIM115 - held for the context
+    lock = FileLock(data_dir / "daemon.lock", what=str(data_dir),
+                    hint="use that daemon, stop it first, or pass another --data-dir")
+    lock.acquire()
     try:
-        try:
-            fcntl.flock(lock_file, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except OSError as exc:
-            if exc.errno not in (errno.EAGAIN, errno.EACCES):
-                raise
-            lock_file.seek(0)
-            owner = lock_file.read().strip() or "?"
-            raise DaemonAlreadyRunning(
-                f"another jobsup daemon (pid {owner}) owns {data_dir}",
-                hint="use that daemon, stop it first, or pass another --data-dir",
-            ) from None
-        lock_file.truncate(0)
-        lock_file.write(f"{os.getpid()}\n")
-        lock_file.flush()
-        yield lock_file
+        yield lock
     finally:
-        lock_file.close()
+        lock.release()
 
 
 class TickWatch:
@@ -111,15 +105,17 @@ class TickWatch:
 
 
 class LockGuard:
-    """The engine's `may_tick`: a tick runs only while the daemon's lock on its database
-    is confirmed (`DatabaseLock.confirm`: taken again if its connection dropped). Lost to
-    another daemon, this daemon stops acting at once (no tick runs again) and the server
-    is asked to exit; `serve` then fails with the error (exit code 1). Its jobs keep
-    running under the other daemon: they are not stopped, not even with
-    `--stop-jobs-on-exit` (docs/reliability.md)."""
+    """The engine's `may_tick`: a tick runs only while the daemon's locks are confirmed:
+    on its data dir (`FileLock.confirm`: its lock file still the one it holds, locked
+    again if it was deleted) and on its database (`DatabaseLock.confirm`: taken again if
+    its connection dropped). Lost to another daemon, this daemon stops acting at once (no
+    tick runs again) and the server is asked to exit; `serve` then fails with the error
+    (exit code 1). Its jobs keep running under the other daemon: they are not stopped,
+    not even with `--stop-jobs-on-exit` (docs/reliability.md)."""
 
-    def __init__(self, lock: DatabaseLock):
+    def __init__(self, lock: DatabaseLock, data_dir: FileLock | None = None):
         self.lock = lock
+        self.data_dir = data_dir
         self.lost: DatabaseTaken | None = None
         self.exit: Callable[[], None] = lambda: None
         """Asks the HTTP server to exit (`serve` sets it)."""
@@ -128,7 +124,7 @@ class LockGuard:
         if self.lost is not None:
             return False
         try:
-            return self.lock.confirm()
+            return (self.data_dir is None or self.data_dir.confirm()) and self.lock.confirm()
         except DatabaseTaken as exc:
             self.lost = exc
             log.error("%s; exiting", exc.message)
@@ -202,6 +198,7 @@ class _Server(uvicorn.Server):
         if self.ready_line:
             log.info("%s", self.ready_line)
         self._loop, self._exit_requested = asyncio.get_running_loop(), asyncio.Event()
+        quiet_accept_errors(self._loop)
         if await self.on_tick(0):  # the Date header; asked to exit before the loop was up
             return
         undo = _wake_on_signals(self._loop)
@@ -318,11 +315,16 @@ def settle_heap() -> None:
 def serve(settings: Settings) -> None:
     check_bind(settings)
     settings.jobs_dir.mkdir(parents=True, exist_ok=True)
-    with data_dir_lock(settings.data_dir), \
+    _, open_files = raise_open_file_limit()
+    with data_dir_lock(settings.data_dir) as data_dir, \
             database_lock(settings.resolved_database_url) as lock:
-        guard = LockGuard(lock)
+        guard = LockGuard(lock, data_dir)
         app = build_app(settings, guard)
-        server = _Server(uvicorn.Config(app, host=settings.host, port=settings.port,
+        # idle and half-sent connections cannot take the descriptors the tick needs
+        bounds = ConnectionBounds(max_connections(open_files))
+        server = _Server(uvicorn.Config(bounds.app(app), http=bounds.protocol(),
+                                        backlog=listen_backlog(open_files),
+                                        host=settings.host, port=settings.port,
                                         log_level="warning", access_log=False))
         server.ready_line = (f"jobsup daemon ready on http://{settings.host}:{settings.port} "
                              f"(data dir {settings.data_dir})")

@@ -38,7 +38,8 @@ settled through the attempt's claim file (`Backend.settle_launch`): launched aga
 the daemon can claim it, else waited for (its shim is starting) or lost."""
 
 STOP_BACKSTOP_S = 5.0
-"""Seconds past a job's stop grace after which the daemon SIGKILLs the job itself."""
+"""Seconds past a job's stop grace, counted from the SIGTERM this daemon sent, after which
+the daemon SIGKILLs the job itself (the shim's own timer should have done it by then)."""
 
 LAUNCH_RETRY_S = 10.0
 """Seconds before a launch that failed for lack of space in the data dir, or that the
@@ -89,8 +90,9 @@ class JobChecks(EngineBase):
                 return
             if pid_known:
                 worker = backend.read_worker(attempt)
-            if worker is None or not backend.worker_alive(worker):
+            if worker is None or not backend.worker_running(worker):
                 # a stopped shim cannot reap the worker nor record its exit: continue it
+                # (it then ends what the worker left in its group, as at any exit)
                 log.warning("job %s: its shim (pid %s) was stopped (SIGSTOP) after the "
                             "worker ended; continuing it (SIGCONT)", job.id, attempt.shim_pid)
                 backend.resume_shim(attempt)
@@ -133,16 +135,16 @@ class JobChecks(EngineBase):
     def _stop_running(self, job: Job, attempt: Attempt, now: float) -> None:
         key, backend = (job.id, job.attempt), self.backend_for(job)
         worker = backend.read_worker(attempt)
-        if key not in self._stop_sent:
-            self._stop_sent.add(key)
+        sent_at = self._stop_sent.get(key)
+        if sent_at is None:
+            self._stop_sent[key] = now
             log.info("job %s: stopping (SIGTERM, SIGKILL after %.0f s)", job.id,
                      self._grace(job))
             backend.request_stop(attempt, worker)
-        elif (key not in self._killed and job.stop_requested_at is not None
-              and now - job.stop_requested_at > self._grace(job) + STOP_BACKSTOP_S):
+        elif key not in self._killed and now - sent_at > self._grace(job) + STOP_BACKSTOP_S:
             self._killed.add(key)
             log.warning("job %s: still running %.0f s after stop; SIGKILL", job.id,
-                        now - job.stop_requested_at)
+                        now - sent_at)
             backend.kill(attempt, worker)
 
     def _finish(self, session: Session, job: Job, status: ExitStatus, now: float) -> None:

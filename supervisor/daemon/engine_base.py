@@ -57,7 +57,10 @@ class EngineBase:
         self._wake = threading.Event()
         self._should_exit = threading.Event()
         self._thread: threading.Thread | None = None
-        self._stop_sent: set[tuple[str, int]] = set()
+        self._stop_sent: dict[tuple[str, int], float] = {}
+        """(job, attempt) -> when this daemon sent the stop's SIGTERM (on `clock`): the
+        backstop counts the grace from it, not from the request, which a daemon killed
+        before it signalled may have recorded long before its successor sends it."""
         self._shims_seen_alive: dict[str, Attempt] = {}
         """This tick's running jobs whose shim was alive (and not stopped) when their
         state was checked: their reading is rooted at the shim without a second look."""

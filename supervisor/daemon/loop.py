@@ -126,7 +126,7 @@ class Engine(JobChecks):
                 if job.id not in told:
                     if job.stop_requested_at is None:
                         self._stopped_for_exit.add(job.id)
-                    store.request_stop(session, job.id, now=now)
+                    store.request_stop(session, job.id, now=now, by_person=False)
             session.commit()
             return running
 

@@ -7,9 +7,15 @@ its launch, its shim, its worker and its exit (`launch.json`, `shim.json`,
 each job is recreated: its spec, and its state from its newest attempt. A job still
 running is recreated `running` with its shim's and worker's identities, so the engine
 re-adopts it as after any restart; one that ended gets its exit as the engine would
-have classified it. When a rebuild happens is `recovery.py`'s business.
+have classified it. Two markers the daemon leaves in the job's directory come first
+(`store.END_RECORD`, `store.STOP_RECORD`): a job whose end was recorded ends as recorded
+(a job stopped while pending, or failed by a failed dependency, has no attempt to tell
+it), and its alerts about how it ended (`crashed`, `incomplete`) are restored as firing,
+not sent again; a job a person stopped is not started again. When a rebuild happens is
+`recovery.py`'s business.
 
-What a rebuild cannot bring back: samples, alerts, notifications and the event
+What a rebuild cannot bring back: samples, alerts other than those of a recorded end,
+notifications (a `succeeded` message of the last 10 minutes goes again) and the event
 history; the exact restart count (taken from the attempt number); for a job submitted
 before job records existed, all of its spec but argv, cwd, env and stop grace.
 """
@@ -51,7 +57,7 @@ from supervisor.spec import (
     stored_spec,
 )
 from supervisor.storage import store
-from supervisor.storage.store import JOB_RECORD
+from supervisor.storage.store import END_RECORD, JOB_RECORD, STOP_RECORD
 from supervisor.storage.tables import Job
 
 log = logging.getLogger(__name__)
@@ -121,8 +127,15 @@ def rebuild(session: Session, jobs_dir: Path, now: float) -> RebuildSummary:
             log.warning("job %s: not rebuilt from %s (%s)", job_id, jdir, rebuilt)
             summary.skipped.append(job_id)
             continue
-        job, event_reason, from_launch = rebuilt
+        job, event_reason, from_launch, told = rebuilt
         store.restore_job(session, job, reason=event_reason, now=now)
+        if told:
+            session.flush()  # the job's row before its alerts' (a foreign key)
+        for alert in told:  # its end was told before: firing, not sent again
+            store.open_alert(session, job_id=job.id, rule=alert.rule, severity=alert.severity,
+                             message=alert.message, started_at=job.ended_at or now)
+            log.info("job %s: alert %s restored as firing (told before the database was "
+                     "lost: not sent again)", job.id, alert.rule)
         summary.states[job.state] += 1
         summary.from_launch += from_launch
         log.info("job %s rebuilt: %s (%s)", job.id, job.state, job.reason or "")
@@ -130,9 +143,10 @@ def rebuild(session: Session, jobs_dir: Path, now: float) -> RebuildSummary:
     return summary
 
 
-def _rebuild_job(jobs_dir: Path, jdir: Path, now: float) -> tuple[Job, str, bool] | str:
-    """(the job, its event's reason, whether its spec came from a launch.json), or why
-    nothing can be rebuilt."""
+def _rebuild_job(jobs_dir: Path, jdir: Path,
+                 now: float) -> tuple[Job, str, bool, list[rules.Firing]] | str:
+    """(the job, its event's reason, whether its spec came from a launch.json, the
+    alerts of an end that was told already), or why nothing can be rebuilt."""
     numbers = attempt_numbers(jdir)
     record = read_json(jdir / JOB_RECORD)
     from_launch = not (isinstance(record, dict) and isinstance(record.get("spec"), dict))
@@ -154,6 +168,11 @@ def _rebuild_job(jobs_dir: Path, jdir: Path, now: float) -> tuple[Job, str, bool
         state, reason = _from_attempt(jobs_dir, job, spec, numbers[-1], now)
     else:
         state, reason = JobState.PENDING, "not started yet"
+    recorded = _recorded_end(jdir, job, spec, now)
+    if recorded is not None:
+        state, reason = recorded
+    elif not state.ended and (jdir / STOP_RECORD).exists():
+        state, reason = _stopped(job, state, reason, now)
     job.state, job.reason = state.value, reason
     progress = from_progress_file(progress_path(jobs_dir, job.id))
     if progress is not None:
@@ -161,7 +180,61 @@ def _rebuild_job(jobs_dir: Path, jdir: Path, now: float) -> tuple[Job, str, bool
             items_done=progress.items_done,
             items_total=progress.items_total or spec.expected_items,
             source="progress_file", metrics=progress.metrics))
-    return job, f"{REBUILT} (from {source}): {reason}", from_launch
+    told = [] if recorded is None else [
+        alert for alert in rules.evaluate(rules.JobFacts(
+            job_id=job.id, name=job.name, state=job.state, reason=job.reason,
+            exit_code=job.exit_code, signal=job.signal, exit_reason=job.exit_reason,
+            attempt=job.attempt, started_at=job.started_at, ended_at=job.ended_at,
+            stall_timeout_s=spec.stall_timeout_s, startup_timeout_s=spec.startup_timeout_s,
+            items_done=progress.items_done if progress else None,
+            items_expected=spec.expected_items,
+            metrics=progress.metrics if progress else {},
+            min_acceptance_length=spec.min_acceptance_length),
+            now=now, settings=rules.AlertSettings())
+        if alert.rule in rules.EVENT_RULES]
+    return job, f"{REBUILT} (from {source}): {reason}", from_launch, told
+
+
+def _recorded_end(jdir: Path, job: Job, spec: JobSpec,
+                  now: float) -> tuple[JobState, str] | None:
+    """The end the daemon recorded for the job's newest attempt (`store.END_RECORD`), set
+    on the job; None when there is none (it runs, waits, or ended unrecorded: while no
+    daemon ran, or before end records existed)."""
+    record = read_json(jdir / END_RECORD)
+    if not isinstance(record, dict) or record.get("attempt") != job.attempt:
+        return None
+    try:
+        state = JobState(str(record.get("state")))
+        exit_reason = (ExitReason(record["exit_reason"]) if record.get("exit_reason")
+                       else None)
+    except ValueError:
+        return None
+    if not state.ended:
+        return None
+    job.exit_reason = exit_reason.value if exit_reason is not None else None
+    job.exit_code, job.signal = _integer(record.get("exit_code")), _integer(record.get("signal"))
+    ended_at = record.get("ended_at")
+    job.ended_at = float(ended_at) if isinstance(ended_at, int | float) else now
+    job.next_start_at = None
+    job.restarts = (min(max(job.attempt - 1, 0), spec.max_restarts)
+                    if spec.restart_policy is RestartPolicy.ON_FAILURE else 0)
+    reason = record.get("reason")
+    return state, reason if isinstance(reason, str) else f"{state.value} (recorded)"
+
+
+def _stopped(job: Job, state: JobState, reason: str, now: float) -> tuple[JobState, str]:
+    """A job a person stopped (`store.STOP_RECORD`) whose end was not recorded: one
+    waiting to start (or to restart) is stopped; one running is stopped by the engine
+    (its stop request restored)."""
+    if state is JobState.RUNNING:
+        job.stop_requested_at = now
+        return state, f"{reason}; stopping: a stop was requested"
+    job.exit_reason, job.ended_at, job.next_start_at = ExitReason.STOPPED.value, now, None
+    return JobState.STOPPED, "stopped on request before it started"
+
+
+def _integer(value: object) -> int | None:
+    return value if isinstance(value, int) and not isinstance(value, bool) else None
 
 
 def _spec_from_launch(jobs_dir: Path, job_id: str,

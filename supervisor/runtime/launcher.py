@@ -222,6 +222,11 @@ class Backend(ABC):
     def worker_alive(self, worker: WorkerInfo) -> bool:
         """The worker, or what it left in its process group, still runs."""
 
+    def worker_running(self, worker: WorkerInfo) -> bool:
+        """The worker process itself still runs (not a zombie), whatever it left in its
+        group: what tells whether a stopped shim has an exit to reap and record."""
+        return self.worker_alive(worker)
+
     @abstractmethod
     def read_exit(self, attempt: Attempt) -> ExitStatus | None:
         """What the shim recorded when the worker ended; None while it runs."""

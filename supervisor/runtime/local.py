@@ -117,6 +117,9 @@ class LocalBackend(Backend):
         """The worker, or what it left in its process group, still runs."""
         return worker_group_alive(worker)
 
+    def worker_running(self, worker: WorkerInfo) -> bool:
+        return is_same_process(worker.pid, worker.create_time, worker.start_ticks)
+
     def read_worker(self, attempt: Attempt) -> WorkerInfo | None:
         return files.read_worker(attempt.dir)
 

@@ -43,7 +43,6 @@ from supervisor.runtime.fileio import PRIVATE_MODE, atomic_write_json, create_js
 from supervisor.runtime.procfs import (
     all_stats,
     create_time,
-    group_alive,
     signal_group,
     start_ticks_of,
 )
@@ -65,6 +64,10 @@ btrfs or ZFS allocate even for an overwrite; there the guarantee is only as good
 their reserve.)"""
 LEFTOVER_GRACE_S = 2.0
 """Seconds leftover descendants get between SIGTERM and SIGKILL once the worker ended."""
+KILL_POLL_S = 0.001
+KILL_POLL_FOR_S = 5.0
+"""Past the grace, the shim looks for children to SIGKILL every `KILL_POLL_S` for this
+long, then every 0.05 s (a process stuck in the kernel, state D, may never die)."""
 
 
 def _become_subreaper() -> bool:
@@ -78,6 +81,23 @@ def _become_subreaper() -> bool:
 def _children_of(ppid: int) -> list[int]:
     """Pids whose parent is `ppid` (one pass over /proc)."""
     return [stat.pid for stat in all_stats() if stat.ppid == ppid and stat.state != "Z"]
+
+
+def _own_children() -> list[int]:
+    """This process's children: what each of its threads lists in
+    `/proc/self/task/TID/children` (the kernel's own list: a few reads, where a pass over
+    /proc reads every process's stat, so a short-lived child has far less time to be
+    missed); one pass over /proc where the kernel lacks it (CONFIG_PROC_CHILDREN)."""
+    children: list[int] = []
+    try:
+        tasks = os.listdir("/proc/self/task")
+        for tid in tasks:
+            with contextlib.suppress(FileNotFoundError), \
+                    open(f"/proc/self/task/{tid}/children") as f:  # (a thread that ended)
+                children += (int(pid) for pid in f.read().split())
+    except OSError:
+        return _children_of(os.getpid())
+    return children
 
 
 def oom_kill_count() -> int | None:
@@ -109,15 +129,16 @@ def oom_kill_count() -> int | None:
     return None
 
 
-def _reap_all() -> None:
-    """Reap every exited child without blocking."""
+def _reap_all() -> bool:
+    """Reap every exited child without blocking; whether a child is left (the kernel's
+    answer: `ECHILD` once there is none, a zombie included)."""
     while True:
         try:
             pid, _ = os.waitpid(-1, os.WNOHANG)
         except ChildProcessError:
-            return
+            return False
         if pid == 0:
-            return
+            return True
 
 
 class Shim:
@@ -235,26 +256,32 @@ class Shim:
                 return status, usage.ru_maxrss
 
     def _clean_up_leftovers(self, worker_pid: int) -> None:
-        """Kill what the worker left: its process group, then our remaining children
-        (orphans re-parented to us), SIGTERM first and SIGKILL after a short grace."""
-        me = os.getpid()
-        leftovers = signal_group(worker_pid, signal.SIGTERM)
-        for pid in _children_of(me):
-            leftovers = True
-            _kill(pid, signal.SIGTERM)
-        deadline = time.monotonic() + (0 if self.killed else LEFTOVER_GRACE_S)
-        while leftovers:
-            _reap_all()
-            children = _children_of(me)
-            group_left = group_alive(worker_pid)
-            if not children and not group_left:
-                break
-            if time.monotonic() >= deadline:
+        """Kill what the worker left: its process group, then every child we have (each
+        an orphan re-parented to us, its subreaper), SIGTERM first (once each) and
+        SIGKILL after a short grace, until we have no child at all. That end is the
+        kernel's answer (`_reap_all`), not a scan's: a descendant of ours is our child
+        or a child's descendant, so none is left once no child is. A scan may miss a
+        process that forks and exits as it passes (a chain of setsid-fork-exit
+        generations, each an orphan a moment), and the chain then ran on under init
+        once we had exited; now we look again until it is caught (issue #30)."""
+        signal_group(worker_pid, signal.SIGTERM)
+        termed: set[int] = set()
+        started = time.monotonic()
+        deadline = started + (0 if self.killed else LEFTOVER_GRACE_S)
+        while _reap_all():
+            now = time.monotonic()
+            kill = now >= deadline
+            if kill:
                 signal_group(worker_pid, signal.SIGKILL)
-                for pid in children:
+            for pid in _own_children():
+                if kill:
                     _kill(pid, signal.SIGKILL)
-            time.sleep(0.05)
-        _reap_all()
+                elif pid not in termed:
+                    termed.add(pid)
+                    _kill(pid, signal.SIGTERM)
+            # past the grace, look often for a while: a generation of a fork chain is
+            # our child only between its parent's exit and its own
+            time.sleep(KILL_POLL_S if kill and now - deadline < KILL_POLL_FOR_S else 0.05)
 
     def _write_status(
         self, *, exit_code: int | None, sig: int | None, max_rss_kb: int = 0,

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
 from collections.abc import Iterator, Mapping
 from importlib import resources
 from pathlib import Path
@@ -18,6 +19,7 @@ from sqlalchemy.exc import ArgumentError, DBAPIError, NoSuchModuleError, Operati
 from sqlalchemy.orm import Session, SessionTransaction, sessionmaker
 
 from supervisor.errors import DaemonAlreadyRunning, DatabaseTaken, DatabaseUnavailable
+from supervisor.storage.filelock import FileLock
 from supervisor.storage.writability import sqlite_connection_spoiled
 
 log = logging.getLogger(__name__)
@@ -188,12 +190,20 @@ class DatabaseLock:
     its own, released by the server when that session ends: the daemon died, or the
     connection dropped (a network cut, a server restart, an admin's
     `pg_terminate_backend`). The daemon asks `confirm()` before each tick, so it never
-    acts for longer than a tick on a lock it lost. SQLite's default file is covered by
-    the data dir's lock: nothing to do, `confirm()` is always true."""
+    acts for longer than a tick on a lock it lost. A SQLite database is held through a
+    `FileLock` on `<its file's real path>.lock`, so two data dirs given one file through
+    `JOBSUP_DATABASE_URL` (by any path or symbolic link to it) are refused as well; a
+    hard link to the file is another path, and not seen."""
 
     def __init__(self, url: str):
         self.url = url
         self._engine = None if make_url(url).get_backend_name() == "sqlite" else make_engine(url)
+        database_file = sqlite_path(url)
+        self._file = None if database_file is None else FileLock(
+            Path(f"{os.path.realpath(database_file)}.lock"),
+            what=f"the database {os.path.realpath(database_file)}",
+            hint="use that daemon, stop it first, or give this one a database of its own "
+                 "(JOBSUP_DATABASE_URL)")
         self._conn: Connection | None = None
         self._lost: str | None = None
         """How the lock was lost, until it is taken again."""
@@ -203,6 +213,8 @@ class DatabaseLock:
     def acquire(self) -> None:
         """Take the lock: DaemonAlreadyRunning while another daemon holds it,
         DatabaseUnavailable when the server cannot be reached."""
+        if self._file is not None:
+            self._file.acquire()
         if self._engine is None:
             return
         try:
@@ -223,6 +235,8 @@ class DatabaseLock:
         (logged as a warning): True. False while the server cannot be reached to do so
         (asked again at the next call). DatabaseTaken when another daemon holds the lock
         now: this daemon must stop acting."""
+        if self._file is not None:
+            return self._file.confirm()
         if self._engine is None:
             return True
         if self._conn is not None:
@@ -263,7 +277,10 @@ class DatabaseLock:
         return True
 
     def release(self) -> None:
-        """Close the lock's connection (the server releases the lock) and the engine."""
+        """Close the lock's connection (the server releases the lock) and the engine;
+        SQLite's: unlock its file."""
+        if self._file is not None:
+            self._file.release()
         self._close()
         if self._engine is not None:
             self._engine.dispose()

@@ -8,6 +8,7 @@ import contextlib
 import errno
 import logging
 import secrets
+import time
 from collections.abc import Collection, Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -78,6 +79,57 @@ def write_job_record(session: Session, job: Job, jobs_dir: Path) -> Path:
         ) from None
     session.info.setdefault(UNCOMMITTED_JOB_RECORDS, []).append(path)
     return path
+
+
+END_RECORD = "end.json"
+"""How a job ended, in its directory, `DATA_DIR/jobs/ID/end.json`: written as its end is
+recorded (`transition`), so a database rebuilt from the data dir ends it the same way
+(`daemon/rebuild.py`), also a job that ended without an attempt of its own (stopped
+while pending, failed by its dependency), and knows that its end was told (its alerts
+are not sent again). Fields: `attempt` (the one it ended, 0 for none), `state`,
+`reason`, `exit_reason`, `exit_code`, `signal`, `ended_at`."""
+
+STOP_RECORD = "stop.json"
+"""A person's stop of the job, `DATA_DIR/jobs/ID/stop.json` (`requested_at`): written
+with the request, before the engine acts on it, so a database lost meanwhile does not
+bring the job back to run (`daemon/rebuild.py`). Removed by a restart (`requeue`)."""
+
+
+def _job_dir(session: Session, job_id: str) -> Path | None:
+    """The job's directory, where the session knows the jobs dir (the daemon's do)."""
+    jobs_dir = session.info.get("jobs_dir")
+    return Path(jobs_dir) / job_id if jobs_dir is not None else None
+
+
+def _write_marker(session: Session, job_id: str, name: str, data: Mapping[str, Any]) -> None:
+    """Write one of the job's markers (`END_RECORD`, `STOP_RECORD`); a data dir that
+    refuses it (full, read-only) costs only the rebuild's knowledge of it (warned).
+    Not fsynced: what it guards against is a database lost or deleted, not a power
+    cut (the rename is atomic; the job's directory exists from its submit)."""
+    jdir = _job_dir(session, job_id)
+    if jdir is None:
+        return
+    try:
+        atomic_write_json(jdir / name, data, fsync=False)
+    except OSError as exc:
+        # a full or read-only data dir is logged once by `Writability`; an end the
+        # database refused too is decided, and so written, again each tick
+        quiet = exc.errno in (errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES)
+        log.log(logging.DEBUG if quiet else logging.WARNING,
+                "job %s: cannot write %s (%s): a database rebuilt from the data dir "
+                "would not know it", job_id, jdir / name, exc.strerror or exc)
+
+
+def _remove_markers(session: Session, job_id: str) -> None:
+    jdir = _job_dir(session, job_id)
+    if jdir is None:
+        return
+    for name in (END_RECORD, STOP_RECORD):
+        try:
+            (jdir / name).unlink(missing_ok=True)
+        except OSError as exc:
+            log.warning("job %s: cannot remove %s (%s)", job_id, jdir / name,
+                        exc.strerror or exc)
 
 
 def get_job(session: Session, job_id: str) -> Job:
@@ -188,13 +240,17 @@ def restore_job(session: Session, job: Job, *, reason: str, now: float) -> None:
                          reason=reason))
 
 
-def request_stop(session: Session, job_id: str, *, now: float) -> None:
-    """Record the user's stop; the engine acts on it in its next tick. A single UPDATE,
-    so it never overwrites what the engine writes to the same row."""
-    session.execute(
+def request_stop(session: Session, job_id: str, *, now: float, by_person: bool = True) -> None:
+    """Record the stop; the engine acts on it in its next tick. A single UPDATE, so it
+    never overwrites what the engine writes to the same row. A person's stop
+    (`by_person`; not the daemon's own before it exits, which requeues the job) is also
+    marked in the job's directory (`STOP_RECORD`)."""
+    stopped = session.execute(
         update(Job).where(Job.id == job_id, Job.stop_requested_at.is_(None))
         .values(stop_requested_at=now)
     )
+    if by_person and stopped.rowcount:  # type: ignore[attr-defined]
+        _write_marker(session, job_id, STOP_RECORD, {"requested_at": time.time()})
 
 
 def requeue(session: Session, job_id: str, *, now: float) -> Job:
@@ -217,6 +273,7 @@ def requeue(session: Session, job_id: str, *, now: float) -> Job:
     job.stop_requested_at = job.next_start_at = None
     job.ended_at = job.exit_code = job.signal = job.exit_reason = None  # the old attempt's
     job.restarts += 1
+    _remove_markers(session, job_id)  # its old end, and the stop that made it
     transition(session, job, JobState.PENDING, now=now, reason="restart requested")
     return job
 
@@ -249,6 +306,10 @@ def transition(session: Session, job: Job, to: JobState, *, now: float,
         job.next_start_at = retry_at
     if to.ended:
         job.ended_at = now
+        _write_marker(session, job.id, END_RECORD, {
+            "attempt": job.attempt, "state": job.state, "reason": job.reason,
+            "exit_reason": job.exit_reason, "exit_code": job.exit_code,
+            "signal": job.signal, "ended_at": now})
     session.add(JobEvent(job_id=job.id, t=now, from_state=from_state, to_state=to.value,
                          reason=reason))
     log.info("job %s: %s -> %s (%s)", job.id, from_state, to.value, reason or "")

@@ -1,0 +1,262 @@
+"""Bounds on the HTTP server's connections, so that idle or half-sent ones cannot starve
+the daemon of file descriptors (issue #30: ~22,000 connections that sent half a request
+and waited held every descriptor the process could open; the API hung, the tick could
+not open the files it reads, and asyncio logged a traceback for each failed `accept`,
+535 MB of log).
+
+uvicorn closes a connection that stays idle after a response (`timeout_keep_alive`), but
+not one that never finishes its request's head, and it accepts as many connections as
+the process can open. Here (`ConnectionBounds`):
+
+- the process's soft limit on open files is raised to its hard limit at start
+  (`raise_open_file_limit`; the jobs inherit it, as they would in a Docker container,
+  whose soft limit is its hard one);
+- at most `max_connections(limit)` connections stay open, an eighth of the open-file
+  limit up to 1,024 (the rest is for the jobs' /proc and output files, SQLite, inotify): a
+  connection past that closes the oldest one that has no request being answered, else
+  itself;
+- the listening socket's backlog is a sixteenth of the limit, up to uvicorn's 2,048
+  (`listen_backlog`): asyncio accepts up to a backlog's worth of connections in one go,
+  and again at each turn of its loop, before the first of them is seen (uvicorn's 2,048
+  took every descriptor of a daemon limited to 1,024 at once), so the few goes in
+  flight stay within the limit and leave the tick its descriptors;
+- a connection must send a request's head within `HEAD_TIMEOUT_S` of opening, or of its
+  previous response, else it is closed;
+- a failed `accept` (the open-file limit reached all the same) is logged once a minute
+  with a count, not once per attempt with a traceback (`quiet_accept_errors`).
+
+uvicorn's h11 protocol does the HTTP; the protocol here wraps it (uvicorn takes a
+protocol class in `Config(http=...)`) and sees only the connection's open, bytes and
+close, and through the ASGI app, when a request on it is being answered: uvicorn starts
+a request's task as it reads the bytes that complete its head, and the task keeps the
+context it was made in (`contextvars`), where the connection has put itself.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextvars
+import logging
+import resource
+import time
+from collections import OrderedDict
+from collections.abc import Callable, MutableMapping
+from typing import Any
+
+from uvicorn.protocols.http.h11_impl import H11Protocol
+
+log = logging.getLogger(__name__)
+
+HEAD_TIMEOUT_S = 10.0
+"""Seconds a connection has to send a request's head (from its opening, or from the end
+of its previous response) before it is closed."""
+
+CONNECTIONS_SHARE = 8
+"""At most one open file in this many is an HTTP connection."""
+
+CONNECTIONS_MIN = 16
+
+CONNECTIONS_MAX = 1024
+"""Connections kept open at most, whatever the open-file limit (each costs memory: the
+status page's viewers, Prometheus and the CLIs need far fewer)."""
+
+BACKLOG_SHARE = 16
+"""The listening backlog is at most one open file in this many."""
+
+BACKLOG_MAX = 2048
+"""uvicorn's default backlog."""
+
+OPEN_FILES_MAX = 1 << 20
+"""The soft limit is raised at most this far (a hard limit of `RLIM_INFINITY` cannot be
+a soft limit on open files)."""
+
+ACCEPT_FAILED = "socket.accept() out of system resource"
+"""asyncio's message for a failed `accept` (EMFILE, ENFILE, ENOBUFS, ENOMEM)."""
+
+ACCEPT_LOG_EVERY_S = 60.0
+
+_CONNECTION: contextvars.ContextVar[_Connection | None] = contextvars.ContextVar(
+    "jobsup_http_connection", default=None)
+"""The connection whose bytes are being read; a request's task, made then, keeps it."""
+
+
+def raise_open_file_limit() -> tuple[int, int]:
+    """Raise the soft limit on open files to the hard one (capped at OPEN_FILES_MAX);
+    (the soft limit before, the soft limit now)."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    wanted = OPEN_FILES_MAX if hard == resource.RLIM_INFINITY else min(hard, OPEN_FILES_MAX)
+    if wanted > soft:
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (wanted, hard))
+        except (ValueError, OSError) as exc:  # a container that forbids it
+            log.warning("cannot raise the open-file limit from %d to %d: %s", soft, wanted,
+                        exc)
+            return soft, soft
+    return soft, max(soft, wanted)
+
+
+def max_connections(open_files: int) -> int:
+    return max(CONNECTIONS_MIN, min(CONNECTIONS_MAX, open_files // CONNECTIONS_SHARE))
+
+
+def listen_backlog(open_files: int) -> int:
+    return max(CONNECTIONS_MIN, min(BACKLOG_MAX, open_files // BACKLOG_SHARE))
+
+
+class ConnectionBounds:
+    """The daemon's open HTTP connections, oldest first, and which of them have a
+    request being answered; `protocol()` is uvicorn's `http` and `app(...)` wraps the
+    ASGI app."""
+
+    def __init__(self, limit: int, head_timeout_s: float = HEAD_TIMEOUT_S):
+        self.limit = limit
+        self.head_timeout_s = head_timeout_s
+        self._open: OrderedDict[_Connection, None] = OrderedDict()
+        self.closed_over_limit = 0
+        """Connections closed to keep within `limit` (for tests and logs)."""
+        self.closed_idle = 0
+        """Connections closed for not sending a request's head in time."""
+        self._logged_at = 0.0
+
+    def protocol(self) -> type[asyncio.Protocol]:
+        bounds = self
+
+        class Protocol(_Connection):
+            def __init__(self, config: Any, server_state: Any, app_state: Any,
+                         _loop: asyncio.AbstractEventLoop | None = None) -> None:
+                super().__init__(bounds, H11Protocol(config=config, server_state=server_state,
+                                                     app_state=app_state, _loop=_loop))
+
+        return Protocol
+
+    def app(self, app: Any) -> Callable[..., Any]:
+        """`app` with each HTTP request marking its connection busy until answered."""
+
+        async def marked(scope: MutableMapping[str, Any], receive: Callable[[], Any],
+                         send: Callable[[Any], Any]) -> None:
+            connection = _CONNECTION.get() if scope["type"] == "http" else None
+            if connection is None:
+                await app(scope, receive, send)
+                return
+            connection.requests += 1
+            try:
+                await app(scope, receive, send)
+            finally:
+                connection.requests -= 1
+                if not connection.requests:
+                    connection.await_head()
+
+        return marked
+
+    def opened(self, connection: _Connection) -> bool:
+        """Take in a new connection, closing the oldest idle one past the limit; False
+        when every other connection is busy (the new one is then closed)."""
+        if len(self._open) >= self.limit:
+            idle = next((c for c in self._open if not c.requests), None)
+            self.closed_over_limit += 1
+            self._note_closing()
+            if idle is None:
+                return False
+            idle.close()
+        self._open[connection] = None
+        return True
+
+    def closed(self, connection: _Connection) -> None:
+        self._open.pop(connection, None)
+
+    def _note_closing(self) -> None:
+        now = time.monotonic()
+        if now - self._logged_at >= ACCEPT_LOG_EVERY_S:
+            self._logged_at = now
+            log.warning("more than %d HTTP connections open: closing the oldest idle ones "
+                        "(%d so far; logged at most once a minute)", self.limit,
+                        self.closed_over_limit)
+
+
+class _Connection(asyncio.Protocol):
+    """One HTTP connection: uvicorn's protocol inside, its head timer and its place in
+    `ConnectionBounds` outside."""
+
+    def __init__(self, bounds: ConnectionBounds, inner: asyncio.Protocol):
+        self.bounds = bounds
+        self.inner = inner
+        self.transport: asyncio.BaseTransport | None = None
+        self.requests = 0
+        """Requests of this connection being answered now."""
+        self._timer: asyncio.TimerHandle | None = None
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = transport
+        self.inner.connection_made(transport)
+        if not self.bounds.opened(self):
+            self.close()
+            return
+        self.await_head()
+
+    def await_head(self) -> None:
+        """(Re)start the clock for the next request's head."""
+        if self._timer is not None:
+            self._timer.cancel()
+        self._timer = asyncio.get_running_loop().call_later(self.bounds.head_timeout_s,
+                                                            self._head_late)
+
+    def _head_late(self) -> None:
+        self._timer = None
+        if not self.requests:
+            self.bounds.closed_idle += 1
+            self.close()
+
+    def close(self) -> None:
+        """Close the connection, and count it out at once (its transport's close, and
+        `connection_lost`, come at the loop's next turn)."""
+        self.bounds.closed(self)
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+        if self.transport is not None and not self.transport.is_closing():
+            self.transport.close()
+
+    def data_received(self, data: bytes) -> None:
+        token = _CONNECTION.set(self)
+        try:
+            self.inner.data_received(data)
+        finally:
+            _CONNECTION.reset(token)
+
+    def eof_received(self) -> bool | None:
+        return self.inner.eof_received()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+        self.bounds.closed(self)
+        self.inner.connection_lost(exc)
+
+    def pause_writing(self) -> None:
+        self.inner.pause_writing()
+
+    def resume_writing(self) -> None:
+        self.inner.resume_writing()
+
+
+def quiet_accept_errors(loop: asyncio.AbstractEventLoop) -> None:
+    """Log asyncio's failed `accept`s once a minute, with their count and no traceback
+    (each failure logged one; the loop retries every second while descriptors are short,
+    and more often as they come and go); every other error as asyncio does."""
+    state = {"count": 0, "logged_at": float("-inf")}
+
+    def handler(loop: asyncio.AbstractEventLoop, context: dict[str, Any]) -> None:
+        if context.get("message") != ACCEPT_FAILED:
+            loop.default_exception_handler(context)
+            return
+        state["count"] += 1
+        now = time.monotonic()
+        if now - state["logged_at"] >= ACCEPT_LOG_EVERY_S:
+            state["logged_at"] = now
+            log.error("cannot accept HTTP connections: %s (%d times since the last such "
+                      "line; logged at most once a minute)", context.get("exception"),
+                      state["count"])
+            state["count"] = 0
+
+    loop.set_exception_handler(handler)
