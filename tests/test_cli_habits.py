@@ -99,6 +99,7 @@ def test_ls_shows_progress_and_alerts_and_a_stalled_job_reads_stalled(
     assert lines[0].split()[:5] == ["ID", "NAME", "STATE", "PROGRESS", "ALERTS"], lines
     assert "running  3/10 (30%), stalled  stalled" in plain(tty.stdout), tty.stdout
     daemon.http.post(f"/api/v1/jobs/{job['id']}/stop")
+    daemon.wait_state(job["id"], "stopped")  # the module's daemon: no runner left behind
 
 
 def watch_env(columns: int) -> dict[str, str]:
@@ -171,14 +172,14 @@ def test_watch_at_160_columns_shows_names_and_one_disk_line(shared: Daemon,
 def test_flags_take_no_value_and_help_says_so(capsys: pytest.CaptureFixture[str]) -> None:
     """`--json true` was 'unexpected extra argument' for ls and a job id for wait; help
     showed `--json <bool>`. One real run for main()'s wiring, the rest in-process."""
-    from supervisor.client.cli import app
-    from supervisor.client.options import refuse_flag_values
-
     env = {"COLUMNS": "120"}
     refused = jobsup("wait", "abc", "--json", "TRUE", url="http://127.0.0.1:9", env=env)
     assert refused.returncode == 2, refused
     assert "--json is a flag and takes no value" in refused.stderr, refused.stderr
     assert "cannot reach" not in refused.stderr  # refused before any request
+    from supervisor.client.cli import app
+    from supervisor.client.options import refuse_flag_values
+
     command = typer.main.get_command(app)
     for args in (["ls", "--json", "true"], ["ls", "--json=false"], ["ls", "-q", "yes"],
                  ["restart", "--wait", "on", "abc"], ["serve", "--rebuild-db", "no"]):
@@ -189,6 +190,7 @@ def test_flags_take_no_value_and_help_says_so(capsys: pytest.CaptureFixture[str]
             capsys.readouterr().err, args
     # an argument that merely looks like a word, and what follows `--` (the job's own
     # command line), are left alone
+    refuse_flag_values(command, [])  # `jobsup` alone (it raised: #32)
     refuse_flag_values(command, ["show", "--json", "8a84"])
     refuse_flag_values(command, ["submit", "--name", "x", "--", "tool", "--json", "true"])
     runner = CliRunner()

@@ -69,12 +69,13 @@ def refuse_flag_values(command: Any, args: Sequence[str]) -> None:
     read the word as an argument: `ls` answered 'unexpected extra argument', `wait` took
     it for a job id. Only before `--` (what follows is a job's own command line)."""
     flags = set(flag_names(command))
-    for arg, after in zip(args, [*args[1:], None], strict=True):
+    for i, arg in enumerate(args):
         if arg == "--":
             return
         flag, equals, word = arg.partition("=")
         if not equals:
-            word = after if after is not None and after.lower() in BOOLEAN_WORDS else ""
+            after = args[i + 1] if i + 1 < len(args) else ""
+            word = after if after.lower() in BOOLEAN_WORDS else ""
         if flag in flags and word:
             usage_error(f"{flag} is a flag and takes no value ({flag} {word} / {flag}={word}: "
                         "a word after it would be read as an argument)",

@@ -90,8 +90,8 @@ SHRINKING_COLUMNS = ("NAME", "ALERTS")
 """The columns that give way when the table is wider than the terminal (NAME first, the
 widest): a long name ends in `…` on its one line; the other columns keep their width."""
 NAME_MIN_WIDTH = 24
-"""A name keeps this many characters however narrow the terminal (it was 8, and at 160
-columns names were cut to 11)."""
+"""A name keeps this many characters on a terminal of WIDE_COLUMNS_MIN or more (it was 8,
+and at 160 columns names were cut to 11); 8 on a narrower one."""
 
 
 def jobs_table(jobs: Sequence[dict[str, Any]], width: int | None = None) -> Group:
@@ -105,7 +105,8 @@ def jobs_table(jobs: Sequence[dict[str, Any]], width: int | None = None) -> Grou
     table = Table(box=None, header_style="bold", expand=False)
     for column in columns:
         table.add_column(column, no_wrap=column not in SHRINKING_COLUMNS,
-                         min_width=NAME_MIN_WIDTH if column == "NAME" else None)
+                         min_width=None if column != "NAME" else 8 if narrow
+                         else NAME_MIN_WIDTH)
     for job in jobs:
         f, p, r = job["forecast"], job["progress"], job["resources"]
         alerts = ", ".join(a["rule"] for a in job.get("alerts", []))
