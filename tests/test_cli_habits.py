@@ -81,25 +81,28 @@ def test_ls_shows_progress_and_alerts_and_a_stalled_job_reads_stalled(
     daemon = shared
     job = daemon.submit(python_job(STALLS), name="stalls", expected_items=10,
                         stall_timeout_s=2)
-    wait_for(lambda: "stalled" in [a["rule"] for a in daemon.job(job["id"])["alerts"]], 20,
-             what="the stalled alert")
-    listed = jobsup("ls", url=daemon.url)
-    assert listed.returncode == 0, listed.stderr
-    header, *rows = [line.split("\t") for line in listed.stdout.splitlines()]
-    # the first eight columns stay where scripts found them
-    assert header == ["ID", "NAME", "STATE", "PID", "EXIT", "RESTARTS", "STARTED", "REASON",
-                      "PROGRESS", "ALERTS"]
-    (row,) = [r for r in rows if r[0] == job["id"]]
-    assert row[2] == "running"
-    assert row[8] == "3/10 (30%), stalled" and row[9] == "stalled", row
-    # on a terminal, beside the state
-    tty = jobsup("ls", url=daemon.url, env={"TTY_COMPATIBLE": "1", "TTY_INTERACTIVE": "1",
-                                            "NO_COLOR": "1", "COLUMNS": "160"})
-    lines = plain(tty.stdout).splitlines()
-    assert lines[0].split()[:5] == ["ID", "NAME", "STATE", "PROGRESS", "ALERTS"], lines
-    assert "running  3/10 (30%), stalled  stalled" in plain(tty.stdout), tty.stdout
-    daemon.http.post(f"/api/v1/jobs/{job['id']}/stop")
-    daemon.wait_state(job["id"], "stopped")  # the module's daemon: no runner left behind
+    try:
+        wait_for(lambda: "stalled" in [a["rule"] for a in daemon.job(job["id"])["alerts"]],
+                 20, what="the stalled alert")
+        listed = jobsup("ls", url=daemon.url)
+        assert listed.returncode == 0, listed.stderr
+        header, *rows = [line.split("\t") for line in listed.stdout.splitlines()]
+        # the first eight columns stay where scripts found them
+        assert header == ["ID", "NAME", "STATE", "PID", "EXIT", "RESTARTS", "STARTED",
+                          "REASON", "PROGRESS", "ALERTS"]
+        (row,) = [r for r in rows if r[0] == job["id"]]
+        assert row[2] == "running"
+        assert row[8] == "3/10 (30%), stalled" and row[9] == "stalled", row
+        # on a terminal, beside the state
+        tty = jobsup("ls", url=daemon.url, env={"TTY_COMPATIBLE": "1", "TTY_INTERACTIVE": "1",
+                                                "NO_COLOR": "1", "COLUMNS": "160"})
+        lines = plain(tty.stdout).splitlines()
+        assert lines[0].split()[:5] == ["ID", "NAME", "STATE", "PROGRESS", "ALERTS"], lines
+        assert re.search(r"running +3/10 \(30%\), stalled +stalled ", plain(tty.stdout)), \
+            tty.stdout
+    finally:  # the module's daemon: no runner left behind for the next test
+        daemon.http.post(f"/api/v1/jobs/{job['id']}/stop")
+        daemon.wait_state(job["id"], "stopped")
 
 
 def watch_env(columns: int) -> dict[str, str]:
