@@ -14,12 +14,14 @@ import httpx
 import pytest
 
 from supervisor.api.guard import SESSION_COOKIE
+from tests import test_page
 from tests.helpers import Daemon, python_job, wait_for
 from tests.test_page import TOKEN, Tab
-from tests.test_page import browser as browser_fixture  # noqa: F401  (pytest: `browser`)
-from tests.test_page import tab as tab_fixture  # noqa: F401  (pytest: `tab`)
 
 pytestmark = pytest.mark.slow
+
+browser = test_page.browser  # the fixtures, under their own names (pytest finds them so)
+tab = test_page.tab
 
 
 def counter_job(counter: Path) -> list[str]:
