@@ -32,6 +32,18 @@ class JobNotFound(JobsupError):
         self.job_id = job_id
 
 
+class AmbiguousJob(JobsupError):
+    """A job reference (a name, or the start of an id) that names several jobs."""
+
+    def __init__(self, reference: str, what: str, candidates: list[str], more: int = 0):
+        listed = "; ".join(candidates) + (f"; and {more} more" if more else "")
+        super().__init__(
+            f"{reference!r} is {what} of {len(candidates) + more} jobs: {listed}",
+            hint="give the whole id, or enough of its start to name one job "
+                 "(`jobsup ls` shows them)", field="job_id")
+        self.reference = reference
+
+
 class Conflict(JobsupError):
     """The request is valid but the job's state does not allow it."""
 

@@ -137,8 +137,8 @@ def test_plain_lines_in_a_pipe_are_never_folded(shared: Daemon) -> None:
     assert listed.returncode == 0, listed.stderr
     lines = listed.stdout.splitlines()
     assert lines[0].split("\t") == ["ID", "NAME", "STATE", "PID", "EXIT", "RESTARTS",
-                                    "STARTED", "REASON"]
-    assert all(len(line.split("\t")) == 8 for line in lines), lines
+                                    "STARTED", "REASON", "PROGRESS", "ALERTS"]
+    assert all(len(line.split("\t")) == 10 for line in lines), lines
     mine = [line for line in lines if LONG_NAME in line]  # what `grep NAME` finds
     assert len(mine) == 1
     fields = mine[0].split("\t")

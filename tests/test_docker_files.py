@@ -7,8 +7,11 @@ tool that checks nothing fails here. No Docker daemon is needed."""
 
 from __future__ import annotations
 
+import json
+import os
 import re
 import shutil
+import socket
 import subprocess
 import sys
 import tomllib
@@ -218,3 +221,85 @@ def test_the_daemon_and_the_cli_run_without_psutil() -> None:
     result = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True,
                             text=True, timeout=60, check=True)
     assert result.stdout.strip() == "False"
+
+
+def interpolate(value: str, env: dict[str, str]) -> str:
+    """Compose's variable interpolation of one value (`$VAR`, `${VAR}`, `${VAR:-default}`,
+    `${VAR-default}`, `${VAR:?error}`, `$$`), as `docker compose config` does it."""
+    def one(match: re.Match[str]) -> str:
+        if match["escaped"]:
+            return "$"
+        name = match["name"] or match["bare"]
+        op, arg = match["op"], match["arg"] or ""
+        given = env.get(name)
+        if op == ":-":
+            return given if given else arg
+        if op == "-":
+            return given if given is not None else arg
+        if op == ":?":
+            assert given, f"compose would refuse: {arg}"
+        return given or ""
+
+    return re.sub(r"(?P<escaped>\$\$)|\$\{(?P<name>\w+)(?:(?P<op>:-|-|:\?)(?P<arg>[^}]*))?\}"
+                  r"|\$(?P<bare>\w+)", one, value)
+
+
+def daemon_settings(environment: dict[str, str], monkeypatch: pytest.MonkeyPatch) -> Any:
+    """The daemon's Settings from the container's environment (JOBSUP_* only)."""
+    from supervisor.config import Settings
+
+    for name in [n for n in os.environ if n.startswith("JOBSUP_")]:
+        monkeypatch.delenv(name)
+    for name, value in environment.items():
+        if name.startswith("JOBSUP_"):
+            monkeypatch.setenv(name, value)
+    return Settings()
+
+
+@pytest.mark.parametrize("given", [
+    {},
+    {"JOBSUP_PUBLIC_URL": "https://jobs.example.org", "JOBSUP_HOSTNAME": "gpu-07",
+     "JOBSUP_GRAFANA_URL": "https://grafana.example.org/d/jobsup/jobsup"}],
+    ids=["defaults", "set"])
+def test_compose_gives_the_daemon_links_a_browser_reaches_and_the_hosts_name(
+        given: dict[str, str], monkeypatch: pytest.MonkeyPatch) -> None:
+    """#32 item 6: compose left JOBSUP_PUBLIC_URL and JOBSUP_GRAFANA_URL unset (links to
+    http://jobsup-docker:8765, a name nothing resolves) and JOBSUP_HOSTNAME the same on
+    every machine. Now: URLs on the published ports by default (or the user's), and the
+    host's own name (`uts: host`: the container's host name is the host's)."""
+    service = jobsup_service()
+    required = {"JOBSUP_TOKEN": "t" * 32, "JOBSUP_CODE_DIR": "/srv/code",
+                "JOBSUP_WORK_DIR": "/srv/work"}
+    environment = {name: interpolate(str(value), {**required, **given})
+                   for name, value in service["environment"].items()}
+    settings = daemon_settings(environment, monkeypatch)
+    published = {port.split(":")[-1] for port in service["ports"]}
+    assert published == {str(settings.port)}
+    grafana_port = yaml.safe_load(COMPOSE.read_text())["services"]["grafana"]["ports"]
+    assert [p.split(":", 1)[1] for p in grafana_port] == ["3000:3000"]
+
+    assert service["uts"] == "host"
+    if given:
+        assert settings.resolved_public_url == given["JOBSUP_PUBLIC_URL"]
+        assert settings.grafana_url == given["JOBSUP_GRAFANA_URL"]
+        assert settings.resolved_hostname == "gpu-07"
+    else:
+        # the ports published on the host's loopback: a browser there (or through
+        # `ssh -L`) opens them; the Host check admits `localhost`
+        assert settings.resolved_public_url == "http://localhost:8765"
+        assert settings.grafana_url == "http://localhost:3000/d/jobsup/jobsup"
+        grafana_uid = json.loads((REPO / "dashboards/grafana/jobsup.json").read_text())["uid"]
+        assert settings.grafana_url.split("/d/")[1].split("/")[0] == grafana_uid
+        # under `uts: host` the daemon's gethostname() is the host's
+        assert settings.resolved_hostname == socket.gethostname()
+    assert "jobsup-docker" not in COMPOSE.read_text()
+    from supervisor.api.guard import LOOPBACK_NAMES
+    assert "localhost" in LOOPBACK_NAMES
+
+
+def test_the_interpolation_helper_follows_compose() -> None:
+    env = {"SET": "x", "EMPTY": ""}
+    assert interpolate("${SET:-d}|${EMPTY:-d}|${UNSET:-d}|${EMPTY-d}|${UNSET-d}|$$SET|$SET",
+                       env) == "x|d|d||d|$SET|x"
+    with pytest.raises(AssertionError, match="need it"):
+        interpolate("${UNSET:?need it}", env)

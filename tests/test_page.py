@@ -366,10 +366,12 @@ def test_with_a_token_the_page_asks_for_it(make_daemon: Callable[..., Daemon],
     assert page.evaluate("document.cookie") == ""  # HttpOnly: scripts never see it
     assert page.evaluate("fetch('/api/v1/jobs').then(r => r.status)") == 200
     assert page.evaluate("fetch('/openapi.json').then(r => r.status)") == 200
-    # but not /docs: Swagger UI's script comes from a CDN (guard.BEARER_ONLY_PATHS)
+    # /docs too (its Swagger UI is the daemon's own files), but not /redoc: ReDoc's script
+    # comes from a CDN (guard.BEARER_ONLY_PATHS)
     session = {cookie["name"]: cookie["value"]}
     assert httpx.get(f"{daemon.url}/openapi.json", cookies=session).status_code == 200
-    assert httpx.get(f"{daemon.url}/docs", cookies=session).status_code == 401
+    assert httpx.get(f"{daemon.url}/docs", cookies=session).status_code == 200
+    assert httpx.get(f"{daemon.url}/redoc", cookies=session).status_code == 401
 
     # the cookie opens the API to other clients too, while it is valid and untampered
     def with_cookie(value: str) -> dict[str, str]:

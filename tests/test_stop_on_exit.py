@@ -149,3 +149,43 @@ def test_without_the_flag_jobs_outlive_the_daemon(make_daemon, tmp_path: Path) -
     # and a restarted daemon re-adopts it
     daemon.start()
     assert daemon.wait_state(job["id"], "running", timeout=5)["pid"] == pid
+
+
+@pytest.mark.timeout(600)
+def test_the_demo_pipeline_survives_a_container_restart(make_daemon, tiny_model: Path,
+                                                        tmp_path: Path) -> None:
+    """#32's must-show: the EAGLE-3 demo pipeline (`jobsup demo --model tiny`'s request,
+    demo-sized) under a daemon with --stop-jobs-on-exit; the daemon is SIGTERMed while a
+    step runs, as `docker compose restart` does, and started again: every step ends
+    `succeeded`, with no one acting. Before #32 item 2 the running step ended `stopped`
+    and every later one `failed` (dependency stopped)."""
+    from supervisor.client.demo import DEMO_PROMPTS, pipeline_request
+
+    daemon: Daemon = make_daemon({"JOBSUP_STOP_JOBS_ON_EXIT": "1", "OMP_NUM_THREADS": "1",
+                                  "JOBSUP_SAMPLE_INTERVAL": "1"})
+    request = pipeline_request("tiny", tiny_model, DEMO_PROMPTS, tmp_path / "run",
+                               max_tokens=8, epochs=1)
+    response = daemon.http.post("/api/v1/pipelines/eagle3",
+                                json={**request, "eval_max_new_tokens": 8})
+    assert response.status_code == 201, response.text
+    steps = {job["spec"]["labels"]["step"]: job["id"] for job in response.json()}
+    assert list(steps) == ["generate", "extract", "vocab", "train", "evaluate"]
+    # the middle of the pipeline: extraction under way, its inputs written
+    cut = daemon.wait_state(steps["extract"], "running", timeout=240)
+    assert daemon.job(steps["generate"])["state"] == "succeeded"
+
+    assert daemon.proc is not None
+    daemon.proc.terminate()
+    assert daemon.proc.wait(60) in (0, -15), daemon.log()
+    assert stored_state(daemon.data_dir, cut["id"])[0] == "pending"
+
+    daemon.start()
+    last = daemon.wait_state(steps["evaluate"], "succeeded", "failed", "stopped", "lost",
+                             timeout=420)
+    jobs = {step: daemon.job(job_id) for step, job_id in steps.items()}
+    assert {step: job["state"] for step, job in jobs.items()} == dict.fromkeys(
+        steps, "succeeded"), [(j["name"], j["state"], j["reason"]) for j in jobs.values()]
+    assert last["state"] == "succeeded"
+    assert jobs["extract"]["attempt"] == 2 and jobs["extract"]["restarts"] == 0
+    assert all(job["attempt"] == 1 for step, job in jobs.items() if step != "extract")
+    assert (tmp_path / "run" / "evaluate" / "eval.json").is_file()

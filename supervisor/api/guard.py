@@ -32,10 +32,11 @@ SESSION_COOKIE = "jobsup_session"
 SESSION_MAX_AGE_S = 12 * 3600
 """How long a login lasts."""
 
-BEARER_ONLY_PATHS = frozenset({"/docs", "/docs/oauth2-redirect", "/redoc"})
-"""Paths the session cookie does not open: FastAPI's interactive docs load their script
-from a CDN with no integrity hash; with the cookie, that script would act on the API with
-the user's rights (submit = run commands). They still open with the bearer token."""
+BEARER_ONLY_PATHS = frozenset({"/redoc"})
+"""Paths the session cookie does not open: FastAPI's ReDoc loads its script from a CDN
+with no integrity hash; with the cookie, that script would act on the API with the
+user's rights (submit = run commands). It still opens with the bearer token. (/docs is
+served from the daemon's own files, page.DOCS_PATH: the cookie opens it.)"""
 
 
 def session_value(token: str, expires_at: int) -> str:

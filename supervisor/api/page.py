@@ -10,6 +10,7 @@ cookie the login form here sets (docs/security.md)."""
 
 import hashlib
 import hmac
+import shlex
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
@@ -28,6 +29,7 @@ from supervisor.api.guard import SESSION_COOKIE, SESSION_MAX_AGE_S, session_valu
 from supervisor.api.metrics import mountpoint
 from supervisor.api.views import alert_out, job_out
 from supervisor.config import Settings
+from supervisor.errors import JobNotFound
 from supervisor.formatting import MISSING, format_bytes, format_duration, iso
 from supervisor.observe.view import JobView
 from supervisor.spec import AlertOut, AlertState, JobOut, JobState
@@ -37,6 +39,9 @@ PUBLIC_PATHS = frozenset({"/login"})
 """The login form's POST: it carries the token, so it cannot need it (the Guard's Host
 and Origin checks still apply)."""
 STATIC_DIR = Path(__file__).parent / "static"
+DOCS_PATH = "/docs"
+"""The API's interactive docs: Swagger UI from `static/` (vendored, static/VENDORED.md),
+never a CDN, so the page's CSP holds and the login's cookie may open it."""
 PIPELINE_STEPS = ("generate", "serve", "extract", "vocab", "train", "evaluate")
 """The EAGLE-3 steps in pipeline order (`supervisor/pipeline.py`'s `step` labels)."""
 NO_STORE = {
@@ -58,8 +63,9 @@ _templates.filters.update(bytes=format_bytes, duration=format_duration)
 
 
 def is_page_path(path: str) -> bool:
-    """A path of the status page (the login form answers these without auth)."""
-    return path == "/" or path.startswith(("/jobs/", "/pipelines/"))
+    """A path of the status page (the login form answers these without auth), the API's
+    docs among them: served from the daemon's own files, they open with the session."""
+    return path in ("/", DOCS_PATH) or path.startswith(("/jobs/", "/pipelines/"))
 
 
 def render(template: str, status_code: int = 200, headers: Mapping[str, str] = NO_STORE,
@@ -180,6 +186,24 @@ def pipeline_view(name: str, runs: list[list[JobOut]]) -> Pipeline:
     return Pipeline(name, steps, current, len(runs))
 
 
+@dataclass(frozen=True)
+class Dependency:
+    """A job another waits for, as its page links it."""
+
+    id: str
+    name: str | None
+    """None: no such job any more."""
+    state: str | None
+
+
+def dependency(session: Session, job_id: str) -> Dependency:
+    try:
+        row = store.get_job(session, job_id)
+    except JobNotFound:
+        return Dependency(job_id, None, None)
+    return Dependency(row.id, row.name, row.state)
+
+
 # -- the routes --------------------------------------------------------------------------
 
 def mount(app: FastAPI, settings: Settings, sessions: sessionmaker[Session], *,
@@ -209,6 +233,7 @@ def mount(app: FastAPI, settings: Settings, sessions: sessionmaker[Session], *,
         for job in jobs:
             counts[job.state.value] = counts.get(job.state.value, 0) + 1
         return {"jobs": shown, "total": len(jobs), "counts": counts, "host": host,
+                "firing": sum(len(j.alerts) for j in jobs),
                 "filesystems": filesystems(jobs), "pipelines": sorted(pipelines(jobs)),
                 "state": state or "", "label": label or "", "states": list(JobState),
                 "percent": percent, "rate_text": rate_text,
@@ -236,16 +261,29 @@ def mount(app: FastAPI, settings: Settings, sessions: sessionmaker[Session], *,
                   for e in store.events(session, job_id)]
         return {"job": job, "alerts": list(reversed(alerts)), "events": events,
                 "host": host, "percent": percent, "rate_text": rate_text,
+                "command": shlex.join(job.spec.command),
+                "dependencies": [dependency(session, dep) for dep in job.spec.depends_on],
+                "duration_s": None if row.started_at is None
+                else (row.ended_at or time.time()) - row.started_at,
                 "pipeline": job.spec.labels.get("pipeline_name")
                 if "pipeline" in job.spec.labels else None}
 
     @router.get("/jobs/{job_id}", response_class=HTMLResponse)
     def job_page(job_id: str, session: DB) -> Response:
+        """The job's page; a name or the start of an id (`store.find_job`) redirects to
+        the page at its id."""
+        found = store.find_job(session, job_id).id
+        if found != job_id:
+            return RedirectResponse(f"/jobs/{found}", status_code=307, headers=NO_STORE)
         return render("job.html", **job_context(session, job_id), token=bool(settings.token))
 
     @router.get("/fragments/jobs/{job_id}", response_class=HTMLResponse)
     def job_fragment(job_id: str, session: DB) -> Response:
         return render("_job.html", **job_context(session, job_id))
+
+    @router.get(DOCS_PATH, response_class=HTMLResponse)
+    def api_docs() -> Response:
+        return render("docs.html", host=host)
 
     def pipeline_context(session: Session, name: str) -> dict[str, Any]:
         runs = pipelines(all_jobs(session)).get(name)

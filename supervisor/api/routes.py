@@ -13,6 +13,7 @@ from datetime import UTC, datetime
 from typing import Annotated, Any, Literal, NamedTuple
 
 from fastapi import Depends, FastAPI, Query, Request, Response
+from fastapi import Path as PathParam
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
@@ -118,7 +119,12 @@ GUARD_RESPONSES = _errors(**{
     "422": "invalid input; `error` names the field"})
 """What any route may answer besides its own: declared so the schema tells the truth."""
 UNAUTHORIZED = _errors(**{"401": "missing or wrong bearer token"})
-NOT_FOUND = _errors(**{"404": "no job with this id"})
+NOT_FOUND = _errors(**{
+    "404": "no job with this id, name or start of an id",
+    "400": "the name or start of an id names several jobs (`error` lists them)"})
+JobReference = Annotated[str, PathParam(
+    description="the job's id, its name, or the start of its id (as docker and git take "
+                "them: `store.find_job`); one naming several jobs answers 400, listing them")]
 LabelSelector = Annotated[str, StringConstraints(pattern=r"^[^=]+=")]
 
 
@@ -146,7 +152,9 @@ def create_app(settings: Settings, sessions: sessionmaker[Session], *,
     writes = writability or Writability()
     public_paths = PUBLIC_PATHS | page.PUBLIC_PATHS | (
         {"/metrics"} if settings.metrics_public else frozenset())
-    app = FastAPI(title="jobsup", version=__version__,
+    # docs_url=None: /docs is the status page's (page.py), with Swagger UI from the
+    # daemon's own files, not FastAPI's CDN
+    app = FastAPI(title="jobsup", version=__version__, docs_url=None,
                   responses={**GUARD_RESPONSES, **(UNAUTHORIZED if settings.token else {})})
     default_cwd = os.getcwd()
     if settings.token:
@@ -312,14 +320,15 @@ def create_app(settings: Settings, sessions: sessionmaker[Session], *,
                 and all(j.spec.labels.get(k) == v for k, v in wanted.items())]
 
     @app.get(f"{API_PREFIX}/jobs/{{job_id}}", responses=NOT_FOUND)
-    def get_job(job_id: str, session: DB) -> JobOut:
-        job = store.get_job(session, job_id)
+    def get_job(job_id: JobReference, session: DB) -> JobOut:
+        job = store.find_job(session, job_id)
+        job_id = job.id
         firing = store.firing_alerts_by_job(session, job_id=job_id)
         return job_out(job, views().get(job_id), alerts=firing.get(job_id, ()))
 
     @app.get(f"{API_PREFIX}/jobs/{{job_id}}/events", responses=NOT_FOUND)
-    def job_events(job_id: str, session: DB) -> list[EventOut]:
-        store.get_job(session, job_id)
+    def job_events(job_id: JobReference, session: DB) -> list[EventOut]:
+        job_id = store.find_job(session, job_id).id
         return [
             EventOut(t=iso(e.t) or "", from_state=JobState(e.from_state) if e.from_state else None,
                      to_state=JobState(e.to_state), reason=e.reason)
@@ -328,8 +337,9 @@ def create_app(settings: Settings, sessions: sessionmaker[Session], *,
 
     @app.post(f"{API_PREFIX}/jobs/{{job_id}}/stop", status_code=202,
               responses={**NOT_FOUND, **_errors(**{"409": "the job already ended"})})
-    def stop_job(job_id: str, session: DB) -> JobOut:
-        job = store.get_job(session, job_id)
+    def stop_job(job_id: JobReference, session: DB) -> JobOut:
+        job = store.find_job(session, job_id)
+        job_id = job.id
         if JobState(job.state).ended:
             raise Conflict(f"job {job_id} already ended ({job.state})")
         store.request_stop(session, job_id, now=clock())
@@ -340,10 +350,10 @@ def create_app(settings: Settings, sessions: sessionmaker[Session], *,
 
     @app.post(f"{API_PREFIX}/jobs/{{job_id}}/restart", status_code=202,
               responses={**NOT_FOUND, **_errors(**{"409": "the job has not ended"})})
-    def restart_job(job_id: str, session: DB) -> JobOut:
+    def restart_job(job_id: JobReference, session: DB) -> JobOut:
         """A new attempt of an ended job: pending again (attempt + 1 once it starts),
         its history kept. A pending or running job answers 409: stop it first."""
-        job = store.requeue(session, job_id, now=clock())
+        job = store.requeue(session, store.find_job(session, job_id).id, now=clock())
         session.commit()
         answer = job_out(job, None)  # as requeued: the tick woken next may start it at once
         wake()
@@ -355,11 +365,11 @@ def create_app(settings: Settings, sessions: sessionmaker[Session], *,
 
     @app.get(f"{API_PREFIX}/jobs/{{job_id}}/samples", responses=NOT_FOUND)
     def job_samples(
-        job_id: str, session: DB, since: datetime | None = None,
+        job_id: JobReference, session: DB, since: datetime | None = None,
         limit: Annotated[int, Query(ge=1, le=100_000)] = 1000,
     ) -> list[SampleOut]:
         """Stored readings, oldest first: from `since` on, else the latest `limit`."""
-        store.get_job(session, job_id)
+        job_id = store.find_job(session, job_id).id
         # ISO times carry microseconds, rounded: half a microsecond of slack keeps a
         # sample's own `t` inside `since=<that t>`
         if since is not None and since.tzinfo is None:
@@ -371,7 +381,7 @@ def create_app(settings: Settings, sessions: sessionmaker[Session], *,
     @app.get(f"{API_PREFIX}/jobs/{{job_id}}/logs", response_class=PlainTextResponse,
              responses=NOT_FOUND)
     def job_logs(
-        job_id: str, session: DB,
+        job_id: JobReference, session: DB,
         tail: Annotated[int, Query(ge=0, le=1_000_000)] = 100,
         attempt: Annotated[int | None, Query(ge=1, le=MAX_INT64)] = None,
         offset: Annotated[int | None, Query(ge=0, le=MAX_INT64,
@@ -379,8 +389,8 @@ def create_app(settings: Settings, sessions: sessionmaker[Session], *,
     ) -> PlainTextResponse:
         """The last `tail` lines of the attempt's output, or (with `offset`) what follows
         that byte offset. Header `X-Jobsup-Log-Offset` says where to continue."""
-        job = store.get_job(session, job_id)
-        number = attempt or job.attempt
+        job = store.find_job(session, job_id)
+        job_id, number = job.id, attempt or job.attempt
         if number > job.attempt:
             raise InvalidSpec(f"attempt: job {job_id} has {job.attempt} attempt(s)",
                               field="attempt")

@@ -8,23 +8,32 @@ The app and the daemon's commands live here; the job commands in `jobs_cli.py` a
 from __future__ import annotations
 
 import logging
+import sys
 import time
 from pathlib import Path
 from typing import Annotated, Any
 
 import typer
-from rich.table import Table
 
 from supervisor import __version__
 from supervisor.client import completion, jobs_cli, outcome, submit_cli
-from supervisor.client.options import DEFAULT_URL, Url, check_choice, client
+from supervisor.client.http import DaemonUnreachable
+from supervisor.client.options import (
+    DEFAULT_URL,
+    Url,
+    check_choice,
+    client,
+    refuse_flag_values,
+)
 from supervisor.client.output import console, fail
 from supervisor.client.pipeline_cli import demo, pipeline_app
 from supervisor.client.tui import jobs_table
 from supervisor.config import Settings
 from supervisor.errors import JobsupError
 
-app = typer.Typer(add_completion=False, no_args_is_help=True,
+# rich_markup_mode=None: click's plain help. Typer's rich panels print a type after every
+# option, flags too (`--json <bool>`, as if it took a value: #32 item 9)
+app = typer.Typer(add_completion=False, no_args_is_help=True, rich_markup_mode=None,
                   help="jobsup: launch, watch and forecast long-running ML jobs.",
                   epilog=outcome.EXIT_CODES_HELP)
 
@@ -96,26 +105,44 @@ def watch(
     once: Annotated[bool, typer.Option(help="Print the table once and exit.")] = False,
     url: Url = DEFAULT_URL,
 ) -> None:
-    """Live table of jobs: progress, rate, ETA, bytes, disk runway, GPU memory, alerts."""
+    """Live table of jobs: progress, rate, ETA, bytes, disk runway, GPU memory, alerts.
+    Keeps going while the daemon restarts (a line says it is unreachable)."""
+    from rich.console import Group, RenderableType
     from rich.live import Live
+    from rich.text import Text
 
     c = client(url)
 
-    def render() -> Table:
-        jobs = c.get("/api/v1/jobs")
+    def fetch() -> list[dict[str, Any]]:
+        jobs: list[dict[str, Any]] = c.get("/api/v1/jobs")
         if not all_jobs:
             jobs = [j for j in jobs if j["state"] in ("pending", "running")
                     or j.get("alerts")] or jobs[-10:]
-        return jobs_table(jobs, console.width)
+        return jobs
+
+    def render(jobs: list[dict[str, Any]], gone_since: float | None) -> RenderableType:
+        table = jobs_table(jobs, console.width)
+        if gone_since is None:
+            return table
+        since = time.strftime("%H:%M:%S", time.localtime(gone_since))
+        return Group(table, Text(
+            f"daemon unreachable at {c.url} since {since}, retrying every {interval:g} s "
+            "(the table is its last answer)", style="bold red"))
 
     try:
+        jobs = fetch()  # no daemon at the start: an error, not an empty watch
         if once:
-            console.print(render())
+            console.print(render(jobs, None))
             return
-        with Live(render(), console=console, auto_refresh=False) as live:
+        gone_since: float | None = None
+        with Live(render(jobs, None), console=console, auto_refresh=False) as live:
             while True:
                 time.sleep(interval)
-                live.update(render(), refresh=True)
+                try:
+                    jobs, gone_since = fetch(), None
+                except DaemonUnreachable:  # restarting: keep the last table and poll on
+                    gone_since = gone_since or time.time()
+                live.update(render(jobs, gone_since), refresh=True)
     except JobsupError as exc:
         fail(exc)
     except KeyboardInterrupt:
@@ -141,6 +168,10 @@ app.command()(demo)
 
 def main() -> None:
     completion.init()
+    try:
+        refuse_flag_values(typer.main.get_command(app), sys.argv[1:])
+    except typer.Exit as exc:
+        sys.exit(exc.exit_code)
     app(prog_name="jobsup")
 
 

@@ -49,8 +49,10 @@ ALERT_STATES = tuple(s.value for s in AlertState)
 LOG_TAIL_DEFAULT = 100
 LOG_TAIL_MAX = 1_000_000
 """The daemon's bounds on /logs?tail (api/routes.py job_logs)."""
-JobId = Annotated[str, typer.Argument(help="Job id.", autocompletion=job_ids,
-                                      show_default=False)]
+JobId = Annotated[str, typer.Argument(
+    help="Job id, name, or the start of an id (`8a84`): one that names several jobs is "
+         "refused, listing them.", autocompletion=job_ids, show_default=False,
+    metavar="JOB")]
 Json = Annotated[bool, typer.Option("--json", help="Print the API's JSON.")]
 Quiet = Annotated[bool, typer.Option("--quiet", "-q", help="Print job ids only.")]
 Timeout = Annotated[float | None, typer.Option(
@@ -132,10 +134,42 @@ def list_jobs(
                    else "no jobs yet: `jobsup submit --name NAME -- CMD ...`")
         (console if is_terminal() else err_console).print(message, highlight=False)
         return
-    print_rows(("ID", "NAME", "STATE", "PID", "EXIT", "RESTARTS", "STARTED", "REASON"),
-               [(job["id"], job["name"], state_text(job["state"]), str(job["pid"] or "-"),
-                 exit_text(job), str(job["restarts"]), short_time(job["started_at"]),
-                 job.get("reason") or "") for job in jobs], folding=("NAME", "REASON"))
+    # a terminal shows progress and alerts beside the state; a pipe keeps the first eight
+    # columns where scripts (`cut -f`) found them and adds the two at the end
+    order = TERMINAL_LS_COLUMNS if is_terminal() else PIPE_LS_COLUMNS
+    rows = [ls_row(job) for job in jobs]
+    print_rows(order, [[row[name] for name in order] for row in rows],
+               folding=("NAME", "REASON", "ALERTS"))
+
+
+TERMINAL_LS_COLUMNS = ("ID", "NAME", "STATE", "PROGRESS", "ALERTS", "PID", "EXIT",
+                       "RESTARTS", "STARTED", "REASON")
+PIPE_LS_COLUMNS = ("ID", "NAME", "STATE", "PID", "EXIT", "RESTARTS", "STARTED", "REASON",
+                   "PROGRESS", "ALERTS")
+
+
+def ls_row(job: dict[str, Any]) -> dict[str, Any]:
+    alerts = ", ".join(a["rule"] for a in job.get("alerts") or [])
+    return {"ID": job["id"], "NAME": job["name"], "STATE": state_text(job["state"]),
+            "PROGRESS": progress_text(job), "ALERTS": Text(alerts, style="bold red"),
+            "PID": str(job["pid"] or "-"), "EXIT": exit_text(job),
+            "RESTARTS": str(job["restarts"]), "STARTED": short_time(job["started_at"]),
+            "REASON": job.get("reason") or ""}
+
+
+def progress_text(job: dict[str, Any]) -> str:
+    """`done/total (pct%)`, `done` without a total, `-` before any; `, stalled` while a
+    running job is: its `stalled` alert fires, or its rate is 0 (its forecast: no item
+    for longer than its stall timeout; a tick apart, either may come first)."""
+    done, total = job["progress"]["items_done"], job["progress"]["items_total"]
+    if done is None:
+        return "-"
+    text = f"{done}/{total} ({100 * done / total:.0f}%)" if total else str(done)
+    stalled = job["forecast"]["rate_items_per_s"] == 0 or any(
+        a["rule"] == "stalled" for a in job.get("alerts") or [])
+    if job["state"] == JobState.RUNNING.value and stalled:
+        text += ", stalled"
+    return text
 
 
 def show(job_id: JobId, as_json: Json = False, url: Url = DEFAULT_URL) -> None:
@@ -143,10 +177,11 @@ def show(job_id: JobId, as_json: Json = False, url: Url = DEFAULT_URL) -> None:
     job as GET /api/v1/jobs/ID answers)."""
     try:
         c = client(url)
-        job = c.get(f"/api/v1/jobs/{job_id}")
+        job = c.get(f"/api/v1/jobs/{job_id}")  # the daemon resolves a name or a prefix
         if as_json:
             print_json(job)
             return
+        job_id = job["id"]
         events = c.get(f"/api/v1/jobs/{job_id}/events")
         samples = c.get(f"/api/v1/jobs/{job_id}/samples", params={"limit": 2000})
     except JobsupError as exc:
@@ -229,6 +264,8 @@ def logs(
                     hint=f"--tail N, N from 0 to {LOG_TAIL_MAX:,} (the last N lines)")
     try:
         c = client(url)
+        if follow:  # one job throughout, whatever is submitted meanwhile under its name
+            job_id = c.get(f"/api/v1/jobs/{job_id}")["id"]
         params = {"tail": tail} if attempt is None else {"tail": tail, "attempt": attempt}
         response = c.request("GET", f"/api/v1/jobs/{job_id}/logs", params=params)
         sys.stdout.write(response.text)
@@ -249,7 +286,8 @@ def logs(
 
 def stop(
     ids: Annotated[list[str], typer.Argument(
-        help="Job ids (`jobsup ls -q --state running | xargs jobsup stop`).",
+        help="Job ids, names or starts of ids (`jobsup ls -q --state running | xargs "
+             "jobsup stop`).",
         autocompletion=job_ids, show_default=False, metavar="ID")],
     wait: Annotated[bool, typer.Option(help="Wait until the jobs have ended.")] = True,
     url: Url = DEFAULT_URL,
@@ -309,6 +347,7 @@ def restart(
     check_timeout(timeout)
     try:
         c = client(url)
+        job_id = c.get(f"/api/v1/jobs/{job_id}")["id"]  # a name or a prefix, resolved
         if stop_first and not outcome.ended(c.get(f"/api/v1/jobs/{job_id}")):
             stop_job(c, job_id, wait=True)
         job = c.post(f"/api/v1/jobs/{job_id}/restart")
@@ -329,7 +368,8 @@ def restart(
 
 def wait(
     ids: Annotated[list[str], typer.Argument(
-        help="Job ids.", autocompletion=job_ids, show_default=False, metavar="ID")],
+        help="Job ids, names or starts of ids.", autocompletion=job_ids, show_default=False,
+        metavar="ID")],
     timeout: Timeout = None,
     as_json: Json = False,
     quiet: Annotated[bool, typer.Option("--quiet", "-q", help="Print nothing.")] = False,
@@ -339,7 +379,11 @@ def wait(
     it ends (--json: the jobs at the end)."""
     check_timeout(timeout)
     try:
-        finish(client(url), list(dict.fromkeys(ids)), timeout=timeout, as_json=as_json,
+        c = client(url)
+        # each name or prefix resolved once: a job submitted meanwhile under the same name
+        # does not make it ambiguous halfway through
+        resolved = [c.get(f"/api/v1/jobs/{job_id}")["id"] for job_id in ids]
+        finish(c, list(dict.fromkeys(resolved)), timeout=timeout, as_json=as_json,
                quiet=quiet)
     except JobsupError as exc:
         fail(exc)

@@ -3,9 +3,9 @@ arguments that run before any request (a wrong one exits 2 with `error:` / `hint
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Any
 
 import typer
 
@@ -47,3 +47,36 @@ def check_output_dir(option: str, value: str | None) -> None:
         usage_error(f"{option}: {value} exists and is not a directory",
                     hint=f"{option}: a directory the job writes its items into (it may "
                          "not exist yet)")
+
+
+BOOLEAN_WORDS = frozenset({"true", "false", "yes", "no", "on", "off"})
+"""Words after a flag that mean its value was given (`--json true`), not an argument."""
+
+
+def flag_names(command: Any) -> Iterator[str]:
+    """Every flag (an option that takes no value: `--json`, `-q`) of `command` (the app's
+    click command: `typer.main.get_command`) and of its subcommands. Read by attribute:
+    Typer's commands and options are its own classes, not click's."""
+    for param in command.params:
+        if getattr(param, "is_flag", False):
+            yield from (*param.opts, *param.secondary_opts)
+    for sub in getattr(command, "commands", {}).values():
+        yield from flag_names(sub)
+
+
+def refuse_flag_values(command: Any, args: Sequence[str]) -> None:
+    """`--json true`: a usage error that says a flag takes no value. Left alone, click
+    read the word as an argument: `ls` answered 'unexpected extra argument', `wait` took
+    it for a job id. Only before `--` (what follows is a job's own command line)."""
+    flags = set(flag_names(command))
+    for i, arg in enumerate(args):
+        if arg == "--":
+            return
+        flag, equals, word = arg.partition("=")
+        if not equals:
+            after = args[i + 1] if i + 1 < len(args) else ""
+            word = after if after.lower() in BOOLEAN_WORDS else ""
+        if flag in flags and word:
+            usage_error(f"{flag} is a flag and takes no value ({flag} {word} / {flag}={word}: "
+                        "a word after it would be read as an argument)",
+                        hint=f"{flag} alone turns it on; leave it out to keep it off")

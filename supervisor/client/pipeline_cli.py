@@ -21,7 +21,8 @@ class DemoModel(StrEnum):
     SMOLLM2 = "smollm2"
 
 
-pipeline_app = typer.Typer(no_args_is_help=True, help="Multi-step pipelines (EAGLE-3).")
+pipeline_app = typer.Typer(no_args_is_help=True, rich_markup_mode=None,
+                           help="Multi-step pipelines (EAGLE-3).")
 
 
 @pipeline_app.command("run")

@@ -117,7 +117,7 @@ def submit(
                                         help="The id only: no warnings.")] = False,
     url: Url = DEFAULT_URL,
 ) -> None:
-    """Submit a job: jobsup submit --name NAME \\[OPTIONS] -- CMD \\[ARG...]. Prints its id
+    """Submit a job: jobsup submit --name NAME [OPTIONS] -- CMD [ARG...]. Prints its id
     (--json: the job); with --wait, exits with the job's outcome."""
     for field, value in (("stall_timeout_s", stall_timeout),
                          ("startup_timeout_s", startup_timeout), ("stop_grace_s", stop_grace)):

@@ -89,18 +89,24 @@ WIDE_COLUMNS_MIN = 150
 SHRINKING_COLUMNS = ("NAME", "ALERTS")
 """The columns that give way when the table is wider than the terminal (NAME first, the
 widest): a long name ends in `…` on its one line; the other columns keep their width."""
+NAME_MIN_WIDTH = 24
+"""A name keeps this many characters on a terminal of WIDE_COLUMNS_MIN or more (it was 8,
+and at 160 columns names were cut to 11); 8 on a narrower one."""
 
 
-def jobs_table(jobs: Sequence[dict[str, Any]], width: int | None = None) -> Table:
+def jobs_table(jobs: Sequence[dict[str, Any]], width: int | None = None) -> Group:
     """One row per job; on a terminal narrower than WIDE_COLUMNS_MIN (`width`), only
-    NARROW_COLUMNS, so the progress bars stay readable."""
-    columns = ("ID", "NAME", "STATE", "PROGRESS", "RATE", "ETA", "WRITTEN", "DISK",
+    NARROW_COLUMNS, so the progress bars stay readable. The disk runway, a fact of the
+    filesystem that its jobs share, is a line under the table per runway, not a column
+    repeating it on every row (`disk_lines`)."""
+    columns = ("ID", "NAME", "STATE", "PROGRESS", "RATE", "ETA", "WRITTEN",
                "CPU", "RSS", "GPU", "ALERTS")
     narrow = width is not None and width < WIDE_COLUMNS_MIN
     table = Table(box=None, header_style="bold", expand=False)
     for column in columns:
         table.add_column(column, no_wrap=column not in SHRINKING_COLUMNS,
-                         min_width=8 if column == "NAME" else None)
+                         min_width=None if column != "NAME" else 8 if narrow
+                         else NAME_MIN_WIDTH)
     for job in jobs:
         f, p, r = job["forecast"], job["progress"], job["resources"]
         alerts = ", ".join(a["rule"] for a in job.get("alerts", []))
@@ -112,7 +118,7 @@ def jobs_table(jobs: Sequence[dict[str, Any]], width: int | None = None) -> Tabl
             job["id"], Text(job["name"], no_wrap=True, overflow="ellipsis"),
             state_text(job["state"]), progress_cell(job, narrow),
             rate_text(f["rate_items_per_s"]), format_duration(f["eta_s"]), written,
-            runway_text(f), f"{r['cpu_percent']:.0f}%" if running else "-",
+            f"{r['cpu_percent']:.0f}%" if running else "-",
             format_bytes(r["rss_bytes"]) if running else "-",
             gpu_cell(r),
             Text(alerts, style="bold red") if alerts else "",
@@ -120,7 +126,26 @@ def jobs_table(jobs: Sequence[dict[str, Any]], width: int | None = None) -> Tabl
     if narrow:
         keep = [columns.index(name) for name in NARROW_COLUMNS]
         table.columns = [table.columns[i] for i in keep]
-    return table
+    return Group(table, *disk_lines(jobs))
+
+
+def disk_lines(jobs: Sequence[dict[str, Any]]) -> list[Text]:
+    """`disk: 93.5 GB free, full in 4h05m — 3 jobs` once per distinct runway of the
+    running jobs (the API names no filesystem: jobs showing the same runway share one),
+    with the names of the jobs whose output will not fit."""
+    runways: dict[str, list[dict[str, Any]]] = {}
+    for job in jobs:
+        if job["state"] == "running" and job["forecast"]["disk_free_bytes"] is not None:
+            forecast = {**job["forecast"], "will_fit": None}
+            runways.setdefault(runway_text(forecast).plain, []).append(job)
+    lines = []
+    for text, members in runways.items():
+        line = Text(f"disk: {text} — {len(members)} job{'s' * (len(members) != 1)}")
+        short = [j["name"] for j in members if j["forecast"]["will_fit"] is False]
+        if short:
+            line.append(f"; WON'T FIT: {', '.join(short)}", style="bold red")
+        lines.append(line)
+    return lines
 
 
 def sparkline(values: Sequence[float]) -> str:

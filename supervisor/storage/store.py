@@ -19,7 +19,7 @@ from sqlalchemy.orm import Session
 from sqlalchemy.sql.compiler import SQLCompiler
 from sqlalchemy.sql.functions import FunctionElement
 
-from supervisor.errors import Conflict, JobNotFound, JobRecordUnwritable
+from supervisor.errors import AmbiguousJob, Conflict, JobNotFound, JobRecordUnwritable
 from supervisor.runtime.fileio import atomic_write_json
 from supervisor.runtime.files import WorkerInfo
 from supervisor.runtime.launcher import Attempt
@@ -137,6 +137,38 @@ def get_job(session: Session, job_id: str) -> Job:
     if job is None:
         raise JobNotFound(job_id)
     return job
+
+
+AMBIGUOUS_LISTED = 10
+"""Candidates an ambiguous reference's error lists (the rest are counted)."""
+
+
+def find_job(session: Session, reference: str) -> Job:
+    """The job a person's reference names, as docker and git read one: its id; else the
+    one job of that name; else the one job whose id starts with it. JobNotFound when none
+    does, AmbiguousJob (listing the candidates, newest first) when it names several: a
+    name given to several jobs, or a start shared by several ids. Every API route under
+    `/jobs/{job_id}` and the job page resolve their id through here."""
+    job = session.get(Job, reference)
+    if job is not None:
+        return job
+    found = _matches(session, Job.name == reference)
+    what = "the name"
+    if not found and reference:
+        # substr, not LIKE: SQLite's LIKE ignores case, and ids are lower-case hex
+        found = _matches(session, func.substr(Job.id, 1, len(reference)) == reference)
+        what = "the start of the ids"
+    if not found:
+        raise JobNotFound(reference)
+    if len(found) == 1:
+        return found[0]
+    listed = [f"{j.id} ({j.name}, {j.state})" for j in found[:AMBIGUOUS_LISTED]]
+    raise AmbiguousJob(reference, what, listed, more=len(found) - len(listed))
+
+
+def _matches(session: Session, condition: Any) -> Sequence[Job]:
+    return session.scalars(select(Job).where(condition)
+                           .order_by(Job.created_at.desc(), Job.id)).all()
 
 
 def list_jobs(session: Session, *, state: JobState | None = None) -> Sequence[Job]:

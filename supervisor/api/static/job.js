@@ -1,5 +1,6 @@
 // One job's page: charts from GET /api/v1/jobs/{id}/samples (uPlot, vendored), the log
-// tail, the Stop button. The summary above is page.js's fragment refresh.
+// tail (of any attempt), the Stop and Restart buttons. The summary above is page.js's
+// fragment refresh.
 "use strict";
 (function () {
   const REFRESH_MS = 2000;
@@ -19,6 +20,15 @@
     return n.toFixed(0) + " B";
   }
   const bytesAxis = (u, ticks) => ticks.map(bytes);
+  const ONE_POINT_SPAN_S = 120;
+  // uPlot 1.6.32 spans a time axis of one point over 86,400,000 s (2027-2029 around a
+  // sample of today: a day in its milliseconds, read as seconds): two minutes around it
+  function setData(chart, data) {
+    const x = data[0];
+    if (x.length !== 1) { chart.setData(data); return; }
+    chart.setData(data, false);
+    chart.setScale("x", { min: x[0] - ONE_POINT_SPAN_S / 2, max: x[0] + ONE_POINT_SPAN_S / 2 });
+  }
   const colors = ["#2563eb", "#dc2626", "#16a34a", "#9333ea", "#ea580c", "#0891b2", "#4b5563", "#db2777"];
 
   function makeChart(id, title, series, axes) {
@@ -57,10 +67,10 @@
       if (start === i || s.items_done == null) return null;
       return Math.max(0, (s.items_done - samples[start].items_done) / (x[i] - x[start]));
     });
-    charts.items.setData([x, samples.map((s) => s.items_done), rate]);
-    charts.bytes.setData([x, samples.map((s) => s.bytes_written), samples.map((s) => s.disk_free_bytes)]);
-    charts.cpu.setData([x, samples.map((s) => s.cpu_percent), samples.map((s) => s.rss_bytes)]);
-    charts.gpu.setData([x, samples.map((s) => s.gpu_memory_bytes)]);
+    setData(charts.items, [x, samples.map((s) => s.items_done), rate]);
+    setData(charts.bytes, [x, samples.map((s) => s.bytes_written), samples.map((s) => s.disk_free_bytes)]);
+    setData(charts.cpu, [x, samples.map((s) => s.cpu_percent), samples.map((s) => s.rss_bytes)]);
+    setData(charts.gpu, [x, samples.map((s) => s.gpu_memory_bytes)]);
   }
 
   async function loadSamples() {
@@ -96,7 +106,7 @@
       charts.metrics = makeChart("chart-metrics", "worker metrics (since this page opened)",
         all.map((name) => ({ label: name, scale: "m" })), [{ scale: "m" }]);
     }
-    charts.metrics.setData([metrics.t.slice()].concat(all.map((name) => metrics.series[name].slice())));
+    setData(charts.metrics, [metrics.t.slice()].concat(all.map((name) => metrics.series[name].slice())));
   }
 
   const logEl = document.getElementById("log");
@@ -104,14 +114,33 @@
   // escape sequences (colours, cursor moves, OSC titles) and control characters but tab,
   // newline and carriage return
   const TERMINAL_CONTROLS = /\x1b\[[0-?]*[ -\/]*[@-~]|\x1b\][^\x07\x1b]*(?:\x07|\x1b\\)?|\x1b[ -\/]*[0-~]?|[\x00-\x08\x0b\x0c\x0e-\x1f\x7f]/g;
+  const attemptEl = document.getElementById("log-attempt");
+  let shownAttempt = attemptEl.value;
+  attemptEl.addEventListener("change", () => { shownAttempt = null; loadLog(); });
+
+  // the select offers every attempt so far: a restart adds one
+  function syncAttempts(count) {
+    const known = attemptEl.options.length - 1;
+    for (let n = known + 1; n <= count; n++) {
+      const option = document.createElement("option");
+      option.value = option.textContent = String(n);
+      attemptEl.insertBefore(option, attemptEl.options[1] || null);
+    }
+  }
+
   async function loadLog() {
-    const answer = await fetch(api + "/logs?tail=200", { cache: "no-store" });
+    const attempt = attemptEl.value;
+    const answer = await fetch(api + "/logs?tail=200" + (attempt ? "&attempt=" + attempt : ""),
+                               { cache: "no-store" });
     if (!answer.ok) return;
     const text = (await answer.text()).replace(TERMINAL_CONTROLS, "");
     // someone selecting in the log (to copy an error) keeps the selection until they let go
     const selection = window.getSelection();
     if (selection && !selection.isCollapsed && logEl.contains(selection.anchorNode)) return;
-    if (text !== logEl.textContent) {
+    if (attempt !== attemptEl.value) return;  // changed while this one was on its way
+    const switched = shownAttempt !== attempt;
+    shownAttempt = attempt;
+    if (switched || text !== logEl.textContent) {
       const atEnd = logEl.scrollTop + logEl.clientHeight >= logEl.scrollHeight - 4;
       logEl.textContent = text;
       if (atEnd) logEl.scrollTop = logEl.scrollHeight;
@@ -130,10 +159,29 @@
     window.jobsup.refresh();
   });
 
+  const restart = document.getElementById("restart");
+  restart.addEventListener("click", async () => {
+    if (!window.confirm("Restart job " + jobId + "? (a new attempt; the earlier ones' logs are kept)")) return;
+    restart.disabled = true;
+    const answer = await fetch(api + "/restart", { method: "POST" });
+    const body = await answer.json().catch(() => ({}));
+    stopResult.textContent = answer.ok ? "restarted: attempt " + (body.attempt + 1) + " pending"
+      : (body.error || ("restart failed: " + answer.status));
+    if (answer.ok) stop.disabled = false;
+    else restart.disabled = false;
+    window.jobsup.refresh();
+  });
+
+  // the buttons follow the job: Stop while it runs or waits, Restart once it ended
   document.getElementById("live").addEventListener("jobsup:refreshed", () => {
     recordMetrics();
     const summary = document.getElementById("job-summary");
-    if (summary && summary.dataset.ended === "true") stop.disabled = true;
+    if (!summary) return;
+    const ended = summary.dataset.ended === "true";
+    if (ended) stop.disabled = true;
+    else if (!restart.disabled) stop.disabled = false;  // restarted elsewhere: it runs again
+    restart.disabled = !ended;
+    syncAttempts(parseInt(summary.dataset.attempt, 10) || 0);
   });
 
   async function tick() {
