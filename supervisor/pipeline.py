@@ -94,8 +94,8 @@ class Eagle3Pipeline(BaseModel):
     max_length: int = Field(default=4096, ge=1, le=MAX_INT64)
     draft_vocab_size: int = Field(default=32000, ge=1, le=MAX_INT64)
     ttt_steps: int = Field(default=7, ge=1, le=MAX_INT64)
-    epochs: int = Field(default=1, ge=1, le=MAX_INT64)
-    lr: float = Field(default=1e-4, gt=0, allow_inf_nan=False)
+    epochs: int = Field(default=5, ge=1, le=MAX_INT64)
+    lr: float = Field(default=1e-3, gt=0, allow_inf_nan=False)
     train_batch_tokens: int | None = Field(default=None, ge=1, le=MAX_INT64,
                                            description="padded tokens per training step")
     init: str | None = Field(default=None, description="pre-trained draft to finetune")

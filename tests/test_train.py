@@ -218,8 +218,8 @@ def test_loss_decreases_on_extracted_data(tiny: dict[str, Path], tmp_path: Path)
 
 def test_head_starts_as_the_targets_rows_and_norm(tiny: dict[str, Path],
                                                   tmp_path: Path) -> None:
-    """--head-init target (the default): the draft's logits before any step are the
-    target's lm_head over the draft vocabulary after the target's final norm; random
+    """--head-init target: the draft's logits before any step are the target's lm_head
+    over the draft vocabulary after the target's final norm; random (the default)
     leaves neither."""
     target = tmp_path / "target"  # the tiny model with a final norm away from ones
     shutil.copytree(tiny["model"], target)
@@ -230,13 +230,13 @@ def test_head_starts_as_the_targets_rows_and_norm(tiny: dict[str, Path],
     base = ["--data", str(tiny["data"]), "--target", str(target), "--vocab",
             str(tiny["vocab"]), "--out", str(tmp_path / "out")]
     data = ExtractedData(tiny["data"])
-    model, _ = build_model(parse_args(base), data, torch.device("cpu"))
+    model, _ = build_model(parse_args([*base, "--head-init", "target"]), data,
+                           torch.device("cpu"))
     rows = weights["lm_head.weight"][model.t2d]
     assert rows.shape[0] == model.config.draft_vocab_size
     assert torch.equal(model.lm_head.weight, rows.float())
     assert torch.equal(model.norm.weight, weights["model.norm.weight"].float())
-    random, _ = build_model(parse_args([*base, "--head-init", "random"]), data,
-                            torch.device("cpu"))
+    random, _ = build_model(parse_args(base), data, torch.device("cpu"))
     assert not torch.equal(random.lm_head.weight, rows.float())
     assert torch.equal(random.norm.weight, torch.ones_like(random.norm.weight))
 

@@ -42,7 +42,7 @@ def pipeline_run(
     max_tokens: Annotated[int | None, typer.Option(help="Generation length cap.")] = None,
     draft_vocab_size: Annotated[int, typer.Option(help="Draft vocabulary size.")] = 32000,
     ttt_steps: Annotated[int, typer.Option(help="Training-time-test steps.")] = 7,
-    epochs: Annotated[int, typer.Option(help="Training epochs.")] = 1,
+    epochs: Annotated[int, typer.Option(help="Training epochs.")] = 5,
     device: Annotated[str | None, typer.Option(help="cuda | cpu (default: cuda if any).")] = None,
     extract_gpus: Annotated[str | None, typer.Option(
         help="Extraction on several GPUs: N | all (one process per GPU, on each node of "
