@@ -4,6 +4,11 @@
 from __future__ import annotations
 
 
+class IllegalTransition(RuntimeError):
+    """A state change the lifecycle does not allow (`spec.TRANSITIONS`): a bug in the
+    daemon, refused before it is written."""
+
+
 class JobsupError(Exception):
     """A failure the user can act on; never shown with a traceback."""
 

@@ -37,8 +37,26 @@ class JobState(StrEnum):
     def ended(self) -> bool:
         return self in ENDED_STATES
 
+    def can_become(self, to: JobState) -> bool:
+        """Whether the lifecycle allows this state to change to `to` (TRANSITIONS)."""
+        return to in TRANSITIONS[self]
+
 
 ENDED_STATES = frozenset({JobState.SUCCEEDED, JobState.FAILED, JobState.STOPPED, JobState.LOST})
+
+TRANSITIONS: dict[JobState, frozenset[JobState]] = {
+    # started; or ended before it started: stopped, a dependency ended without success,
+    # its shim could not be started
+    JobState.PENDING: frozenset({JobState.RUNNING, JobState.STOPPED, JobState.FAILED}),
+    # its attempt's end (lifecycle.after_exit, vanished), or pending again: a restart,
+    # a launch deferred or cut short, a stop by the daemon's own exit
+    JobState.RUNNING: frozenset({JobState.SUCCEEDED, JobState.FAILED, JobState.STOPPED,
+                                 JobState.LOST, JobState.PENDING}),
+    # an ended job changes only when it is restarted
+    **{state: frozenset({JobState.PENDING}) for state in ENDED_STATES},
+}
+"""The job states' edges: `store.transition` refuses any other (as Ray's `put_status`
+and supervisord's `_assertInState`)."""
 
 
 class ExitReason(StrEnum):

@@ -7,7 +7,8 @@ from __future__ import annotations
 import pytest
 from sqlalchemy.orm import Session, sessionmaker
 
-from supervisor.spec import JobSpec, JobState
+from supervisor.errors import IllegalTransition
+from supervisor.spec import TRANSITIONS, JobSpec, JobState
 from supervisor.storage import outbox, store
 from supervisor.storage.tables import Notification, SampleRecord
 
@@ -119,3 +120,32 @@ def test_a_nul_from_outside_is_stored(sessions: sessionmaker[Session]) -> None:
         assert stored is not None and stored.last_error is not None
         assert stored.last_error.replace("\ufffd", "\x00") == page
         assert (store.get_job(session, job_id).reason or "").replace("\ufffd", "\x00") == reason
+
+
+@pytest.mark.parametrize("from_state", list(JobState))
+def test_transition_refuses_what_the_lifecycle_does_not_allow(
+        sessions: sessionmaker[Session], from_state: JobState) -> None:
+    """Every (from, to) pair through store.transition: the edges of spec.TRANSITIONS are
+    recorded with their event; any other raises IllegalTransition and leaves the job's
+    state and events as they were. Ended states lead only back to pending (a restart)."""
+    for to in JobState:
+        with sessions() as session:
+            job = store.create_job(session, spec=JobSpec(name="j", command=["true"]), now=T0)
+            job.state = from_state.value
+            session.commit()
+            before = len(store.events(session, job.id))
+            if to in TRANSITIONS[from_state]:
+                store.transition(session, job, to, now=T0 + 1, reason="allowed")
+                session.commit()
+                assert job.state == to.value
+                assert len(store.events(session, job.id)) == before + 1
+            else:
+                with pytest.raises(IllegalTransition, match=f"{from_state} -> {to}"):
+                    store.transition(session, job, to, now=T0 + 1, reason="refused")
+                session.rollback()
+                session.refresh(job)
+                assert job.state == from_state.value
+                assert len(store.events(session, job.id)) == before
+    if from_state.ended:
+        assert TRANSITIONS[from_state] == {JobState.PENDING}
+    assert from_state not in TRANSITIONS[from_state]  # a change, never a no-op

@@ -19,7 +19,13 @@ from sqlalchemy.orm import Session
 from sqlalchemy.sql.compiler import SQLCompiler
 from sqlalchemy.sql.functions import FunctionElement
 
-from supervisor.errors import AmbiguousJob, Conflict, JobNotFound, JobRecordUnwritable
+from supervisor.errors import (
+    AmbiguousJob,
+    Conflict,
+    IllegalTransition,
+    JobNotFound,
+    JobRecordUnwritable,
+)
 from supervisor.runtime.fileio import atomic_write_json
 from supervisor.runtime.files import WorkerInfo
 from supervisor.runtime.launcher import Attempt
@@ -323,8 +329,12 @@ def transition(session: Session, job: Job, to: JobState, *, now: float,
     """The one place a job's state changes: sets it (with why it ended, when its
     restart is due, counted as a restart, or when a launch that could not start is
     tried again, not counted; `clear_stop`: the stop request that ended its attempt is
-    forgotten, as for one the daemon's exit made) and records the event."""
+    forgotten, as for one the daemon's exit made) and records the event. A change
+    `spec.TRANSITIONS` does not allow raises IllegalTransition, nothing changed."""
     from_state = job.state
+    if not JobState(from_state).can_become(to):
+        raise IllegalTransition(f"job {job.id}: {from_state} -> {to.value} is not a "
+                                f"transition the lifecycle allows ({reason or 'no reason'})")
     if clear_stop:
         job.stop_requested_at = None
     job.state = to.value
