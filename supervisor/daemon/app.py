@@ -161,6 +161,7 @@ def build_app(settings: Settings, guard: LockGuard | None = None) -> FastAPI:
 
     collector = JobsCollector(sessions, engine.views, engine.notifier,
                               settings.metrics_ended_retention_s,
+                              ended_max=settings.metrics_ended_max,
                               gpu_available=lambda: engine.observer.sampler.gpu.available,
                               clock=engine.clock,
                               hostname=settings.resolved_hostname,

@@ -22,7 +22,7 @@ from supervisor.errors import Conflict, JobNotFound, JobRecordUnwritable
 from supervisor.runtime.fileio import atomic_write_json
 from supervisor.runtime.files import WorkerInfo
 from supervisor.runtime.launcher import Attempt
-from supervisor.spec import ENDED_STATES, AlertState, ExitReason, JobSpec, JobState
+from supervisor.spec import ENDED_STATES, AlertState, ExitReason, JobSpec, JobState, stored_spec
 from supervisor.storage.database import UNCOMMITTED_JOB_RECORDS
 from supervisor.storage.tables import Alert, Job, JobEvent, Sample, SampleRecord
 
@@ -87,11 +87,34 @@ def get_job(session: Session, job_id: str) -> Job:
     return job
 
 
-def list_jobs(session: Session, *, state: JobState | None = None) -> Sequence[Job]:
+def list_jobs(session: Session, *, state: JobState | None = None,
+              spec_like: str | None = None) -> Sequence[Job]:
+    """The jobs, oldest first; `spec_like`: only those whose stored spec matches this
+    LIKE pattern (a narrowing: the caller checks what it wants of the spec)."""
     query = select(Job).order_by(Job.created_at, Job.id)
     if state is not None:
         query = query.where(Job.state == state.value)
+    if spec_like is not None:
+        query = query.where(Job.spec_json.like(spec_like))
     return session.scalars(query).all()
+
+
+def count_by_state(session: Session) -> dict[str, int]:
+    """How many jobs are in each state (those with any)."""
+    return {state: count for state, count in session.execute(
+        select(Job.state, func.count()).group_by(Job.state))}
+
+
+def output_dirs_of_running(session: Session) -> list[tuple[str, str | None]]:
+    """(id, output dir) of each running job, read from its spec."""
+    return [(job_id, stored_spec(spec_json).output_dir) for job_id, spec_json in
+            session.execute(select(Job.id, Job.spec_json)
+                            .where(Job.state == JobState.RUNNING.value))]
+
+
+def spec_jsons_like(session: Session, pattern: str) -> list[str]:
+    """The stored specs matching this LIKE pattern."""
+    return list(session.scalars(select(Job.spec_json).where(Job.spec_json.like(pattern))))
 
 
 # The queries every tick runs are built once, with their values as parameters: building
