@@ -148,6 +148,11 @@ class Settings(BaseSettings):
     (within `metrics_ended_retention_s`): a burst of thousands of failures never makes
     a scrape of megabytes (#30). `jobsup_jobs{state}` counts them all."""
 
+    metrics_pending_max: int = Field(default=500, ge=0)
+    """At most this many pending jobs keep their /metrics series, the first in line (by
+    submission): 10,000 jobs queued behind one dependency made each scrape 5.6 MB (#30).
+    `jobsup_jobs{state="pending"}` counts them all."""
+
     log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"] = "INFO"
     """The daemon's log level (`jobsup serve`). httpx's and httpcore's loggers stay at
     WARNING whatever it is: their request lines show the webhook URLs, which are secrets."""

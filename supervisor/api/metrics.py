@@ -55,10 +55,12 @@ class JobsCollector(Collector):
                  gpu_available: Callable[[], bool] = lambda: False,
                  clock: Callable[[], float] = time.time,
                  last_tick: Callable[[], float | None] = lambda: None,
-                 hostname: str | None = None, ended_max: int = 500):
+                 hostname: str | None = None, ended_max: int = 500, pending_max: int = 500):
         self.sessions = sessions
         self.ended_max = ended_max
         """Ended jobs with series: the most recently ended (`Settings.metrics_ended_max`)."""
+        self.pending_max = pending_max
+        """Pending jobs with series: the first in line (`Settings.metrics_pending_max`)."""
         self.views = views
         self.notifier = notifier
         self.ended_retention_s = ended_retention_s
@@ -73,10 +75,14 @@ class JobsCollector(Collector):
     def collect(self) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:
         now = self.clock()
         with self.sessions() as session:
-            jobs = [*session.scalars(select(Job).where(Job.ended_at.is_(None))),
+            jobs = [*session.scalars(select(Job).where(Job.ended_at.is_(None),
+                                                       Job.state != JobState.PENDING.value)),
+                    *session.scalars(select(Job).where(Job.state == JobState.PENDING.value)
+                                     .order_by(Job.created_at, Job.id).limit(self.pending_max)),
                     *session.scalars(
                         select(Job).where(Job.ended_at >= now - self.ended_retention_s)
                         .order_by(Job.ended_at.desc(), Job.id).limit(self.ended_max))]
+            jobs = list({job.id: job for job in jobs}.values())
             counts = store.count_by_state(session)
             firing = session.scalars(
                 select(Alert).where(Alert.state == AlertState.FIRING.value)).all()
@@ -202,8 +208,9 @@ def _filesystems_free(outputs: set[str]) -> GaugeMetricFamily:
 
 
 def _jobs_by_state(counts: Mapping[str, int]) -> GaugeMetricFamily:
-    """Every job the daemon knows, by state: also those whose own series are gone (ended
-    longer ago than the retention, or beyond the most recent `metrics_ended_max`)."""
+    """Every job the daemon knows, by state: also those without series of their own (ended
+    longer ago than the retention, beyond the most recent `metrics_ended_max`, or pending
+    behind the first `metrics_pending_max`)."""
     family = GaugeMetricFamily("jobsup_jobs", "Jobs in each state (all of them)",
                                labels=["state"])
     for state in JobState:
