@@ -26,6 +26,13 @@ their pid files and by the data dir in their command line or environment) is SIG
 and counted; the daemon log's warnings and errors are printed.
 
     python bench/load.py [--jobs 100] [--clients 20] [--seconds 60] [--idle-seconds 20]
+    python bench/load.py --waiting 10000 --jobs 200 --sleep --interval 2   # at scale (#30)
+
+With ``--waiting N``, N more jobs wait on one running dependency; after the idle window
+the first pages of ``/`` and ``/api/v1/jobs``, the largest API page and ``/metrics`` are
+timed, the shims' memory read (RSS, PSS and USS from ``smaps_rollup``), and the
+dependency is stopped: how long until its N dependents have failed, and the longest tick
+meanwhile (polled from ``/healthz``), instead of the load window.
 
 Prints markdown tables; ``--doc FILE`` also writes them there (docs/benchmarks.md
 holds the recorded results).
@@ -147,6 +154,33 @@ with make_sessionmaker(engine)() as session:
 jobs that ended over the last month, as a daemon in use for a while has."""
 
 
+WAITING_SCRIPT = r"""
+import sys, time
+from pathlib import Path
+from supervisor.config import Settings
+from supervisor.spec import JobSpec
+from supervisor.storage import store
+from supervisor.storage.database import make_engine, make_sessionmaker, upgrade
+data_dir, count = Path(sys.argv[1]), int(sys.argv[2])
+engine = make_engine(Settings(data_dir=data_dir).resolved_database_url)
+upgrade(engine)
+now = time.time()
+with make_sessionmaker(engine)() as session:
+    dependency = store.create_job(session, spec=JobSpec(
+        name="dependency", command=["sleep", "86400"], stop_grace_s=5), now=now)
+    session.flush()
+    for i in range(count):
+        store.create_job(session, spec=JobSpec(
+            name=f"waiting-{i:05d}", command=["true"], depends_on=[dependency.id],
+            labels={"bench": "waiting", "sweep": str(i % 10)}), now=now + 1e-4 * (i + 1))
+    session.commit()
+    print(dependency.id)
+"""
+"""Adds `--waiting` jobs, each pending behind one dependency (a `sleep` the daemon starts),
+to a new data dir's database through the store, as submits would have (a sweep queued
+behind its data step); prints the dependency's id."""
+
+
 class Daemon:
     """`python -m supervisor serve` as a child process, its log in the data dir."""
 
@@ -203,10 +237,21 @@ class Daemon:
         return self.proc.returncode
 
 
-def submit_jobs(daemon: Daemon, count: int, job_ids: list[str], prefill: int = 0) -> None:
+def submit_jobs(daemon: Daemon, count: int, job_ids: list[str], prefill: int = 0,
+                sleep: bool = False) -> None:
     """Submit `count` jobs into `job_ids` (appended one by one, so a failure still cleans
-    up what was submitted); each starts with `prefill` items written at once."""
+    up what was submitted); each starts with `prefill` items written at once (`sleep`:
+    each a `sleep`, no output at all)."""
     for index in range(count):
+        if sleep:
+            spec: dict[str, object] = {"name": f"sleep-{index:04d}", "stop_grace_s": 5,
+                                       "command": ["sleep", "86400"],
+                                       "labels": {"bench": "load", "progress": "none"}}
+            response = daemon.http.post("/api/v1/jobs", json=spec)
+            if response.status_code != 201:
+                raise RuntimeError(f"submit {index}: {response.status_code} {response.text}")
+            job_ids.append(response.json()["id"])
+            continue
         kind = PROGRESS_KINDS[index % len(PROGRESS_KINDS)]
         out = daemon.data_dir / "outputs" / f"job{index:03d}"
         out.mkdir(parents=True, exist_ok=True)
@@ -223,14 +268,37 @@ def submit_jobs(daemon: Daemon, count: int, job_ids: list[str], prefill: int = 0
         job_ids.append(response.json()["id"])
 
 
-def wait_all_running(daemon: Daemon, job_ids: list[str], timeout_s: float = 120) -> None:
-    """Until these jobs run and each has made progress (its first item counted)."""
+def all_jobs(daemon: Daemon, **params: str) -> list[dict]:
+    """Every job the API lists with these filters, page after page (`Link: rel=next`)."""
+    jobs: list[dict] = []
+    response = daemon.http.get("/api/v1/jobs", params={"limit": "1000", **params})
+    while True:
+        response.raise_for_status()
+        jobs += response.json()
+        following = response.links.get("next", {}).get("url")
+        if not following:
+            return jobs
+        response = daemon.http.get(following)
+
+
+def count_of(daemon: Daemon, state: str) -> int:
+    """Jobs in this state (the API's `X-Total-Count`)."""
+    response = daemon.http.get("/api/v1/jobs", params={"state": state, "limit": "1"})
+    response.raise_for_status()
+    return int(response.headers["X-Total-Count"])
+
+
+def wait_all_running(daemon: Daemon, job_ids: list[str], timeout_s: float = 120,
+                     progress: bool = True) -> None:
+    """Until these jobs run and each has made progress (its first item counted; only
+    running, with `progress` False: `--sleep` jobs count nothing)."""
     deadline = time.monotonic() + timeout_s
     count, ours = len(job_ids), set(job_ids)
     while True:  # (not the --history jobs)
-        jobs = [j for j in daemon.http.get("/api/v1/jobs").json() if j["id"] in ours]
+        jobs = [j for j in all_jobs(daemon) if j["id"] in ours]
         running = [j for j in jobs if j["state"] == "running"]
-        progressing = [j for j in running if (j["progress"]["items_done"] or 0) > 0]
+        progressing = [j for j in running
+                       if not progress or (j["progress"]["items_done"] or 0) > 0]
         if len(progressing) == count:
             return
         if any(j["state"] not in ("pending", "running") for j in jobs):
@@ -282,17 +350,20 @@ def stop_everything(daemon: Daemon, job_ids: list[str]) -> Cleanup:
                 daemon.http.post(f"/api/v1/jobs/{job_id}/stop")  # 409 when already ended
             except httpx.HTTPError as exc:
                 print(f"stop {job_id}: {exc!r}", file=sys.stderr)
-        deadline = time.monotonic() + 30
+        deadline = time.monotonic() + 60
+        ours = set(job_ids)
         while time.monotonic() < deadline:
             try:
-                states = [j["state"] for j in daemon.http.get("/api/v1/jobs").json()]
+                states = [j["state"] for j in all_jobs(daemon, state="running")
+                          if j["id"] in ours]
             except (httpx.HTTPError, ValueError):
                 break
-            if all(s not in ("pending", "running") for s in states):
+            if not states:
+                states = [j["state"] for j in all_jobs(daemon) if j["id"] in ours]
                 break
             time.sleep(0.5)
         else:
-            print("some jobs still run 30 s after their stop", file=sys.stderr)
+            print("some jobs still run 60 s after their stop", file=sys.stderr)
     stop_s = time.monotonic() - started
     daemon_exit = daemon.terminate()
     leftovers = run_processes(daemon.data_dir, exclude={os.getpid()})
@@ -544,6 +615,120 @@ def measure_window(daemon: Daemon, name: str, seconds: float, interval_s: float,
     return window(name, start, end, max(rss, default=0), interval_s), stats
 
 
+# -- at scale (--waiting) -----------------------------------------------------------------
+SCALE_ROUTES = ("/", "/fragments/jobs", "/api/v1/jobs", "/api/v1/jobs?limit=1000",
+                "/api/v1/jobs?state=running&limit=1000", "/metrics")
+"""Timed with `--waiting`: the first page of the table and of the API, the largest API
+page, and a scrape."""
+
+
+@dataclass
+class Scale:
+    routes: dict[str, tuple[float, float, int]]  # median s, max s, bytes
+    shims: int
+    shim_rss_mib: float  # means per shim, from /proc/PID/smaps_rollup
+    shim_pss_mib: float
+    shim_uss_mib: float
+    cascade_s: float = float("nan")  # from the dependency's stop until none waits
+    cascade_ticks: float = 0.0
+    cascade_ticks_over_half_s: float = 0.0
+    cascade_worst_tick_s: float = 0.0  # the longest /healthz reported, polled 5 times a second
+    rss_after_mib: float = 0.0
+
+
+def shim_memory(data_dir: Path) -> tuple[int, float, float, float]:
+    """(shims, mean RSS, PSS, USS in MiB) of the run's shims."""
+    totals = {"Rss": 0, "Pss": 0, "Private_Clean": 0, "Private_Dirty": 0}
+    shims = 0
+    for proc in run_processes(data_dir, exclude={os.getpid()}):
+        try:
+            if "supervisor.runtime.shim" not in " ".join(proc.cmdline()):
+                continue
+            with open(f"/proc/{proc.pid}/smaps_rollup") as rollup:
+                for line in rollup:
+                    key, _, rest = line.partition(":")
+                    if key in totals:
+                        totals[key] += int(rest.split()[0])
+            shims += 1
+        except (OSError, psutil.Error):
+            continue
+    per = max(shims, 1) * 1024
+    return (shims, totals["Rss"] / per, totals["Pss"] / per,
+            (totals["Private_Clean"] + totals["Private_Dirty"]) / per)
+
+
+def measure_scale(daemon: Daemon, dependency: str, waiting: int) -> Scale:
+    """Times the routes (5 requests each), the shims' memory, then stops the dependency
+    and watches its `waiting` dependents fail: how long, and the ticks meanwhile."""
+    routes = {}
+    for path in SCALE_ROUTES:
+        times, size = [], 0
+        for _ in range(5):
+            started = time.perf_counter()
+            answer = daemon.http.get(path)
+            times.append(time.perf_counter() - started)
+            answer.raise_for_status()
+            size = len(answer.content)
+        routes[path] = (statistics.median(times), max(times), size)
+    scale = Scale(routes, *shim_memory(daemon.data_dir))
+    before = read_tick_histogram(daemon.http.get("/metrics").text)
+    started = time.monotonic()
+    daemon.http.post(f"/api/v1/jobs/{dependency}/stop").raise_for_status()
+    worst = 0.0
+    while time.monotonic() - started < 600:
+        health = daemon.http.get("/healthz").json()
+        worst = max(worst, health.get("last_tick_duration_s") or 0.0)
+        if count_of(daemon, "pending") == 0:
+            break
+        time.sleep(0.2)
+    scale.cascade_s = time.monotonic() - started
+    time.sleep(2 * TICK_S)  # the ticks after: the ends evaluated once
+    worst = max(worst, daemon.http.get("/healthz").json().get("last_tick_duration_s") or 0.0)
+    after = read_tick_histogram(daemon.http.get("/metrics").text)
+    scale.cascade_ticks = after.count - before.count
+    scale.cascade_ticks_over_half_s = ticks_over(0.5, before, after)
+    scale.cascade_worst_tick_s = worst
+    assert daemon.proc is not None
+    scale.rss_after_mib = psutil.Process(daemon.proc.pid).memory_info().rss / 2**20
+    return scale
+
+
+def render_scale(args: argparse.Namespace, idle: Window, scale: Scale) -> str:
+    lines = [
+        f"## {args.waiting + args.jobs + 1:,} jobs: {args.jobs} running, {args.waiting:,} "
+        "waiting on one dependency",
+        "",
+        f"`bench/load.py --waiting {args.waiting} --jobs {args.jobs}"
+        + (" --sleep" if args.sleep else "") + f" --interval {args.interval:g}`: "
+        f"{args.waiting:,} jobs pending behind one running `sleep` (put in the database "
+        "through the store before the daemon starts),",
+        f"{args.jobs} running jobs submitted through the API"
+        + (" (each a `sleep`: a shim and a process, no output)" if args.sleep else "")
+        + f". Daemon from {args.label}; on a {machine()}.",
+        "",
+        f"Idle ({idle.seconds:.0f} s, no client): daemon {idle.daemon_cores:.3f} cores, "
+        f"RSS {idle.rss_end_bytes / 2**20:.0f} MiB (max {idle.rss_max_bytes / 2**20:.0f}), "
+        f"{idle.ticks:.0f} ticks, mean {ms(idle.tick_mean_s)} ms, p99 {ms(idle.tick_p99_s)} "
+        f"ms, {idle.ticks_over_interval:.0f} over the {args.interval:g} s interval.",
+        "",
+        "| route | median ms | max ms (5 requests) | bytes |",
+        "| --- | ---: | ---: | ---: |",
+        *[f"| `{path}` | {median * 1000:.1f} | {worst * 1000:.1f} | {size:,} |"
+          for path, (median, worst, size) in scale.routes.items()],
+        "",
+        f"Shims: {scale.shims}, each RSS {scale.shim_rss_mib:.2f} MiB, PSS "
+        f"{scale.shim_pss_mib:.2f} MiB, USS {scale.shim_uss_mib:.2f} MiB (smaps_rollup; "
+        f"USS = private pages: what one more job costs).",
+        "",
+        f"The dependency stopped: its {args.waiting:,} dependents all failed "
+        f"{scale.cascade_s:.1f} s later, over {scale.cascade_ticks:.0f} ticks, "
+        f"{scale.cascade_ticks_over_half_s:.0f} of them over 0.5 s; the longest tick "
+        f"/healthz reported: {scale.cascade_worst_tick_s * 1000:.0f} ms. Daemon RSS after: "
+        f"{scale.rss_after_mib:.0f} MiB.",
+    ]
+    return "\n".join(lines) + "\n"
+
+
 # -- report ------------------------------------------------------------------------------
 def machine() -> str:
     memory_gib = psutil.virtual_memory().total / 2**30
@@ -715,6 +900,13 @@ def main() -> int:
     parser.add_argument("--history", type=int, default=0, metavar="N",
                         help="N jobs that ended over the last month in the database before "
                              "the daemon starts: a daemon in use for a while, not a new one")
+    parser.add_argument("--waiting", type=int, default=0, metavar="N",
+                        help="N more jobs pending behind one running dependency (a sweep "
+                             "queued behind its data step); then the routes are timed, the "
+                             "dependency stopped and its dependents' failure watched, "
+                             "instead of the load window")
+    parser.add_argument("--sleep", action="store_true",
+                        help="the --jobs are `sleep`s (a shim and a process each, no output)")
     parser.add_argument("--clients", type=int, default=20)
     parser.add_argument("--seconds", type=float, default=60, help="the load window")
     parser.add_argument("--idle-seconds", type=float, default=20, help="the window without clients")
@@ -739,6 +931,12 @@ def main() -> int:
     if args.history:
         subprocess.run([sys.executable, "-c", HISTORY_SCRIPT, str(data_dir), str(args.history)],
                        env=daemon.env, cwd=daemon.source, check=True)
+    dependency = ""
+    if args.waiting:
+        dependency = subprocess.run(
+            [sys.executable, "-c", WAITING_SCRIPT, str(data_dir), str(args.waiting)],
+            env=daemon.env, cwd=daemon.source, check=True, capture_output=True,
+            text=True).stdout.strip()
     if args.label is None:
         described = subprocess.run(["git", "-C", str(args.source), "describe", "--always",
                                     "--dirty"], capture_output=True, text=True)
@@ -753,19 +951,30 @@ def main() -> int:
         daemon.start()
         print(f"daemon pid {daemon.proc.pid if daemon.proc else '?'} on {daemon.url}, "
               f"data dir {data_dir}", flush=True)
-        submit_jobs(daemon, args.jobs, job_ids, args.prefill)
-        wait_all_running(daemon, job_ids)
+        if dependency:
+            job_ids.append(dependency)
+        submit_jobs(daemon, args.jobs, job_ids, args.prefill, sleep=args.sleep)
+        wait_all_running(daemon, job_ids, timeout_s=max(120.0, 0.5 * len(job_ids)),
+                         progress=not args.sleep)
         print(f"{args.jobs} jobs running; settling {args.settle_seconds:g} s", flush=True)
         time.sleep(args.settle_seconds)
         idle, _ = measure_window(daemon, "idle (no clients)", args.idle_seconds, args.interval)
         windows.append(idle)
         print(f"idle: daemon {idle.daemon_cores:.3f} cores, {idle.ticks:.0f} ticks, "
               f"mean {ms(idle.tick_mean_s)} ms; " + tick_cost(idle, args.jobs), flush=True)
-        load, stats = measure_window(daemon, f"load ({args.clients} clients)", args.seconds,
-                                     args.interval, run, job_ids, args.clients)
-        windows.append(load)
-        print(f"load: daemon {load.daemon_cores:.3f} cores, "
-              f"{sum(len(s.latencies_s) for s in stats.values())} requests", flush=True)
+        if args.waiting:
+            scale = measure_scale(daemon, dependency, args.waiting)
+            scale_table = render_scale(args, idle, scale)
+            print(scale_table, flush=True)
+            windows.append(idle)
+        else:
+            load, stats = measure_window(daemon, f"load ({args.clients} clients)",
+                                         args.seconds, args.interval, run, job_ids,
+                                         args.clients)
+            windows.append(load)
+        if not args.waiting:
+            print(f"load: daemon {windows[-1].daemon_cores:.3f} cores, "
+                  f"{sum(len(s.latencies_s) for s in stats.values())} requests", flush=True)
     except KeyboardInterrupt:
         interrupted = True
         print("interrupted: stopping the jobs and the daemon", file=sys.stderr)
@@ -785,6 +994,15 @@ def main() -> int:
         print("\n".join(problems[:20]))
         return 130 if interrupted else 1
 
+    if args.waiting:
+        table = scale_table + (f"\nDaemon log: {len(problems)} warning/error line(s).\n"
+                               f"Cleanup: daemon exit {cleanup.daemon_exit}; processes left "
+                               f"and SIGKILLed: {cleanup.leftovers}.\n")
+        if args.doc is not None:
+            args.doc.write_text(table)
+        print(table)
+        print("\n".join(problems[:20]))
+        return 0
     table = render(args, windows, stats, problems, cleanup)
     print()
     print(table)

@@ -143,6 +143,16 @@ class Settings(BaseSettings):
     metrics_ended_retention_s: float = Field(default=3600.0, ge=0)
     """Ended jobs keep their /metrics series this long, then the series disappear."""
 
+    metrics_ended_max: int = Field(default=500, ge=0)
+    """At most this many ended jobs keep their /metrics series, the most recently ended
+    (within `metrics_ended_retention_s`): a burst of thousands of failures never makes
+    a scrape of megabytes (#30). `jobsup_jobs{state}` counts them all."""
+
+    metrics_pending_max: int = Field(default=500, ge=0)
+    """At most this many pending jobs keep their /metrics series, the first in line (by
+    submission): 10,000 jobs queued behind one dependency made each scrape 5.6 MB (#30).
+    `jobsup_jobs{state="pending"}` counts them all."""
+
     log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"] = "INFO"
     """The daemon's log level (`jobsup serve`). httpx's and httpcore's loggers stay at
     WARNING whatever it is: their request lines show the webhook URLs, which are secrets."""

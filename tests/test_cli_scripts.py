@@ -114,7 +114,8 @@ def test_json_and_ids_only(shared: Daemon) -> None:
     shared.wait_state(job["id"], "succeeded")
 
     listed = json.loads(jobsup("ls", "--json", url=shared.url).stdout)
-    assert [j["id"] for j in listed] == [j["id"] for j in shared.http.get("/api/v1/jobs").json()]
+    assert [j["id"] for j in listed] == [j["id"] for j in shared.http.get(
+        "/api/v1/jobs", params={"order": "oldest", "limit": 1000}).json()]
     assert {job["id"], quiet_id} <= {j["id"] for j in listed}
     shown = json.loads(jobsup("show", job["id"], "--json", url=shared.url).stdout)
     api = shared.job(job["id"])

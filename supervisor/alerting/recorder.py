@@ -63,6 +63,11 @@ class AlertRecorder:
         the read every FIRING_REREAD_S catches up, and the unique index on firing
         alerts (job, rule) refuses a duplicate meanwhile."""
         self._firing_read_at = 0.0
+        self._ended_evaluated_until = 0.0
+        """Every job that ended before this time has been evaluated after its end by a
+        pass whose writes committed (`ended_evaluated`): later passes need not read it
+        again. 0 in a new daemon: it evaluates the last RECENTLY_ENDED_S (#30: 10,000
+        jobs failed by one dependency were read and evaluated every tick for 10 min)."""
 
     def forget_sent(self, recorded: Iterable[tuple[str, str]]) -> None:
         """These alerts sent unrecorded are now in the database (its commit succeeded)."""
@@ -120,10 +125,17 @@ class AlertRecorder:
         self._announce_successes(session, jobs.values(), now)
         self._none_firing = not open_rows and not changes.opened
 
-    @staticmethod
-    def ended_since(now: float) -> float:
-        """Jobs that ended since then are evaluated (`RECENTLY_ENDED_S`)."""
-        return now - RECENTLY_ENDED_S
+    def ended_since(self, now: float) -> float:
+        """Jobs that ended since then are evaluated: those of the last
+        `RECENTLY_ENDED_S` that no committed pass has evaluated yet (a job ended by this
+        engine has `ended_at` <= the `now` of the tick that recorded it, and is among
+        that tick's running jobs, or, ended in the tick's later steps, at its `now`)."""
+        return max(now - RECENTLY_ENDED_S, self._ended_evaluated_until)
+
+    def ended_evaluated(self, now: float) -> None:
+        """The pass of the tick at `now` committed: the jobs that ended before `now`
+        were all evaluated (the running ones, and `ended_since`'s)."""
+        self._ended_evaluated_until = now
 
     @staticmethod
     def _jobs_to_evaluate(session: Session, running: Sequence[Job], ended_lately: Sequence[Job],

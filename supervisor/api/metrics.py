@@ -14,7 +14,7 @@ from pathlib import Path
 from prometheus_client import CollectorRegistry, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
-from sqlalchemy import func, or_, select
+from sqlalchemy import func, select
 from sqlalchemy.orm import Session, sessionmaker
 
 from supervisor import __version__
@@ -22,6 +22,7 @@ from supervisor.alerting import rules
 from supervisor.alerting.notify import Notifier
 from supervisor.observe.view import JobView
 from supervisor.spec import AlertState, JobState, stored_spec
+from supervisor.storage import store
 from supervisor.storage.tables import Alert, Job, JobEvent
 
 JOB_LABELS = ["job_id", "job_name"]
@@ -54,8 +55,12 @@ class JobsCollector(Collector):
                  gpu_available: Callable[[], bool] = lambda: False,
                  clock: Callable[[], float] = time.time,
                  last_tick: Callable[[], float | None] = lambda: None,
-                 hostname: str | None = None):
+                 hostname: str | None = None, ended_max: int = 500, pending_max: int = 500):
         self.sessions = sessions
+        self.ended_max = ended_max
+        """Ended jobs with series: the most recently ended (`Settings.metrics_ended_max`)."""
+        self.pending_max = pending_max
+        """Pending jobs with series: the first in line (`Settings.metrics_pending_max`)."""
         self.views = views
         self.notifier = notifier
         self.ended_retention_s = ended_retention_s
@@ -70,8 +75,15 @@ class JobsCollector(Collector):
     def collect(self) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:
         now = self.clock()
         with self.sessions() as session:
-            jobs = session.scalars(select(Job).where(or_(
-                Job.ended_at.is_(None), Job.ended_at >= now - self.ended_retention_s))).all()
+            jobs = [*session.scalars(select(Job).where(Job.ended_at.is_(None),
+                                                       Job.state != JobState.PENDING.value)),
+                    *session.scalars(select(Job).where(Job.state == JobState.PENDING.value)
+                                     .order_by(Job.created_at, Job.id).limit(self.pending_max)),
+                    *session.scalars(
+                        select(Job).where(Job.ended_at >= now - self.ended_retention_s)
+                        .order_by(Job.ended_at.desc(), Job.id).limit(self.ended_max))]
+            jobs = list({job.id: job for job in jobs}.values())
+            counts = store.count_by_state(session)
             firing = session.scalars(
                 select(Alert).where(Alert.state == AlertState.FIRING.value)).all()
             first_started = _first_starts(session, [job.id for job in jobs])
@@ -81,6 +93,7 @@ class JobsCollector(Collector):
         yield from _identity(self.hostname)
 
         yield _filesystems_free(outputs)
+        yield _jobs_by_state(counts)
         yield _alerts_firing(firing)
         gpu = GaugeMetricFamily("jobsup_gpu_available",
                                 "1 when NVML answers; 0 means GPU memory series are absent")
@@ -192,6 +205,17 @@ def _filesystems_free(outputs: set[str]) -> GaugeMetricFamily:
             continue
         free.add_metric([mount], st.f_bavail * st.f_frsize)
     return free
+
+
+def _jobs_by_state(counts: Mapping[str, int]) -> GaugeMetricFamily:
+    """Every job the daemon knows, by state: also those without series of their own (ended
+    longer ago than the retention, beyond the most recent `metrics_ended_max`, or pending
+    behind the first `metrics_pending_max`)."""
+    family = GaugeMetricFamily("jobsup_jobs", "Jobs in each state (all of them)",
+                               labels=["state"])
+    for state in JobState:
+        family.add_metric([state.value], float(counts.get(state.value, 0)))
+    return family
 
 
 def _alerts_firing(firing: Sequence[Alert]) -> GaugeMetricFamily:

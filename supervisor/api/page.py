@@ -14,6 +14,7 @@ import shlex
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
+from datetime import datetime
 from pathlib import Path
 from typing import Annotated, Any
 from urllib.parse import parse_qs, urlencode
@@ -25,15 +26,17 @@ from jinja2 import Environment, PackageLoader, select_autoescape
 from sqlalchemy.orm import Session, sessionmaker
 from starlette.types import Scope
 
+from supervisor.api import listing
 from supervisor.api.guard import SESSION_COOKIE, SESSION_MAX_AGE_S, session_value
 from supervisor.api.metrics import mountpoint
-from supervisor.api.views import alert_out, job_out
+from supervisor.api.views import alert_out, job_out, shown_states
 from supervisor.config import Settings
 from supervisor.errors import JobNotFound
 from supervisor.formatting import MISSING, format_bytes, format_duration, iso
 from supervisor.observe.view import JobView
-from supervisor.spec import AlertOut, AlertState, JobOut, JobState
+from supervisor.spec import AlertOut, AlertState, JobOut, JobState, stored_spec
 from supervisor.storage import store
+from supervisor.storage.tables import Job
 
 PUBLIC_PATHS = frozenset({"/login"})
 """The login form's POST: it carries the token, so it cannot need it (the Guard's Host
@@ -111,24 +114,25 @@ class Filesystem:
     """False when some job's remaining output does not fit (its `will_fit`)."""
 
 
-def filesystems(jobs: Iterable[JobOut]) -> list[Filesystem]:
-    grouped: dict[str, list[JobOut]] = {}
-    for job in jobs:
-        if job.state is JobState.RUNNING and job.spec.output_dir:
-            mount = mountpoint(job.spec.output_dir)
+def filesystems(jobs: Iterable[tuple[str | None, JobView | None]]) -> list[Filesystem]:
+    """The filesystems of the running jobs, from each one's output dir and view (not its
+    JobOut: a thousand running jobs are shown every 2 s)."""
+    grouped: dict[str, list[JobView]] = {}
+    for output_dir, view in jobs:
+        if output_dir and view is not None:
+            mount = mountpoint(output_dir)
             if mount:
-                grouped.setdefault(mount, []).append(job)
+                grouped.setdefault(mount, []).append(view)
     out = []
     for mount, members in sorted(grouped.items()):
-        free = [j.forecast.disk_free_bytes for j in members
-                if j.forecast.disk_free_bytes is not None]
-        full_in = [j.forecast.disk_full_in_s for j in members
-                   if j.forecast.disk_full_in_s is not None]
-        remaining = sum(max(j.forecast.projected_total_bytes - j.progress.bytes_written, 0)
-                        for j in members if j.forecast.projected_total_bytes is not None)
+        forecasts = [view.forecast for view in members]
+        free = [f.disk_free_bytes for f in forecasts if f.disk_free_bytes is not None]
+        full_in = [f.disk_full_in_s for f in forecasts if f.disk_full_in_s is not None]
+        remaining = sum(max(view.forecast.projected_total_bytes - view.progress.bytes_written, 0)
+                        for view in members if view.forecast.projected_total_bytes is not None)
         out.append(Filesystem(mount, min(free) if free else None, remaining,
                               min(full_in) if full_in else None, len(members),
-                              all(j.forecast.will_fit is not False for j in members)))
+                              all(f.will_fit is not False for f in forecasts)))
     return out
 
 
@@ -146,10 +150,6 @@ def rate_text(rate: float | None) -> str:
     if rate >= 1 or rate == 0:
         return f"{rate:.3g}/s"
     return f"{rate * 60:.3g}/min" if rate * 60 >= 1 else f"{rate * 3600:.3g}/h"
-
-
-def labels_match(job: JobOut, wanted: Mapping[str, str]) -> bool:
-    return all(job.spec.labels.get(k) == v for k, v in wanted.items())
 
 
 @dataclass(frozen=True)
@@ -204,6 +204,83 @@ def dependency(session: Session, job_id: str) -> Dependency:
     return Dependency(row.id, row.name, row.state)
 
 
+TABLE_PAGE = 100
+"""Jobs per page of the table (`/`): what a refresh every 2 s renders."""
+
+
+@dataclass(frozen=True)
+class TableQuery:
+    """What the table shows: its filters, its order and its page, from the URL's query
+    (read leniently: a URL typed by hand shows what it can, never an error)."""
+
+    state: JobState | None = None
+    label: str = ""
+    q: str = ""
+    """A part of the name or the id."""
+    sort: listing.SortKey = "created"
+    descending: bool = True
+    page: int = 1
+
+    @property
+    def labels(self) -> dict[str, str]:
+        key, equals, value = self.label.partition("=")
+        return {key: value} if equals and key else {}
+
+    def link(self, **changed: Any) -> str:
+        """The query string of this view with some of it changed (a page 1 where the
+        order or a filter changes)."""
+        values = {"state": self.state.value if self.state else "", "label": self.label,
+                  "q": self.q, "sort": self.sort if self.sort != "created" else "",
+                  "dir": "" if self.descending else "asc",
+                  "page": str(self.page) if self.page > 1 else "", **changed}
+        return urlencode({k: v for k, v in values.items() if v})
+
+    def sort_link(self, key: str) -> str:
+        """Sorted by `key`: newest / largest first, or the other way on a second click;
+        names and states A to Z first."""
+        if key == self.sort:
+            return self.link(sort=key if key != "created" else "",
+                             dir="" if not self.descending else "asc", page="")
+        ascending = key in ("name", "state")
+        return self.link(sort=key if key != "created" else "", dir="asc" if ascending else "",
+                         page="")
+
+
+def table_query(state: str | None = None,
+                label: Annotated[str | None, Query(max_length=1000)] = None,
+                q: Annotated[str | None, Query(max_length=200)] = None,
+                sort: str | None = None, dir: str | None = None,  # noqa: A002 - the URL's
+                page: str | None = None) -> TableQuery:
+    try:
+        shown_state = JobState(state) if state else None
+    except ValueError:
+        shown_state = None
+    key = sort if sort in listing.SORT_KEYS else "created"
+    number = int(page) if page and page.isdigit() else 1
+    return TableQuery(state=shown_state, label=label or "", q=(q or "").strip(),
+                      sort=key, descending=dir != "asc",
+                      page=max(1, min(number, 1_000_000)))
+
+
+def duration_s(job: JobOut, now: float) -> float | None:
+    """How long the job ran: from its start to its end, or to now."""
+    if job.started_at is None:
+        return None
+    started = datetime.fromisoformat(job.started_at).timestamp()
+    ended = datetime.fromisoformat(job.ended_at).timestamp() if job.ended_at else now
+    return max(0.0, ended - started)
+
+
+def pipeline_names(spec_jsons: Iterable[str]) -> list[str]:
+    """The names of the pipelines these specs' jobs belong to, sorted."""
+    names = set()
+    for spec_json in spec_jsons:
+        labels = stored_spec(spec_json).labels
+        if "pipeline" in labels and labels.get("pipeline_name"):
+            names.add(labels["pipeline_name"])
+    return sorted(names)
+
+
 # -- the routes --------------------------------------------------------------------------
 
 def mount(app: FastAPI, settings: Settings, sessions: sessionmaker[Session], *,
@@ -218,38 +295,45 @@ def mount(app: FastAPI, settings: Settings, sessions: sessionmaker[Session], *,
 
     DB = Annotated[Session, Depends(db)]
 
-    def all_jobs(session: Session) -> list[JobOut]:
+    def jobs_out(session: Session, rows: Iterable[Job]) -> list[JobOut]:
         current = views()
         firing = store.firing_alerts_by_job(session)
-        return [job_out(j, current.get(j.id), alerts=firing.get(j.id, ()))
-                for j in store.list_jobs(session)]
+        return [job_out(j, current.get(j.id), alerts=firing.get(j.id, ())) for j in rows]
 
-    def jobs_context(session: Session, state: str | None, label: str | None) -> dict[str, Any]:
-        jobs = all_jobs(session)
-        wanted = dict([label.partition("=")[::2]]) if label and "=" in label else {}
-        shown = [j for j in jobs if (not state or j.state.value == state)
-                 and labels_match(j, wanted)]
-        counts: dict[str, int] = {}
-        for job in jobs:
-            counts[job.state.value] = counts.get(job.state.value, 0) + 1
-        return {"jobs": shown, "total": len(jobs), "counts": counts, "host": host,
-                "firing": sum(len(j.alerts) for j in jobs),
-                "filesystems": filesystems(jobs), "pipelines": sorted(pipelines(jobs)),
-                "state": state or "", "label": label or "", "states": list(JobState),
-                "percent": percent, "rate_text": rate_text,
-                "query": urlencode({k: v for k, v in (("state", state), ("label", label))
-                                    if v})}
+    def jobs_context(session: Session, query: TableQuery) -> dict[str, Any]:
+        current = views()
+        shown = shown_states(current)
+        counts = store.count_by_state(session)
+        for job_id, state in shown.items():  # ends not recorded yet count as shown
+            if job_id in current and counts.get(JobState.RUNNING.value, 0):
+                counts[JobState.RUNNING.value] -= 1
+                counts[state.value] = counts.get(state.value, 0) + 1
+        wanted = listing.JobFilter(state=query.state, labels=query.labels, search=query.q)
+        page = listing.page_of_jobs(session, wanted, limit=TABLE_PAGE, sort=query.sort,
+                                    descending=query.descending,
+                                    offset=(query.page - 1) * TABLE_PAGE,
+                                    shown_states=shown, now=time.time())
+        running = store.output_dirs_of_running(session)
+        return {"jobs": jobs_out(session, page.jobs), "matching": page.total,
+                "total": sum(counts.values()), "counts": {k: v for k, v in counts.items() if v},
+                "host": host, "table": query, "firing": store.count_firing_alerts(session),
+                "first": (query.page - 1) * TABLE_PAGE + 1,
+                "pages": max(1, -(-page.total // TABLE_PAGE)),
+                "filesystems": filesystems((output_dir, current.get(job_id))
+                                           for job_id, output_dir in running),
+                "pipelines": pipeline_names(store.spec_jsons_like(session, '%"pipeline_name"%')),
+                "states": list(JobState), "sort_keys": listing.SORT_KEYS,
+                "percent": percent, "rate_text": rate_text, "command_text": shlex.join,
+                "duration_s": duration_s, "now": time.time()}
 
     @router.get("/", response_class=HTMLResponse)
-    def jobs_page(session: DB, state: str | None = None,
-                  label: Annotated[str | None, Query(max_length=1000)] = None) -> Response:
-        return render("jobs.html", **jobs_context(session, state, label),
-                      token=bool(settings.token))
+    def jobs_page(session: DB, query: Annotated[TableQuery, Depends(table_query)]) -> Response:
+        return render("jobs.html", **jobs_context(session, query), token=bool(settings.token))
 
     @router.get("/fragments/jobs", response_class=HTMLResponse)
-    def jobs_fragment(session: DB, state: str | None = None,
-                      label: Annotated[str | None, Query(max_length=1000)] = None) -> Response:
-        return render("_jobs.html", **jobs_context(session, state, label))
+    def jobs_fragment(session: DB,
+                      query: Annotated[TableQuery, Depends(table_query)]) -> Response:
+        return render("_jobs.html", **jobs_context(session, query))
 
     def job_context(session: Session, job_id: str) -> dict[str, Any]:
         row = store.get_job(session, job_id)
@@ -286,7 +370,8 @@ def mount(app: FastAPI, settings: Settings, sessions: sessionmaker[Session], *,
         return render("docs.html", host=host)
 
     def pipeline_context(session: Session, name: str) -> dict[str, Any]:
-        runs = pipelines(all_jobs(session)).get(name)
+        rows = store.list_jobs(session, spec_like='%"pipeline_name"%')
+        runs = pipelines(jobs_out(session, rows)).get(name)
         return {"pipeline": pipeline_view(name, runs) if runs else None, "name": name,
                 "host": host, "percent": percent, "rate_text": rate_text}
 

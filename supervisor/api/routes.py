@@ -25,10 +25,10 @@ from starlette.routing import Match
 from starlette.types import Scope
 
 from supervisor import __version__
-from supervisor.api import page
+from supervisor.api import listing, page
 from supervisor.api.guard import Guard
 from supervisor.api.submission import submit_job
-from supervisor.api.views import alert_out, job_out, sample_out
+from supervisor.api.views import alert_out, job_out, sample_out, shown_states
 from supervisor.config import Settings
 from supervisor.errors import Conflict, InvalidSpec, JobsupError
 from supervisor.formatting import iso
@@ -46,6 +46,7 @@ from supervisor.spec import (
     JobState,
     SampleOut,
     check_env,
+    stored_spec,
 )
 from supervisor.storage import store
 from supervisor.storage.database import sqlite_path
@@ -305,19 +306,31 @@ def create_app(settings: Settings, sessions: sessionmaker[Session], *,
 
     @app.get(f"{API_PREFIX}/jobs")
     def list_jobs(
-        session: DB, state: JobState | None = None,
+        request: Request, response: Response, session: DB, state: JobState | None = None,
         label: Annotated[list[LabelSelector] | None,
                          Query(description="key=value, repeatable")] = None,
+        limit: Annotated[int, Query(ge=1, le=listing.API_PAGE_MAX,
+                                    description="jobs per page")] = listing.API_PAGE_DEFAULT,
+        cursor: Annotated[str | None, Query(
+            max_length=200, description="where the page begins: the `Link: rel=\"next\"` "
+                                        "header's URL of the page before has it")] = None,
+        order: Literal["newest", "oldest"] = "newest",
     ) -> list[JobOut]:
-        wanted = dict(item.partition("=")[::2] for item in label or [])
+        """A page of jobs, newest first (`order=oldest`: by submission). Headers:
+        `X-Total-Count` (the jobs matching the filters, on every page) and, unless this
+        is the last page, `Link: <URL>; rel="next"`."""
+        wanted = listing.JobFilter(state=state,
+                                   labels=dict(item.partition("=")[::2] for item in label or []))
         current = views()
+        page = listing.page_of_jobs(session, wanted, limit=limit, cursor=cursor,
+                                    descending=order == "newest",
+                                    shown_states=shown_states(current))
         firing = store.firing_alerts_by_job(session)
-        # an end not recorded yet shows in its view: the stored state filters too little
-        unrecorded = any(view.unrecorded_end for view in current.values())
-        jobs = [job_out(j, current.get(j.id), alerts=firing.get(j.id, ()))
-                for j in store.list_jobs(session, state=None if unrecorded else state)]
-        return [j for j in jobs if (state is None or j.state is state)
-                and all(j.spec.labels.get(k) == v for k, v in wanted.items())]
+        response.headers["X-Total-Count"] = str(page.total)
+        if page.next_cursor is not None:
+            following = request.url.include_query_params(cursor=page.next_cursor)
+            response.headers["Link"] = f'<{following.path}?{following.query}>; rel="next"'
+        return [job_out(j, current.get(j.id), alerts=firing.get(j.id, ())) for j in page.jobs]
 
     @app.get(f"{API_PREFIX}/jobs/{{job_id}}", responses=NOT_FOUND)
     def get_job(job_id: JobReference, session: DB) -> JobOut:
@@ -357,6 +370,27 @@ def create_app(settings: Settings, sessions: sessionmaker[Session], *,
         session.commit()
         answer = job_out(job, None)  # as requeued: the tick woken next may start it at once
         wake()
+        return answer
+
+    @app.post(f"{API_PREFIX}/jobs/restart", status_code=202)
+    def restart_jobs(
+        session: DB, state: Literal["failed", "stopped", "lost"] = "failed",
+        label: Annotated[list[LabelSelector] | None,
+                         Query(description="key=value, repeatable")] = None,
+    ) -> list[JobOut]:
+        """Restart every job in this ended state (with these labels), oldest first, as
+        `POST /jobs/{id}/restart` does each (supervisord's `restart all`; the page's
+        "restart all failed"): a job and the dependents its failure failed run again in
+        order. The jobs restarted; none is an empty list."""
+        wanted = dict(item.partition("=")[::2] for item in label or [])
+        restarted = []
+        for row in store.list_jobs(session, state=JobState(state)):
+            if all(stored_spec(row.spec_json).labels.get(k) == v for k, v in wanted.items()):
+                restarted.append(store.requeue(session, row.id, now=clock()))
+        session.commit()
+        answer = [job_out(job, None) for job in restarted]
+        if restarted:
+            wake()
         return answer
 
     @app.get(f"{API_PREFIX}/alerts")

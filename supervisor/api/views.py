@@ -5,7 +5,7 @@ message edge (`alerting/`) builds its snapshot of a job here too."""
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 from supervisor.formatting import iso
 from supervisor.observe.forecast import JobForecast
@@ -36,6 +36,12 @@ def alert_out(alert: Alert) -> AlertOut:
     return AlertOut(id=alert.id, job_id=alert.job_id, rule=alert.rule, severity=alert.severity,
                     state=alert.state, started_at=iso(alert.started_at) or "",
                     resolved_at=iso(alert.resolved_at), message=alert.message)
+
+
+def shown_states(views: Mapping[str, JobView]) -> dict[str, JobState]:
+    """The state shown for each job whose end the database has not taken yet, by id."""
+    return {job_id: JobState(view.unrecorded_end.state) for job_id, view in views.items()
+            if view.unrecorded_end is not None}
 
 
 def job_out(job: Job, view: JobView | None, *, alerts: Sequence[Alert] = (),

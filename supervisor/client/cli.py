@@ -114,7 +114,7 @@ def watch(
     c = client(url)
 
     def fetch() -> list[dict[str, Any]]:
-        jobs: list[dict[str, Any]] = c.get("/api/v1/jobs")
+        jobs = c.get_all("/api/v1/jobs", params={"order": "oldest", "limit": 1000})
         if not all_jobs:
             jobs = [j for j in jobs if j["state"] in ("pending", "running")
                     or j.get("alerts")] or jobs[-10:]

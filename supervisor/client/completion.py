@@ -41,7 +41,7 @@ def job_ids(incomplete: str) -> list[tuple[str, str]]:
     try:
         client = Client(url, token=Settings().token, timeout_s=1.0)
         try:
-            jobs = client.get("/api/v1/jobs")
+            jobs = client.get("/api/v1/jobs", params={"limit": 1000})  # the newest
         finally:
             client.close()
     except Exception:  # a completer must never print a traceback

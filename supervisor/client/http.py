@@ -43,6 +43,18 @@ class Client:
     def get(self, path: str, **kwargs: Any) -> Any:
         return self.request("GET", path, **kwargs).json()
 
+    def get_all(self, path: str, **kwargs: Any) -> list[Any]:
+        """Every page of a paged list (`GET /api/v1/jobs`): its pages' items in order,
+        following each answer's `Link: rel="next"` (#30)."""
+        items: list[Any] = []
+        response = self.request("GET", path, **kwargs)
+        while True:
+            items.extend(response.json())
+            following = response.links.get("next", {}).get("url")
+            if not following:
+                return items
+            response = self.request("GET", following)
+
     def post(self, path: str, **kwargs: Any) -> Any:
         return self.request("POST", path, **kwargs).json()
 

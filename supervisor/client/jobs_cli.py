@@ -46,6 +46,9 @@ STATES = tuple(s.value for s in JobState)
 POLICIES = tuple(p.value for p in RestartPolicy)
 ALERT_STATES = tuple(s.value for s in AlertState)
 
+LIST_PAGE = 1000
+"""Jobs asked for per request by `ls` (the API's largest page): it follows the pages
+to the last, so it lists every job."""
 LOG_TAIL_DEFAULT = 100
 LOG_TAIL_MAX = 1_000_000
 """The daemon's bounds on /logs?tail (api/routes.py job_logs)."""
@@ -112,11 +115,12 @@ def list_jobs(
     job, never folded."""
     check_choice("--state", state, STATES)
     labels = pairs(label or [], "--label")
-    params: dict[str, Any] = {"label": [f"{k}={v}" for k, v in labels.items()]}
+    params: dict[str, Any] = {"label": [f"{k}={v}" for k, v in labels.items()],
+                              "order": "oldest", "limit": LIST_PAGE}
     if state:
         params["state"] = state
     try:
-        jobs = client(url).get("/api/v1/jobs", params=params)
+        jobs = client(url).get_all("/api/v1/jobs", params=params)  # every page
     except JobsupError as exc:
         fail(exc)
     if as_json:

@@ -157,6 +157,8 @@ def build_app(settings: Settings, guard: LockGuard | None = None) -> FastAPI:
 
     collector = JobsCollector(sessions, engine.views, engine.notifier,
                               settings.metrics_ended_retention_s,
+                              ended_max=settings.metrics_ended_max,
+                              pending_max=settings.metrics_pending_max,
                               gpu_available=lambda: engine.observer.sampler.gpu.available,
                               clock=engine.clock,
                               hostname=settings.resolved_hostname,

@@ -69,6 +69,9 @@ class EngineBase:
         """Set by `stop_jobs`: no pending job starts."""
         self._stopped_for_exit: set[str] = set()
         """Jobs `stop_jobs` asked to stop (not those a user had stopped already)."""
+        self._depends_on: dict[str, tuple[str, ...]] = {}
+        """The `depends_on` of each pending job, kept while it is pending: read from its
+        spec once, not each tick (`JobChecks._check_pending_jobs`)."""
         # a tick waits for the jobs' file readings at most 1 s, less with short ticks
         self.observer = Observer(settings.jobs_dir,
                                  scan_budget_s=min(SCAN_BUDGET_S, settings.sample_interval / 2),

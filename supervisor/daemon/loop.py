@@ -13,7 +13,6 @@ import time
 from collections.abc import Sequence
 
 from sqlalchemy.orm import Session
-from sqlalchemy.orm.exc import ObjectDeletedError
 
 from supervisor.daemon.checks import (
     LAUNCH_CONFIRM_S,
@@ -211,7 +210,8 @@ class Engine(JobChecks):
             backend.reap()
         self._shims_seen_alive = {}
         with self.sessions() as session:
-            # one query for the running, pending and lately ended jobs (#15)
+            # one query for the running and lately ended jobs (#15); the pending ones
+            # are read after the running ones' checks (`_check_pending_jobs`)
             jobs = store.jobs_of_tick(session, ended_since=self.alerting.ended_since(now))
             running = [job for job in jobs if job.state == JobState.RUNNING]
             ended_lately = [job for job in jobs if JobState(job.state).ended]
@@ -234,10 +234,8 @@ class Engine(JobChecks):
                     self.observer.forget(job.id)
                     self._shim_observes.pop((job.id, job.attempt), None)
             self.notifier.wake_if_enqueued()
-            for job in _pending_now(session, jobs):
-                with self.steps.isolated(session, f"job {job.id}"), \
-                        self.steps.writing(session, "job start"):
-                    self._check_pending(session, job, now)
+            with self.steps.isolated(session, "pending jobs"):
+                self._check_pending_jobs(session, running, now)
             if now >= self._next_compact_at:
                 self._next_compact_at = now + COMPACT_EVERY_S
                 with self.steps.isolated(session, "sample downsampling"), \
@@ -274,6 +272,7 @@ class Engine(JobChecks):
         ends = self.unrecorded_ends
         if written.ok:
             self.alerting.forget_sent(recorded)
+            self.alerting.ended_evaluated(now)
             if ends:  # the alerts of ends that could not be recorded: from memory
                 self.alerting.send_unrecorded(
                     session, [job for job in running if job.id in ends], now, ends)
@@ -365,19 +364,6 @@ def _end_of(job: Job) -> JobEnd | None:
         return None
     return JobEnd(state=job.state, reason=job.reason, exit_code=job.exit_code,
                   signal=job.signal, exit_reason=job.exit_reason, ended_at=job.ended_at)
-
-
-def _pending_now(session: Session, jobs: Sequence[Job]) -> Sequence[Job]:
-    """The pending jobs as they are now, read again (a stop asked through the API since
-    the tick's first read must be seen before a launch), but only when the tick's read
-    holds one, read pending or made so by its checks (a restart after its delay): most
-    ticks have none, and a query costs ~0.3 ms even when it finds nothing (#15). A job
-    submitted meanwhile wakes the next tick."""
-    try:
-        any_pending = any(job.state == JobState.PENDING for job in jobs)
-    except ObjectDeletedError:  # after a rolled-back step, one was gone on its reload
-        any_pending = True
-    return store.jobs_in_states(session, JobState.PENDING) if any_pending else []
 
 
 def _running_detached(session: Session) -> dict[str, Job]:

@@ -46,7 +46,6 @@ from supervisor.runtime.procfs import (
     signal_group,
     start_ticks_of,
 )
-from supervisor.runtime.publish import Publisher
 
 PR_SET_CHILD_SUBREAPER = 36
 CLAIM_FILE = files.CLAIM
@@ -225,6 +224,8 @@ class Shim:
             signal_group(worker_pid, signal.SIGTERM)
         publisher = None
         if "observe" in self.launch:  # the daemon cannot read this node: publish readings
+            # imported here: a shim that does not publish stays without it (~1 MB, #30)
+            from supervisor.runtime.publish import Publisher
             publisher = Publisher(self.attempt_dir, self.launch["observe"], shim_pid=me,
                                   worker_pid=worker_pid, cwd=self.launch["cwd"])
             publisher.start()

@@ -10,7 +10,11 @@
   function localTimes(root) {
     for (const el of root.querySelectorAll("time.at")) {
       const t = new Date(el.getAttribute("datetime"));
-      if (!isNaN(t)) { el.textContent = t.toLocaleString(); el.title = el.getAttribute("datetime"); }
+      if (isNaN(t)) continue;
+      el.textContent = el.classList.contains("short")
+        ? t.toLocaleString([], { month: "short", day: "numeric", hour: "2-digit", minute: "2-digit" })
+        : t.toLocaleString();
+      el.title = el.getAttribute("datetime");
     }
   }
 
@@ -60,19 +64,56 @@
     }
   }
 
+  // shows another view of the table (filters, order, page) without a reload
+  function navigate(query) {
+    live.dataset.query = query;
+    history.replaceState(null, "", "/" + (query ? "?" + query : ""));
+    refresh();
+  }
+
   const filters = document.getElementById("filters");
   if (filters && live) {
     const apply = (event) => {
       if (event) event.preventDefault();
+      const shown = new URLSearchParams(live.dataset.query);
       const query = new URLSearchParams();
+      for (const key of ["sort", "dir"]) if (shown.get(key)) query.set(key, shown.get(key));
       for (const [key, value] of new FormData(filters)) if (value) query.set(key, value);
-      live.dataset.query = query.toString();
-      history.replaceState(null, "", "/" + (live.dataset.query ? "?" + live.dataset.query : ""));
-      refresh();
+      navigate(query.toString());
     };
     filters.addEventListener("submit", apply);
     filters.querySelector("select").addEventListener("change", apply);
   }
+
+  // Stop, Restart and "restart all failed": the API's routes, with the page's session
+  const result = document.getElementById("action-result");
+  async function act(button) {
+    const action = button.dataset.action;
+    const path = action === "restart-failed" ? "/api/v1/jobs/restart?state=failed"
+      : "/api/v1/jobs/" + encodeURIComponent(button.dataset.job) + "/" + action;
+    button.disabled = true;
+    let said;
+    try {
+      const answer = await fetch(path, { method: "POST" });
+      const body = await answer.json().catch(() => ({}));
+      said = !answer.ok ? (body.error || action + " failed: " + answer.status)
+        : action === "restart-failed" ? body.length + " failed job(s) restarted"
+        : action === "stop" ? "stop requested: " + button.dataset.job
+        : "restarted: " + button.dataset.job;
+    } catch (err) {
+      said = action + " failed: the daemon did not answer";
+    }
+    if (result) result.textContent = said;
+    button.disabled = false;
+    refresh();
+  }
+
+  document.addEventListener("click", (event) => {
+    const link = event.target.closest("#live a.sort, #live a.pager");
+    if (link && live) { event.preventDefault(); navigate(link.search.slice(1)); return; }
+    const button = event.target.closest("button[data-action]");
+    if (button && !button.disabled) act(button);
+  });
 
   localTimes(document);
   window.jobsup = { refresh: refresh, refreshes: 0 };

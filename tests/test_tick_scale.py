@@ -1,0 +1,144 @@
+"""The tick at scale (#30): thousands of jobs pending behind one running dependency cost
+the tick a few queries, not a row and a query each; when the dependency fails they fail
+in a few commits, not one each; and once their ends are evaluated, later ticks do not
+read them again for 10 minutes. An in-process engine over a real SQLite database, its
+dependency a real `sleep` under a real shim; counts of statements, commits and rows
+loaded, not times (the machine is shared)."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from sqlalchemy import event, select
+from sqlalchemy.orm import Session, sessionmaker
+
+from supervisor.daemon.checks import PENDING_BATCH
+from supervisor.spec import JobSpec, JobState
+from supervisor.storage import store
+from supervisor.storage.tables import Job
+from tests.helpers import in_process_engine, wait_for
+
+pytestmark = pytest.mark.timeout(120)
+
+WAITING = 600
+"""Jobs pending behind the one dependency (the issue had 10,000; the counts scale)."""
+
+
+class Counts:
+    """SQL statements, commits and job rows loaded while counting."""
+
+    def __init__(self, sessions: sessionmaker[Session]) -> None:
+        self.statements = self.commits = self.job_rows = 0
+        bind = sessions.kw["bind"]
+        event.listen(bind, "before_cursor_execute", self._statement)
+        event.listen(bind, "commit", self._commit)
+        event.listen(Job, "load", self._loaded)
+        self._bind = bind
+
+    def _statement(self, *_args: Any) -> None:
+        self.statements += 1
+
+    def _commit(self, *_args: Any) -> None:
+        self.commits += 1
+
+    def _loaded(self, *_args: Any) -> None:
+        self.job_rows += 1
+
+    def reset(self) -> None:
+        self.statements = self.commits = self.job_rows = 0
+
+    def close(self) -> None:
+        event.remove(self._bind, "before_cursor_execute", self._statement)
+        event.remove(self._bind, "commit", self._commit)
+        event.remove(Job, "load", self._loaded)
+
+
+@pytest.fixture
+def waiting_sweep(tmp_path: Path) -> Iterator[tuple[Any, sessionmaker[Session], str, list[str]]]:
+    """An engine with one running dependency and WAITING jobs pending behind it, plus a
+    chain of two more behind the first of them: (engine, sessions, dependency, chain)."""
+    with in_process_engine(tmp_path / "data") as (engine, sessions):
+        now = time.time()
+        with sessions() as session:
+            dependency = store.create_job(
+                session, spec=JobSpec(name="data", command=["sleep", "60"]), now=now)
+            session.flush()
+            for index in range(WAITING):
+                store.create_job(session, spec=JobSpec(
+                    name=f"sweep-{index}", command=["true"], depends_on=[dependency.id]),
+                    now=now + 1 + index * 1e-3)
+            session.commit()
+            dependency_id = dependency.id
+        with sessions() as session:
+            first = session.scalars(select(Job).where(Job.name == "sweep-0")).one().id
+            second = store.create_job(session, spec=JobSpec(
+                name="chain-1", command=["true"], depends_on=[first]), now=now + 10)
+            session.flush()
+            third = store.create_job(session, spec=JobSpec(
+                name="chain-2", command=["true"], depends_on=[second.id]), now=now + 11)
+            session.commit()
+            chain = [first, second.id, third.id]
+        engine.tick()  # launches the dependency
+        with sessions() as session:
+            assert store.get_job(session, dependency_id).state == JobState.RUNNING
+        yield engine, sessions, dependency_id, chain
+
+
+def states(sessions: sessionmaker[Session]) -> dict[str, int]:
+    with sessions() as session:
+        counts: dict[str, int] = {}
+        for job in store.list_jobs(session):
+            counts[job.state] = counts.get(job.state, 0) + 1
+        return counts
+
+
+def test_jobs_waiting_on_a_dependency_cost_a_tick_a_few_queries(
+        waiting_sweep: tuple[Any, sessionmaker[Session], str, list[str]]) -> None:
+    engine, sessions, _, _ = waiting_sweep
+    counts = Counts(sessions)
+    try:
+        engine.tick()
+        counts.reset()
+        engine.tick()
+    finally:
+        counts.close()
+    # before: a full row and a `session.get` of the dependency per waiting job
+    assert counts.statements < 20, counts.statements
+    assert counts.job_rows <= 2, counts.job_rows  # the running dependency
+    assert counts.commits <= 1, counts.commits
+    assert states(sessions) == {"running": 1, "pending": WAITING + 2}
+
+
+def test_a_failed_dependency_fails_its_dependents_in_a_few_commits_and_once(
+        waiting_sweep: tuple[Any, sessionmaker[Session], str, list[str]]) -> None:
+    engine, sessions, dependency, chain = waiting_sweep
+    with sessions() as session:
+        store.request_stop(session, dependency, now=engine.clock())
+        session.commit()
+    counts = Counts(sessions)
+    try:
+        def all_ended() -> bool:
+            engine.tick()
+            return states(sessions).get("pending", 0) == 0
+
+        wait_for(all_ended, 60, interval=0.2, what="the dependents failed")
+        # before: a commit per failed job (~4 ms each: 12.6 s for 10,000)
+        assert counts.commits <= WAITING / PENDING_BATCH + 20, counts.commits
+        assert states(sessions) == {"stopped": 1, "failed": WAITING + 2}
+        with sessions() as session:  # the chain behind the first failed in its tick too
+            reasons = [store.get_job(session, job_id).reason for job_id in chain]
+        assert reasons == [f"dependency {dependency} (data) stopped",
+                           f"dependency {chain[0]} (sweep-0) failed",
+                           f"dependency {chain[1]} (chain-1) failed"], reasons
+
+        engine.tick()  # their ends evaluated once (no alert: a dependency's end)
+        counts.reset()
+        engine.tick()
+        # before: every job ended in the last 10 minutes was read and evaluated each tick
+        assert counts.job_rows == 0, counts.job_rows
+    finally:
+        counts.close()
