@@ -113,7 +113,7 @@ def load_packed(path: Path, devices: list[str], dtype: Any, config: Any, cls: An
         raise TargetError(f"{path}: {exc}") from None
     if device_map is not None:
         Transfers(Target.of(model).decoder)
-    logging.getLogger("workers.target").info(
+    logging.getLogger("workers.eagle3.target.loading").info(
         "packed experts: %.2f GB packed + %.2f GB dense read in %.1f s (%.2f GB/s) onto %s",
         report.packed_bytes / 1e9, report.dense_bytes / 1e9, report.seconds,
         report.gb_per_s, ", ".join(devices))
