@@ -3,12 +3,12 @@ is worth: acceptance length tau at k = 3 and 5 on the hand-written held-out ques
 on synthetic held-out prompts, trained vs an untrained draft of the same shape,
 acceptance per draft position, the training curve and workers.train's held-out measure.
 
-    python -m workers.smollm2 /models/smollm2          # once: the HF checkpoint
+    python -m workers.fixtures.smollm2 /models/smollm2          # once: the HF checkpoint
     python bench/eagle3_smollm2.py --model /models/smollm2 --work /tmp/e3 \
         --prompts self:20000 --batch-size 2048 --device cuda
 
 `--prompts self:N` has the target write its own prompts (workers.generate
---self-prompts), `synthetic:N` takes topics x tasks (workers.prompts, at most 2,926).
+--self-prompts), `synthetic:N` takes topics x tasks (workers.fixtures.prompts, at most 2,926).
 `--conversations FILE` reuses another run's generate output, so arms that differ only
 later (`--store fp8`, training flags) share one generation; `--features DIR` reuses an
 extraction the same way. Each step is the worker's
@@ -33,7 +33,7 @@ from typing import Any
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 from workers.common import read_jsonl  # noqa: E402
-from workers.prompts import TASKS, TOPICS, prompt_texts, write_prompts  # noqa: E402
+from workers.fixtures.prompts import TASKS, TOPICS, prompt_texts, write_prompts  # noqa: E402
 
 STEPS = ("prompts", "generate", "extract", "vocab", "train", "evaluate")
 
@@ -89,7 +89,7 @@ def run_step(name: str, argv: list[str], work: Path) -> dict[str, object]:
 
 
 def parse_source(text: str) -> tuple[str, int]:
-    """`synthetic:N` (topics x tasks, workers.prompts), `self:N` (the target writes its
+    """`synthetic:N` (topics x tasks, workers.fixtures.prompts), `self:N` (the target writes its
     own prompts: workers.generate --self-prompts) or a bare N (synthetic)."""
     kind, _, count = text.rpartition(":")
     kind = kind or "synthetic"
@@ -102,7 +102,7 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     add = parser.add_argument
-    add("--model", type=Path, required=True, help="HF dir (workers.smollm2)")
+    add("--model", type=Path, required=True, help="HF dir (workers.fixtures.smollm2)")
     add("--work", type=Path, required=True)
     add("--prompts", type=parse_source, default=("synthetic", 2000),
         help="synthetic:N or self:N (default synthetic:2000)")

@@ -38,8 +38,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from workers.eagle3.fp8_features import encode  # noqa: E402
-from workers.extractor import (  # noqa: E402
+from workers.eagle3.extraction.extractor import (  # noqa: E402
     Capture,
     Extractor,
     Sample,
@@ -47,13 +46,14 @@ from workers.extractor import (  # noqa: E402
     pack_batches,
     pad_batch,
 )
-from workers.hidden_files import (  # noqa: E402
+from workers.eagle3.extraction.fp8_features import encode  # noqa: E402
+from workers.eagle3.extraction.hidden_files import (  # noqa: E402
     WRITEBACK_MODES,
     Writeback,
     sample_path,
     write_atomically,
 )
-from workers.target import Target  # noqa: E402
+from workers.eagle3.target.model import Target  # noqa: E402
 
 
 def build_model(tiny: bool, device: str) -> torch.nn.Module:

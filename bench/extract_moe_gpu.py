@@ -45,10 +45,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from extract_gpu import clean, disk_ceiling, file_sizes, make_samples, sync  # noqa: E402
 
-from workers.batch_invariance import check_batch_invariance, format_report  # noqa: E402
-from workers.extractor import Extractor, Sample, Stats, pack_batches, pad_batch  # noqa: E402
-from workers.hidden_files import DEFAULT_WRITEBACK, WRITEBACK_MODES  # noqa: E402
-from workers.target import Target  # noqa: E402
+from workers.eagle3.extraction.batch_invariance import check_batch_invariance, format_report  # noqa: E402
+from workers.eagle3.extraction.extractor import Extractor, Sample, Stats, pack_batches, pad_batch  # noqa: E402
+from workers.eagle3.extraction.hidden_files import DEFAULT_WRITEBACK, WRITEBACK_MODES  # noqa: E402
+from workers.eagle3.target.model import Target  # noqa: E402
 
 
 def moe_config(args: argparse.Namespace) -> Any:
@@ -272,7 +272,7 @@ def split(args: argparse.Namespace) -> int:
     """One GPU vs the model split over all of them, through the real CLI."""
     from extract_split_gpu import compare, print_runs, timed_run
 
-    from workers.tiny import build_tokenizer, corpus
+    from workers.fixtures.tiny import build_tokenizer, corpus
 
     n = torch.cuda.device_count()
     if n < 2:

@@ -23,8 +23,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from extract_gpu import disk_ceiling  # noqa: E402
 
-from workers.hidden_files import DEFAULT_WRITEBACK  # noqa: E402
-from workers.tiny import build_tokenizer, corpus  # noqa: E402
+from workers.eagle3.extraction.hidden_files import DEFAULT_WRITEBACK  # noqa: E402
+from workers.fixtures.tiny import build_tokenizer, corpus  # noqa: E402
 
 
 def build(work: Path, samples: int) -> tuple[Path, Path]:

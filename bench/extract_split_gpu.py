@@ -87,8 +87,8 @@ def compare(a: Path, b: Path) -> tuple[int, int, float]:
 def forward_ceiling(model_dir: Path, devices: list[str], samples: int) -> float:
     """Tokens/s of the worker's forward passes alone (capture, gather on the last
     device, finite check; no copies to the host, no files): what compute allows."""
+    from workers.eagle3.extraction.extractor import Capture, Extractor, pack_batches
     from workers.extract import load_model
-    from workers.extractor import Capture, Extractor, pack_batches
 
     target, _ = load_model(model_dir, device=",".join(devices), dtype=torch.bfloat16)
     extractor = Extractor(target, Path("/dev/null"), overlap=False)

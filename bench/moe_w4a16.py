@@ -8,7 +8,7 @@ on the GPU (random int32 words are random nibbles), nothing is read from disk.
 1. GPU bytes: as many packed layers as the GPU holds (`--layers 0`: as many as leave
    `--headroom` GB free), the allocator's bytes per layer against the bytes the
    checkpoint stores for it (goal <= 1.05x), and the forward's working memory.
-2. tokens/s per MoE layer of the packed path (workers/eagle3/w4a16_moe.py through
+2. tokens/s per MoE layer of the packed path (workers/eagle3/target/w4a16_moe.py through
    `PackedExperts`) at extraction batch sizes, against the same layer with bf16
    experts — all 384, one layer fits — run (a) grouped: `torch._grouped_mm` over
    expert-sorted tokens, (b) one expert after the other as transformers' eager
@@ -37,8 +37,8 @@ from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from workers.eagle3 import w4a16_moe  # noqa: E402
-from workers.eagle3.packed_experts import PackedExperts  # noqa: E402
+from workers.eagle3.target import w4a16_moe  # noqa: E402
+from workers.eagle3.target.packed_experts import PackedExperts  # noqa: E402
 
 HIDDEN, EXPERTS, INTER, TOP_K, SHARED, SCALING = 7168, 384, 2048, 8, 2048, 2.827
 LAYERS_61, GPUS, SEED_TOKENS_S, SEED_GB = 61, 8, 3600.0, 71.0

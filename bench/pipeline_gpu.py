@@ -17,7 +17,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from workers.tiny import DEMO_PROMPTS, build_tiny_llama  # noqa: E402
+from workers.fixtures.tiny import DEMO_PROMPTS, build_tiny_llama  # noqa: E402
 
 
 def step(name: str, *args: str) -> float:

@@ -43,14 +43,14 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from workers.draft import DraftConfig, Eagle3Draft  # noqa: E402
+from workers.eagle3.draft.model import DraftConfig, Eagle3Draft  # noqa: E402
+from workers.eagle3.training.train_data import Batch  # noqa: E402
 from workers.train import (  # noqa: E402
     TargetHead,
     build_optimizer,
     build_scheduler,
     train_step,
 )
-from workers.train_data import Batch  # noqa: E402
 
 H200_BF16_DENSE_TFLOPS = 989.0
 LLAMA3_ROPE = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0,

@@ -1,7 +1,7 @@
 """Writeback modes of the extraction worker's file writer, side by side in one run:
 `--files` files of `--mb` MB written by `--writers` threads exactly as the worker
-writes them (workers/hidden_files.py `write_atomically`: temp + rename) in each mode
-of WRITEBACK_MODES, `--repeats` times in rotating order, medians reported.
+writes them (workers/eagle3/extraction/hidden_files.py `write_atomically`: temp + rename) in each
+mode of WRITEBACK_MODES, `--repeats` times in rotating order, medians reported.
 
 Measured per run:
 - GB/s, the final `os.sync()` included (the disk must take the data in the end);
@@ -34,7 +34,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from workers.hidden_files import (  # noqa: E402
+from workers.eagle3.extraction.hidden_files import (  # noqa: E402
     WRITEBACK_MODES,
     Writeback,
     sample_path,

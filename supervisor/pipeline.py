@@ -73,7 +73,7 @@ class Eagle3Pipeline(BaseModel):
     backend: Literal["transformers", "openai"] = "transformers"
     serve: Literal["vllm", "stub"] | None = Field(
         default=None, description="launch the target's server as a job (openai backend); "
-                                  "`stub` is the repo's stand-in (workers.stub_server)")
+                                  "`stub` is the repo's stand-in (workers.fixtures.stub_server)")
     endpoint: str | None = Field(default=None, description="a server the user runs")
     port: int = Field(default=8000, ge=1, le=65535, description="port of a served target")
     served_model_name: str | None = None
@@ -195,9 +195,12 @@ def count_prompts(path: Path) -> int:
                           field="prompts") from None
 
 
-def eagle3_jobs(p: Eagle3Pipeline, *, resolve: Callable[[int], str]) -> Iterator[JobSpec]:
-    """The pipeline's job specs, in submission order. `resolve(i)` is the id the i-th
-    yielded spec got (the caller submits each before asking for the next)."""
+def eagle3_jobs(p: Eagle3Pipeline, *,
+                resolve: Callable[[PipelineStep], str]) -> Iterator[JobSpec]:
+    """The pipeline's job specs, in submission order, each labelled with its step
+    (`labels["step"]`). `resolve(step)` is the id the job of that step got: the caller
+    submits each spec before asking for the next, and a step depends on the ids of the
+    steps it names, whichever steps (`serve`, `evaluate`) this pipeline has."""
     model, out = Path(p.model), Path(p.out)
     conversations = out / "generate" / "conversations.jsonl"
     if not model.exists():
@@ -207,7 +210,7 @@ def eagle3_jobs(p: Eagle3Pipeline, *, resolve: Callable[[int], str]) -> Iterator
     if p.self_prompts is not None:  # the target writes N to train on, then the held-out
         n_train = p.self_prompts
         n_prompts = n_train + p.eval_prompts
-        # where workers.generate puts them (workers.eagle3.self_prompts.prompts_path)
+        # where workers.generate puts them (workers.eagle3.generation.self_prompts.prompts_path)
         prompts = conversations.with_name("conversations.self_prompts.jsonl")
         source = ["--self-prompts", str(n_prompts)]
     else:
@@ -260,12 +263,10 @@ def eagle3_jobs(p: Eagle3Pipeline, *, resolve: Callable[[int], str]) -> Iterator
         generate += ["--temperature", str(p.temperature)]
     yield job("generate", command=generate, output_dir=str(conversations.parent),
               pattern=conversations.name, expected_items=n_train)
-    generate_id = resolve(0)
-    steps = 1
+    generate_id = resolve("generate")
 
     if p.serve:
         yield job("serve", command=serve_command(p), stop_when_ended=[generate_id])
-        steps += 1
 
     extract_devices = device
     if p.extract_gpus or p.gpus_per_model > 1:  # the worker picks the CUDA devices
@@ -279,7 +280,7 @@ def eagle3_jobs(p: Eagle3Pipeline, *, resolve: Callable[[int], str]) -> Iterator
                  *extract_devices],
         depends_on=[generate_id], output_dir=str(hidden), pattern="rows_*/*.safetensors",
         expected_items=n_train)
-    extract_id = resolve(steps)
+    extract_id = resolve("extract")
 
     vocab_command = [*py, "workers.vocab", "--data", str(hidden), "--tokenizer", str(model),
                      "--draft-vocab-size", str(p.draft_vocab_size), "--out", str(vocab)]
@@ -287,7 +288,7 @@ def eagle3_jobs(p: Eagle3Pipeline, *, resolve: Callable[[int], str]) -> Iterator
         vocab_command += ["--from-checkpoint", p.init]
     yield job("vocab", command=vocab_command, depends_on=[extract_id],
               output_dir=str(vocab.parent), pattern=vocab.name)
-    vocab_id = resolve(steps + 1)
+    vocab_id = resolve("vocab")
 
     train = [*py, "workers.train", "--data", str(hidden), "--target", str(model),
              "--vocab", str(vocab), "--out", str(out / "train"), "--ttt-steps",
@@ -300,7 +301,7 @@ def eagle3_jobs(p: Eagle3Pipeline, *, resolve: Callable[[int], str]) -> Iterator
               pattern="draft/model.safetensors")
     if not p.eval_prompts:
         return
-    train_id = resolve(steps + 2)
+    train_id = resolve("train")
 
     evaluate = [*py, "workers.evaluate", "--target", str(model), "--draft",
                 str(out / "train" / "draft"), "--prompts", str(prompts), "--skip", str(n_train),
@@ -317,7 +318,7 @@ def eagle3_jobs(p: Eagle3Pipeline, *, resolve: Callable[[int], str]) -> Iterator
 def serve_command(p: Eagle3Pipeline) -> list[str]:
     served = ["--served-model-name", p.served_model_name] if p.served_model_name else []
     if p.serve == "stub":
-        return [p.python, "-m", "workers.stub_server", p.model, "--host", "127.0.0.1",
+        return [p.python, "-m", "workers.fixtures.stub_server", p.model, "--host", "127.0.0.1",
                 "--port", str(p.port), *served]
     vllm = shutil.which("vllm")
     if vllm is None:

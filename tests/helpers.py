@@ -408,14 +408,14 @@ def worker_env(**extra: str) -> dict[str, str]:
 
 
 def make_model(path: Path) -> Path:
-    from workers.tiny import build_tiny_llama
+    from workers.fixtures.tiny import build_tiny_llama
 
     return build_tiny_llama(path, layers=8, hidden=64)
 
 
 def make_conversations(path: Path, copies: int = 1) -> Path:
     """The demo prompts with assistant answers of varied length (some with reasoning)."""
-    from workers.tiny import DEMO_PROMPTS
+    from workers.fixtures.tiny import DEMO_PROMPTS
 
     with open(path, "w") as f:
         n = 0

@@ -1,5 +1,5 @@
-"""workers.batch_invariance on CPU with tiny random DeepSeek-V3, Qwen3-MoE and Llama
-models built from transformers' own classes: fp32 batching changes nothing beyond
+"""workers.eagle3.extraction.batch_invariance on CPU with tiny random DeepSeek-V3, Qwen3-MoE and
+Llama models built from transformers' own classes: fp32 batching changes nothing beyond
 rounding, bf16 differences match an independent computation, routing flips are counted
 at the right layer, the fp32 router really computes in fp32, and the CLI writes its
 report."""
@@ -24,7 +24,7 @@ from transformers import (
 )
 
 from tests.helpers import make_conversations, worker_env
-from workers.batch_invariance import (
+from workers.eagle3.extraction.batch_invariance import (
     CheckError,
     check_batch_invariance,
     find_routers,
@@ -33,8 +33,8 @@ from workers.batch_invariance import (
     routers_in_fp32,
     routing_flips,
 )
-from workers.extractor import Sample, pack_batches, pad_batch
-from workers.tiny import build_tokenizer, corpus
+from workers.eagle3.extraction.extractor import Sample, pack_batches, pad_batch
+from workers.fixtures.tiny import build_tokenizer, corpus
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

@@ -17,8 +17,9 @@ from safetensors import safe_open
 from safetensors.torch import load_file
 
 from tests.helpers import make_conversations, make_model, worker_env
-from workers import extract, serving, vocab
-from workers.draft import (
+from workers import extract, vocab
+from workers.eagle3.draft import serving
+from workers.eagle3.draft.model import (
     DraftConfig,
     Eagle3Draft,
     load_draft,
@@ -26,8 +27,8 @@ from workers.draft import (
     read_draft_mapping,
     write_draft,
 )
+from workers.eagle3.training.train_data import ExtractedData
 from workers.train import build_model, parse_args
-from workers.train_data import ExtractedData
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -99,7 +100,7 @@ def test_old_style_config_is_read_as_sglang_does_and_flagged(
     assert serving.trained_layer_inputs(config, N) == [3, 5, 6]
     conflict = serving.layer_id_conflict(config, N)
     assert conflict is not None and "[2, 4, 5]" in conflict and "[3, 5, 6]" in conflict
-    with caplog.at_level(logging.WARNING, logger="workers.draft"):
+    with caplog.at_level(logging.WARNING, logger="workers.eagle3.draft.model"):
         assert read_draft_config(draft, N).aux_layer_ids == [3, 5, 6]
     assert "engines disagree" in caplog.text and "[3, 5, 6]" in caplog.text
 

@@ -15,11 +15,12 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from tests.helpers import make_model
-from workers import evaluate, heldout, speculative
-from workers.draft import DraftConfig, Eagle3Draft, write_draft
-from workers.eagle3.handwritten import CATEGORIES, read_handwritten
-from workers.serving import default_layer_ids
-from workers.speculative import (
+from workers import evaluate
+from workers.eagle3.draft.model import DraftConfig, Eagle3Draft, write_draft
+from workers.eagle3.draft.serving import default_layer_ids
+from workers.eagle3.evaluation import heldout, speculative
+from workers.eagle3.evaluation.handwritten import CATEGORIES, read_handwritten
+from workers.eagle3.evaluation.speculative import (
     Acceptance,
     DraftState,
     Target,

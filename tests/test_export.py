@@ -23,9 +23,9 @@ from transformers import AutoTokenizer
 from tests.helpers import make_conversations, make_model, worker_env
 from workers import export
 from workers.common import record_messages, tokenize_conversation
+from workers.eagle3.draft.vocab_mapping import build_mapping, select_draft_vocab
+from workers.eagle3.extraction.hidden_files import PRENORM_KEY
 from workers.generate import load_prompts
-from workers.hidden_files import PRENORM_KEY
-from workers.vocab_mapping import build_mapping, select_draft_vocab
 
 pytestmark = pytest.mark.slow
 

@@ -18,7 +18,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from tests.helpers import make_conversations, saved, wait_for, worker_env
 from workers.common import tokenize_conversation
-from workers.extractor import capture_layers, pack_batches
+from workers.eagle3.extraction.extractor import capture_layers, pack_batches
 
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("one_thread")]
 
@@ -195,7 +195,7 @@ def test_full_disk_stops_cleanly(tiny_model: Path, tmp_path: Path) -> None:
 
 
 def test_pack_batches_respects_the_token_budget() -> None:
-    from workers.extractor import Sample
+    from workers.eagle3.extraction.extractor import Sample
 
     samples = [Sample(i, str(i), [1] * n, [0] * n) for i, n in enumerate([5, 50, 7, 30, 8, 100])]
     batches = pack_batches(samples, 64)

@@ -15,7 +15,7 @@ from safetensors.torch import load_file
 from transformers import AutoConfig
 
 from tests.helpers import make_conversations, worker_env
-from workers.split import balanced_assignment, parse_devices, plan_device_map
+from workers.eagle3.target.split import balanced_assignment, parse_devices, plan_device_map
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -130,7 +130,7 @@ class _Decoder(torch.nn.Module):
 
 def test_transfers_move_each_tensor_once_per_device_per_pass(
         monkeypatch: pytest.MonkeyPatch) -> None:
-    import workers.split as split
+    import workers.eagle3.target.split as split
 
     moves: list[tuple[tuple[int, ...], str]] = []
 

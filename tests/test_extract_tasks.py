@@ -15,8 +15,8 @@ from pathlib import Path
 import pytest
 
 from tests.helpers import make_conversations, wait_for, worker_env
-from workers.hidden_files import rank_summary, ranks_finished
-from workers.ranks import LaunchError, Task, global_ranks, in_shard, launcher_task
+from workers.eagle3.extraction.hidden_files import rank_summary, ranks_finished
+from workers.eagle3.extraction.ranks import LaunchError, Task, global_ranks, in_shard, launcher_task
 
 REPO = Path(__file__).resolve().parent.parent
 

@@ -1,4 +1,4 @@
-"""`workers.extract --store fp8` (workers/eagle3/fp8_features.py): the codec's error
+"""`workers.extract --store fp8` (workers/eagle3/extraction/fp8_features.py): the codec's error
 bound on random and adversarial rows, and real tiny extractions with both stores read
 back by train, vocab and export, on the CPU."""
 
@@ -16,9 +16,9 @@ from safetensors.torch import load_file
 
 from tests.helpers import make_conversations, make_model
 from workers import export, extract, vocab
-from workers.eagle3.fp8_features import FP8_MAX, decode, encode, read_feature
+from workers.eagle3.extraction.fp8_features import FP8_MAX, decode, encode, read_feature
+from workers.eagle3.training.train_data import ExtractedData, load_batch
 from workers.train import build_model, build_optimizer, build_scheduler, parse_args, train_step
-from workers.train_data import ExtractedData, load_batch
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

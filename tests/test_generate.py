@@ -16,8 +16,8 @@ import httpx
 import pytest
 
 from tests.helpers import PY, REPO, free_port, wait_for, worker_env
-from workers.openai_backend import backoff_s, parse_answer, parse_retry_after
-from workers.tiny import build_tiny_llama
+from workers.eagle3.generation.openai_backend import backoff_s, parse_answer, parse_retry_after
+from workers.fixtures.tiny import build_tiny_llama
 
 pytestmark = pytest.mark.slow
 
@@ -28,7 +28,7 @@ def tiny(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 class StubServer:
-    """`python -m workers.stub_server` as a child process of the test."""
+    """`python -m workers.fixtures.stub_server` as a child process of the test."""
 
     def __init__(self, model: Path, log_path: Path, *flags: str):
         self.port = free_port()
@@ -37,7 +37,7 @@ class StubServer:
         self.log_path = log_path
         with open(log_path, "wb") as log:
             self.proc = subprocess.Popen(
-                [PY, "-m", "workers.stub_server", str(model), "--port", str(self.port),
+                [PY, "-m", "workers.fixtures.stub_server", str(model), "--port", str(self.port),
                  *flags], stdout=log, stderr=subprocess.STDOUT, cwd=REPO, env=worker_env())
 
     def wait_ready(self, timeout: float = 60) -> StubServer:
@@ -342,7 +342,7 @@ def word_writer(tiny: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
 def test_pre_query_template_keeps_what_the_template_puts_before_the_user(tiny: Path) -> None:
     from transformers import AutoTokenizer
 
-    from workers.eagle3.self_prompts import pre_query_template, template_markers
+    from workers.eagle3.generation.self_prompts import pre_query_template, template_markers
 
     tokenizer = AutoTokenizer.from_pretrained(tiny)
     template = pre_query_template(tokenizer)
@@ -370,7 +370,7 @@ def test_pre_query_template_keeps_what_the_template_puts_before_the_user(tiny: P
 
 
 def test_each_filter_rejects_with_its_reason() -> None:
-    from workers.eagle3.self_prompts import FilterSettings, rejection_reason
+    from workers.eagle3.generation.self_prompts import FilterSettings, rejection_reason
 
     settings = FilterSettings(markers=("<|im_start|>", "<|im_end|>", "<|", "[INST]"))
     cases = [
@@ -399,7 +399,7 @@ def test_each_filter_rejects_with_its_reason() -> None:
 def test_exact_and_near_duplicates_are_found_and_distinct_prompts_kept() -> None:
     import random
 
-    from workers.eagle3.self_prompts import Deduplicator, jaccard, normalize, shingles
+    from workers.eagle3.generation.self_prompts import Deduplicator, jaccard, normalize, shingles
 
     dedup = Deduplicator()
     first = "Explain how binary search works on a sorted array of integers."
@@ -446,7 +446,7 @@ def test_exact_and_near_duplicates_are_found_and_distinct_prompts_kept() -> None
 def test_distinct_n_and_the_summary_fields() -> None:
     from collections import Counter
 
-    from workers.eagle3.self_prompts import SelfPromptStats, distinct_n
+    from workers.eagle3.generation.self_prompts import SelfPromptStats, distinct_n
 
     texts = ["a b c", "A b  d"]
     assert distinct_n(texts, 1) == 4 / 6 and distinct_n(texts, 2) == 3 / 4
@@ -465,7 +465,7 @@ def word_sampler(calls: list[int], crash_after: int | None = None) -> Any:
     truncated and short ones."""
     import random
 
-    from workers.eagle3.self_prompts import Sample
+    from workers.eagle3.generation.self_prompts import Sample
 
     def sample(count: int, seed: int) -> list[Sample]:
         if crash_after is not None and len(calls) >= crash_after:
@@ -493,7 +493,7 @@ def word_sampler(calls: list[int], crash_after: int | None = None) -> Any:
 
 def test_self_prompts_resume_after_a_crash_without_duplicates(tmp_path: Path) -> None:
     from workers.common import ProgressReporter
-    from workers.eagle3.self_prompts import (
+    from workers.eagle3.generation.self_prompts import (
         CollectSettings,
         collect,
         normalize,
@@ -536,7 +536,7 @@ def test_self_prompts_resume_after_a_crash_without_duplicates(tmp_path: Path) ->
 
 def test_self_prompts_give_up_after_max_rounds_with_counts(tmp_path: Path) -> None:
     from workers.common import ProgressReporter
-    from workers.eagle3.self_prompts import (
+    from workers.eagle3.generation.self_prompts import (
         CollectSettings,
         Sample,
         SelfPromptsIncomplete,

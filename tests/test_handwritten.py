@@ -1,4 +1,4 @@
-"""The hand-written held-out set (workers/eagle3/handwritten.py): balanced over the eight
+"""The hand-written held-out set (workers/eagle3/evaluation/handwritten.py): balanced over the eight
 categories, unique ids, single user turns; unlike every training prompt the repository
 can generate; shipped as package data; a limit spreads over the categories; questions
 seen in training are not scored."""
@@ -13,8 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from workers import prompts as synthetic
-from workers.eagle3.handwritten import (
+from workers.eagle3.evaluation.handwritten import (
     CATEGORIES,
     HANDWRITTEN_PROMPTS,
     HandwrittenError,
@@ -22,10 +21,11 @@ from workers.eagle3.handwritten import (
     select_handwritten,
     stratified,
 )
-from workers.heldout import TrainingPrompts, read_prompts
+from workers.eagle3.evaluation.heldout import TrainingPrompts, read_prompts
+from workers.fixtures import prompts as synthetic
 
 ROOT = Path(__file__).resolve().parents[1]
-DEMO_PROMPTS = ROOT / "workers" / "data" / "demo_prompts.jsonl"
+DEMO_PROMPTS = ROOT / "workers" / "fixtures" / "data" / "demo_prompts.jsonl"
 QUESTIONS = read_handwritten()
 SHINGLE_WORDS = 5
 
@@ -42,7 +42,7 @@ def shingles(text: str, n: int = SHINGLE_WORDS) -> set[tuple[str, ...]]:
 
 def training_prompt_texts() -> list[str]:
     """Every prompt the repository can train on: all topic x task combinations of
-    workers/prompts.py (what the demo and the benchmark draw from) and the demo prompts."""
+    workers/fixtures/prompts.py (what the demo and the benchmark draw from) and the demo prompts."""
     texts = [task.format(t=topic) for topic in synthetic.TOPICS for task in synthetic.TASKS]
     return texts + [user_text(p.messages) for p in read_prompts(DEMO_PROMPTS)]
 
@@ -65,7 +65,7 @@ def test_ten_questions_in_each_category_with_unique_ids() -> None:
 
 def test_no_question_resembles_a_training_prompt() -> None:
     """No hand-written question shares a single word 5-gram with any of the 2,958
-    prompts the repository trains on (the 2,926 topic x task prompts of workers/prompts.py,
+    prompts the repository trains on (the 2,926 topic x task prompts of workers/fixtures/prompts.py,
     the 32 demo prompts). Why 5 words and zero: the templates' fixed parts are 3-9 words ("Explain
     {t} to a ten-year-old.", "What are the pros and cons of {t}?"), so a question built on
     one, or on a demo prompt, carries at least one of its 5-grams (the control below),
@@ -111,7 +111,7 @@ def test_a_limit_spreads_over_the_categories(limit: int | None,
 
 
 def test_questions_seen_in_training_are_not_scored(tmp_path: Path) -> None:
-    """workers/heldout.py's rule: a question whose id or text is in the training
+    """workers/eagle3/evaluation/heldout.py's rule: a question whose id or text is in the training
     conversations is dropped, and the limit takes the next one of its category."""
     by_id = {q.prompt.id: q for q in QUESTIONS}
     conversations = tmp_path / "conversations.jsonl"

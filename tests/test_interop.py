@@ -11,7 +11,7 @@
   `check_hidden_states`, `ArrowDataset`, `CollateFn` + `shift_batch`, the train CLI's
   `parse_vocab_mappings`, `speculators convert ... --algorithm eagle3` as the export
   prints it, and `Eagle3DraftModel.from_pretrained`: its embedding, its layer ids, and
-  its step-0 logits against `workers.draft.load_draft`.
+  its step-0 logits against `workers.eagle3.draft.model.load_draft`.
 
 Every sample is compared with the extraction's own files, bit for bit."""
 
@@ -34,10 +34,10 @@ from safetensors.torch import load_file, save_file
 
 from tests.helpers import make_conversations, make_model, worker_env
 from workers import export
-from workers.draft import DraftConfig, Eagle3Draft, load_draft, write_draft
-from workers.hidden_files import PRENORM_KEY
-from workers.speculators_draft import CONVERTED_DIR, DRAFT_DIR, EMBED_KEY
-from workers.vocab_mapping import build_mapping, select_draft_vocab
+from workers.eagle3.draft.model import DraftConfig, Eagle3Draft, load_draft, write_draft
+from workers.eagle3.draft.speculators_draft import CONVERTED_DIR, DRAFT_DIR, EMBED_KEY
+from workers.eagle3.draft.vocab_mapping import build_mapping, select_draft_vocab
+from workers.eagle3.extraction.hidden_files import PRENORM_KEY
 
 pytestmark = [
     pytest.mark.slow, pytest.mark.usefixtures("one_thread"),
@@ -469,7 +469,7 @@ def test_speculators_step0_logits_equal_load_draft(setup: dict[str, Path],
                                                    converted: Path) -> None:
     """The converted draft in speculators' own forward (eager attention, one TTT step,
     inputs aligned as its shift_batch aligns them) gives the logits of
-    `workers.draft.load_draft` on the same sample."""
+    `workers.eagle3.draft.model.load_draft` on the same sample."""
     sample = ours(setup["hidden"])[0]
     aux, ids = sample["aux_hidden_states"], sample["input_ids"]
     length = ids.numel() - 1

@@ -4,6 +4,7 @@ environment, and outlive the daemon), and the workers never import the superviso
 
 from __future__ import annotations
 
+import ast
 import json
 import subprocess
 import sys
@@ -63,12 +64,94 @@ def test_the_publishing_shim_imports_only_the_standard_library_and_its_readers(
     assert ours >= PUBLISHER_READERS  # the readers were imported: the list is not vacuous
 
 
+def module_imports(root: Path) -> dict[str, set[str]]:
+    """{module: the modules of `package` it imports} for every module under `root`
+    (a package folder), read from the AST: imports inside functions count (a
+    lazy import is still an arrow), and `from a import b` is an arrow to `a.b` when
+    that is a module, else to `a`. Names from outside are kept as written, so a
+    check can see an import of another package."""
+    modules = {}
+    for source in sorted(root.rglob("*.py")):
+        parts = source.relative_to(root.parent).with_suffix("").parts
+        name = ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+        modules[name] = source
+    arrows: dict[str, set[str]] = {}
+    for name, source in modules.items():
+        here = name if source.name == "__init__.py" else name.rpartition(".")[0]
+        found: set[str] = set()
+        for node in ast.walk(ast.parse(source.read_text(), str(source))):
+            if isinstance(node, ast.Import):
+                found.update(alias.name for alias in node.names)
+            elif isinstance(node, ast.ImportFrom):
+                base = node.module or ""
+                if node.level:
+                    anchor = here.split(".")[:len(here.split(".")) - node.level + 1]
+                    base = ".".join([*anchor, *([base] if base else [])])
+                for alias in node.names:
+                    found.add(f"{base}.{alias.name}" if f"{base}.{alias.name}" in modules
+                              else base)
+        arrows[name] = {m for m in found if m != name}
+    return arrows
+
+
+def import_circles(arrows: dict[str, set[str]]) -> list[list[str]]:
+    """The import circles among the modules of `arrows` (each found once, from the
+    depth-first walk that closes it)."""
+    circles, done, path = [], set(), []
+
+    def walk(module: str) -> None:
+        if module in path:
+            circles.append([*path[path.index(module):], module])
+            return
+        if module in done:
+            return
+        path.append(module)
+        for imported in sorted(arrows.get(module, set()) & arrows.keys()):
+            walk(imported)
+        path.pop()
+        done.add(module)
+
+    for module in sorted(arrows):
+        walk(module)
+    return circles
+
+
+WORKERS = module_imports(REPO / "workers")
+STEPS = {"workers.generate", "workers.extract", "workers.vocab", "workers.train",
+         "workers.evaluate", "workers.export"}
+"""The steps' entry points (`python -m workers.<step>`): public names, kept at the top."""
+
+
 def test_the_workers_do_not_import_the_supervisor() -> None:
-    sources = sorted((REPO / "workers").glob("*.py"))
-    assert sources
-    for source in sources:
-        text = source.read_text()
-        assert "import supervisor" not in text and "from supervisor" not in text, source
+    assert len(WORKERS) > 30  # the walk found the rooms, not only the top folder
+    outside = {module: sorted(m for m in imported if m.split(".")[0] == "supervisor")
+               for module, imported in WORKERS.items()}
+    assert {module: names for module, names in outside.items() if names} == {}
+
+
+def test_no_import_circle_inside_the_workers() -> None:
+    assert import_circles(WORKERS) == []
+    # the walk sees circles: one made up here is found
+    assert import_circles({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == [["a", "b", "c", "a"]]
+
+
+def test_the_workers_rooms() -> None:
+    """The top of `workers/` holds the steps and what every worker shares; the library
+    (`workers.eagle3`) never imports a step; the fixtures (tiny models, stub server,
+    SmolLM2, demo prompts) are imported by the tests, the benchmarks and the demo, never
+    by a step or the library."""
+    top = {m for m in WORKERS if m.count(".") == 1}
+    assert top == STEPS | {"workers.common", "workers.eagle3", "workers.fixtures"}
+    library = {m for m in WORKERS if m.startswith("workers.eagle3")}
+    assert {m: sorted(WORKERS[m] & STEPS) for m in library if WORKERS[m] & STEPS} == {}
+    fixtures = {m for m in WORKERS if m.startswith("workers.fixtures")}
+    users = {m: sorted(i for i in imported if i.startswith("workers.fixtures"))
+             for m, imported in WORKERS.items() if m not in fixtures}
+    assert {m: names for m, names in users.items() if names} == {}
+    supervisor = module_imports(REPO / "supervisor")
+    assert {m for m, imported in supervisor.items()
+            if any(i.startswith("workers.fixtures") for i in imported)} == {
+        "supervisor.client.demo"}
 
 
 def test_every_supervisor_module_sits_in_a_package_with_a_docstring() -> None:

@@ -1,5 +1,5 @@
-"""Packed INT4 routed experts (workers/eagle3/packed_experts.py) on the CPU: the layout is
-compressed-tensors' own, the tiny INT4 DeepSeek-V3 and Kimi-K2.5 (workers/tiny_int4.py)
+"""Packed INT4 routed experts (workers/eagle3/target/packed_experts.py) on the CPU: the layout is
+compressed-tensors' own, the tiny INT4 DeepSeek-V3 and Kimi-K2.5 (workers/fixtures/tiny_int4.py)
 extract the same hidden states through the packed path as through the dequantized one
 (fp32: max relative difference per layer <= 1e-5), the load's peak memory is the packed
 experts plus the rest, and a scheme the path cannot run is refused in one line."""
@@ -21,7 +21,9 @@ import torch  # noqa: E402
 from safetensors.torch import load_file  # noqa: E402
 
 from tests.helpers import make_conversations, worker_env  # noqa: E402
-from workers.eagle3.packed_experts import (  # noqa: E402
+from workers.eagle3.target.loading import load_target
+from workers.eagle3.target.model import TargetError  # noqa: E402
+from workers.eagle3.target.packed_experts import (  # noqa: E402
     EXPERT_KEY,
     PackedExperts,
     UnsupportedScheme,
@@ -31,8 +33,7 @@ from workers.eagle3.packed_experts import (  # noqa: E402
     pack_int4,
     unpack_int4,
 )
-from workers.target import TargetError, load_target  # noqa: E402
-from workers.tiny_int4 import build_tiny_int4_target, library_dequantized  # noqa: E402
+from workers.fixtures.tiny_int4 import build_tiny_int4_target, library_dequantized  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -183,7 +184,7 @@ def test_an_unsupported_scheme_is_refused_in_one_line(int4: tuple[str, Path], tm
 
 
 def test_packed_on_a_dense_checkpoint_is_refused(tmp_path: Path) -> None:
-    from workers.tiny import build_tiny_target
+    from workers.fixtures.tiny import build_tiny_target
 
     path = build_tiny_target(tmp_path / "dense")
     with pytest.raises(TargetError, match="pack-quantized"):
@@ -193,7 +194,7 @@ def test_packed_on_a_dense_checkpoint_is_refused(tmp_path: Path) -> None:
 
 RSS_SCRIPT = """
 import gc, json, sys, torch
-from workers.target import load_target
+from workers.eagle3.target.loading import load_target
 load_target(sys.argv[1], dtype=torch.bfloat16)  # imports and lazy inits, not measured
 gc.collect()
 def status(key):
@@ -231,7 +232,7 @@ def test_peak_rss_of_the_load_is_the_packed_experts_plus_the_rest(tmp_path: Path
 
 
 def test_the_load_plan_refuses_with_the_shortfall_named(int4: tuple[str, Path]) -> None:
-    from workers.eagle3.load_plan import LoadPlanError, plan_load, size_text
+    from workers.eagle3.target.load_plan import LoadPlanError, plan_load, size_text
 
     _, path = int4
     entries = checkpoint_entries(path)
@@ -252,7 +253,7 @@ def test_the_load_plan_refuses_with_the_shortfall_named(int4: tuple[str, Path]) 
 
 
 def test_packed_split_over_devices_computes_the_same(int4: tuple[str, Path]) -> None:
-    """The split's placement and hooks (workers/split.py) on the packed model: two CPU
+    """The split's placement and hooks (workers/eagle3/target/split.py) on the packed model: two CPU
     "devices" here; tests/test_w4a16_moe_gpu.py has the two-GPU case."""
     _, path = int4
     one = load_target(path, dtype=torch.float32)

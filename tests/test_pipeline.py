@@ -9,12 +9,37 @@ from pathlib import Path
 import pytest
 
 from tests.helpers import Daemon, free_port
-from workers.tiny import DEMO_PROMPTS
+from workers.fixtures.tiny import DEMO_PROMPTS
 
 
 def body(tiny_model: Path, out: Path, **extra: object) -> dict:
     return {"model": str(tiny_model), "prompts": str(DEMO_PROMPTS), "out": str(out),
             "device": "cpu", "dtype": "fp32", "draft_vocab_size": 64, **extra}
+
+
+def step_id(step: str) -> str:
+    """The id a step's job got, as `eagle3_jobs`'s caller resolves it."""
+    return f"job-{step}"
+
+
+@pytest.mark.parametrize("extra", [{}, {"serve": "stub"}, {"eval_prompts": 0},
+                                   {"serve": "stub", "eval_prompts": 0}])
+def test_each_step_depends_on_the_step_it_names(tiny_model: Path, tmp_path: Path,
+                                                extra: dict[str, object]) -> None:
+    """The chain is wired by step name: with or without the served target (a step
+    more before extraction) and the evaluation (a step fewer at the end)."""
+    from supervisor.pipeline import Eagle3Pipeline, eagle3_jobs
+
+    request = Eagle3Pipeline.model_validate(body(tiny_model, tmp_path / "run", **extra))
+    specs = {spec.labels["step"]: spec for spec in eagle3_jobs(request, resolve=step_id)}
+    wanted = {"extract": "generate", "vocab": "extract", "train": "vocab", "evaluate": "train"}
+    if "serve" in extra:
+        assert specs["serve"].stop_when_ended == ["job-generate"]
+    if extra.get("eval_prompts") == 0:
+        del wanted["evaluate"]
+    assert list(specs) == ["generate", *(["serve"] if "serve" in extra else []), *wanted]
+    assert {step: specs[step].depends_on for step in wanted} == {
+        step: [step_id(before)] for step, before in wanted.items()}
 
 
 @pytest.mark.slow
@@ -49,7 +74,7 @@ def test_jobs_are_chained_and_labelled(daemon: Daemon, tiny_model: Path, tmp_pat
         "chain-generate", "chain-serve", "chain-extract", "chain-vocab", "chain-train",
         "chain-evaluate"]
     assert serve["spec"]["stop_when_ended"] == [generate["id"]]
-    assert serve["spec"]["command"][1:4] == ["-m", "workers.stub_server", str(tiny_model)]
+    assert serve["spec"]["command"][1:4] == ["-m", "workers.fixtures.stub_server", str(tiny_model)]
     assert f"http://127.0.0.1:{port}/v1" in generate["spec"]["command"]
     assert extract["spec"]["depends_on"] == [generate["id"]]
     assert vocab["spec"]["depends_on"] == [extract["id"]]
@@ -184,7 +209,7 @@ def test_steps_go_to_slurm_with_their_own_resources(tiny_model: Path, tmp_path: 
             "extract": {"partition": "gpu", "gpus_per_node": 8, "time": "4:00:00"},
             "train": {"partition": "gpu", "gpus_per_node": 1}}))
     specs = {spec.labels["step"]: spec for spec in
-             eagle3_jobs(request, resolve=lambda i: f"job{i:04d}")}
+             eagle3_jobs(request, resolve=step_id)}
     assert list(specs) == ["generate", "extract", "vocab", "train", "evaluate"]
     assert {spec.backend for spec in specs.values()} == {"slurm"}
     extract, train, vocab = specs["extract"].slurm, specs["train"].slurm, specs["vocab"].slurm
@@ -197,7 +222,7 @@ def test_steps_go_to_slurm_with_their_own_resources(tiny_model: Path, tmp_path: 
     # no launcher: a step with a section runs on slurm, the others where the daemon says
     mixed = Eagle3Pipeline.model_validate(body(
         tiny_model, tmp_path / "run", slurm={"extract": {"gpus_per_node": 8}}))
-    steps = {s.labels["step"]: s for s in eagle3_jobs(mixed, resolve=lambda i: f"j{i}")}
+    steps = {s.labels["step"]: s for s in eagle3_jobs(mixed, resolve=step_id)}
     assert steps["extract"].backend_or("local") == "slurm"
     assert steps["train"].backend is None and steps["train"].slurm is None
 
@@ -205,7 +230,7 @@ def test_steps_go_to_slurm_with_their_own_resources(tiny_model: Path, tmp_path: 
     several = Eagle3Pipeline.model_validate(body(
         tiny_model, tmp_path / "run", extract_gpus="all",
         slurm={"extract": {"nodes": 4, "gpus_per_node": 8}}))
-    steps = {s.labels["step"]: s for s in eagle3_jobs(several, resolve=lambda i: f"j{i}")}
+    steps = {s.labels["step"]: s for s in eagle3_jobs(several, resolve=step_id)}
     extract = steps["extract"]
     assert extract.slurm is not None and extract.slurm.ranks == 4
     assert extract.command[extract.command.index("--gpus") + 1] == "all"
@@ -249,7 +274,7 @@ def test_self_prompts_spelling_writes_the_held_out_prompts_too(tiny_model: Path,
     out = tmp_path / "run"
     request = Eagle3Pipeline.model_validate(body(tiny_model, out, prompts="self:40",
                                                  eval_prompts=8))
-    steps = {s.labels["step"]: s for s in eagle3_jobs(request, resolve=lambda i: f"j{i}")}
+    steps = {s.labels["step"]: s for s in eagle3_jobs(request, resolve=step_id)}
     generate = steps["generate"].command
     assert "--prompts" not in generate
     assert generate[generate.index("--self-prompts") + 1] == "48"
@@ -262,7 +287,7 @@ def test_self_prompts_spelling_writes_the_held_out_prompts_too(tiny_model: Path,
 
     no_eval = Eagle3Pipeline.model_validate(body(tiny_model, out, prompts="self:5",
                                                  eval_prompts=0))
-    generate = next(eagle3_jobs(no_eval, resolve=lambda i: f"j{i}")).command
+    generate = next(eagle3_jobs(no_eval, resolve=step_id)).command
     assert generate[generate.index("--self-prompts") + 1] == "5" and "--limit" not in generate
 
     for prompts, extra, word in [("self:0", {}, "whole number of prompts > 0"),

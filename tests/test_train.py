@@ -23,7 +23,7 @@ from safetensors.torch import load_file, save_file
 from tests.helpers import make_conversations, make_model, wait_for, worker_env
 from workers import extract, vocab
 from workers.common import ProgressReporter
-from workers.draft import (
+from workers.eagle3.draft.model import (
     DraftConfig,
     Eagle3Draft,
     TargetHead,
@@ -31,15 +31,8 @@ from workers.draft import (
     load_draft_weights,
     ttt_losses,
 )
-from workers.train import (
-    build_model,
-    build_optimizer,
-    build_scheduler,
-    parse_args,
-    train_step,
-)
-from workers.train_data import Batch, ExtractedData, TrainError, load_batch
-from workers.train_heldout import (
+from workers.eagle3.training.train_data import Batch, ExtractedData, TrainError, load_batch
+from workers.eagle3.training.train_heldout import (
     HeldoutMeasure,
     default_eval_every,
     heldout_count,
@@ -47,6 +40,13 @@ from workers.train_heldout import (
     pack_heldout,
     reported_ks,
     simulated_tau,
+)
+from workers.train import (
+    build_model,
+    build_optimizer,
+    build_scheduler,
+    parse_args,
+    train_step,
 )
 
 pytestmark = pytest.mark.usefixtures("one_thread")

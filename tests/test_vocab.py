@@ -16,9 +16,10 @@ import pytest
 torch = pytest.importorskip("torch")
 from safetensors.torch import load_file, save_file  # noqa: E402
 
-from workers import vocab, vocab_mapping  # noqa: E402
+from workers import vocab  # noqa: E402
 from workers.common import tokenize_conversation  # noqa: E402
-from workers.tiny import build_tokenizer, corpus  # noqa: E402
+from workers.eagle3.draft import vocab_mapping  # noqa: E402
+from workers.fixtures.tiny import build_tokenizer, corpus  # noqa: E402
 
 REPO = Path(__file__).resolve().parent.parent
 pytestmark = pytest.mark.timeout(60)

@@ -1,4 +1,4 @@
-"""The Triton W4A16 grouped-expert kernel (workers/eagle3/w4a16_moe.py) against the fp32
+"""The Triton W4A16 grouped-expert kernel (workers/eagle3/target/w4a16_moe.py) against the fp32
 reference path (one expert dequantized at a time) on a GPU: top-8 of 384 experts, token
 counts from one to 65,536, experts that receive no token, and no host synchronisation in
 the forward. Skipped without CUDA and Triton (CPU machines, CI)."""
@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from workers.eagle3 import w4a16_moe
-from workers.eagle3.packed_experts import PackedExperts
+from workers.eagle3.target import w4a16_moe
+from workers.eagle3.target.packed_experts import PackedExperts
 
 pytestmark = pytest.mark.skipif(not w4a16_moe.available(), reason="needs CUDA and Triton")
 
@@ -107,14 +107,14 @@ def test_kimi_shapes_and_no_host_synchronisation() -> None:
 
 @pytest.fixture(scope="module")
 def int4_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A tiny INT4 DeepSeek-V3 (workers/tiny_int4.py): built here when compressed-tensors
+    """A tiny INT4 DeepSeek-V3 (workers/fixtures/tiny_int4.py): built here when compressed-tensors
     is installed, else the one `JOBSUP_INT4_CHECKPOINT` names (the GPU machines lack
     the package: the checkpoint travels with the tree)."""
     named = os.environ.get("JOBSUP_INT4_CHECKPOINT")
     if named:
         return Path(named)
     pytest.importorskip("compressed_tensors")
-    from workers.tiny_int4 import build_tiny_int4_target
+    from workers.fixtures.tiny_int4 import build_tiny_int4_target
 
     return build_tiny_int4_target(tmp_path_factory.mktemp("int4") / "int4", hidden=128)
 
@@ -123,8 +123,8 @@ def int4_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def test_packed_model_split_over_two_gpus(int4_checkpoint: Path) -> None:
     """The packed model on one GPU and split over two (the kernel then runs on the
     second GPU's layers too): the same hidden states, bit for bit."""
-    from workers.eagle3.packed_experts import PackedExperts
-    from workers.target import load_target
+    from workers.eagle3.target.loading import load_target
+    from workers.eagle3.target.packed_experts import PackedExperts
 
     one = load_target(int4_checkpoint, device="cuda:0", dtype=torch.bfloat16)
     split = load_target(int4_checkpoint, device=["cuda:0", "cuda:1"], dtype=torch.bfloat16)
@@ -145,8 +145,8 @@ def test_packed_model_on_a_gpu(int4_checkpoint: Path) -> None:
     layer) against the same model with the reference path in its MoE layers: the first
     MoE layer's output to bf16's rounding (later layers also see routing near-ties of a
     random router flip, so they are reported, not held to it)."""
-    from workers.eagle3.packed_experts import PackedExperts
-    from workers.target import load_target
+    from workers.eagle3.target.loading import load_target
+    from workers.eagle3.target.packed_experts import PackedExperts
 
     gpu = load_target(int4_checkpoint, device="cuda:0", dtype=torch.bfloat16)
     assert gpu.experts == "packed"

@@ -1,5 +1,5 @@
-"""Writeback of the extraction worker's files (workers/hidden_files.py `Writeback`):
-the CLI's default is steady and recorded, the modes write the same bytes, "fsync" and
+"""Writeback of the extraction worker's files (workers/eagle3/extraction/hidden_files.py
+`Writeback`): the CLI's default is steady and recorded, the modes write the same bytes, "fsync" and
 "range" leave the page cache without the written pages (mincore on the file itself),
 writeback errors are DiskFull, and a resume does not count a file cut short."""
 
@@ -19,9 +19,8 @@ import torch
 from safetensors.torch import load_file
 
 from tests.helpers import make_conversations, make_model, worker_env
-from workers import hidden_files
-from workers.extract import parse_args
-from workers.hidden_files import (
+from workers.eagle3.extraction import hidden_files
+from workers.eagle3.extraction.hidden_files import (
     DEFAULT_WRITEBACK,
     WRITEBACK_MODES,
     DiskFull,
@@ -32,6 +31,7 @@ from workers.hidden_files import (
     sample_path,
     write_atomically,
 )
+from workers.extract import parse_args
 
 REPO = Path(__file__).resolve().parent.parent
 LIBC = ctypes.CDLL(None, use_errno=True)

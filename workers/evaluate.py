@@ -1,8 +1,8 @@
 """Acceptance of an EAGLE-3 draft, measured: `python -m workers.evaluate --help`.
 
 Greedy speculative decoding of the target (HF transformers, KV cache, batch 1) with the
-draft proposing a chain of k tokens per target pass (workers/speculative.py: the draft
-runs as training's TTT unroll does, fed the target's captured layer inputs), on
+draft proposing a chain of k tokens per target pass (workers/eagle3/evaluation/speculative.py: the
+draft runs as training's TTT unroll does, fed the target's captured layer inputs), on
 held-out prompts. Reports, per k:
 
 - acceptance length tau: tokens emitted per target verification pass, the bonus token
@@ -21,11 +21,11 @@ reported as a near-tie and compared up to there; any other divergence is a verif
 bug and fails the run (exit 1), as does any divergence with `--strict`.
 
 Before loading the target it checks which layers vLLM and SGLang would feed the draft,
-as they read its config.json (workers/serving.py), against the layers it was trained on
+as they read its config.json (workers/eagle3/draft/serving.py), against the layers it was trained on
 (`--data`'s extract_config.json, else the draft's config.json).
 
 Prompts, two sets: the hand-written questions shipped with the workers (80, ten in
-each of MT-Bench's eight categories, workers/eagle3/handwritten.py; `--handwritten-limit
+each of MT-Bench's eight categories, workers/eagle3/evaluation/handwritten.py; `--handwritten-limit
 N` takes N spread over the categories, `--no-handwritten` none), and `--prompts`: JSONL
 records with `messages` (as `workers.generate` reads them) or `conversations`
 (`role`/`content` or ShareGPT `from`/`value`); trailing assistant turns are dropped, so a
@@ -56,15 +56,15 @@ from pathlib import Path
 from typing import Any
 
 from workers.common import ProgressReporter, setup_logging, write_json
-from workers.eagle3.handwritten import (
+from workers.eagle3.evaluation.eval_checks import Lossless, layer_error, layer_report
+from workers.eagle3.evaluation.handwritten import (
     CATEGORIES,
     HANDWRITTEN_PROMPTS,
     HandwrittenError,
     select_handwritten,
 )
-from workers.eval_checks import Lossless, layer_error, layer_report
-from workers.heldout import Prompt, TrainingPrompts, select_prompts
-from workers.target import DTYPE_NAMES, EXPERTS
+from workers.eagle3.evaluation.heldout import Prompt, TrainingPrompts, select_prompts
+from workers.eagle3.target.loading import DTYPE_NAMES, EXPERTS
 
 log = logging.getLogger("workers.evaluate")
 
@@ -115,7 +115,8 @@ def target_num_layers(target_config: Mapping[str, Any]) -> int:
 
 def load_target_model(path: Path, device: str, dtype: str, experts: str = "auto"
                       ) -> tuple[Any, Any]:
-    from workers.target import TargetError, load_target, load_tokenizer, torch_dtype
+    from workers.eagle3.target.loading import load_target, load_tokenizer, torch_dtype
+    from workers.eagle3.target.model import TargetError
 
     try:
         tokenizer = load_tokenizer(path)
@@ -130,7 +131,7 @@ def load_target_model(path: Path, device: str, dtype: str, experts: str = "auto"
 
 def load_trained_draft(path: Path, embedding: Any, num_layers: int) -> Any:
     """The saved draft, with the target's embedding (the only place a draft is loaded)."""
-    from workers.draft import DraftFileError, load_draft
+    from workers.eagle3.draft.model import DraftFileError, load_draft
 
     try:
         return load_draft(path, embedding, target_num_layers=num_layers)
@@ -142,7 +143,7 @@ def untrained_draft(trained: Any, seed: int) -> Any:
     """A draft of the same config and d2t/t2d, randomly initialized (seeded)."""
     import torch
 
-    from workers.draft import Eagle3Draft
+    from workers.eagle3.draft.model import Eagle3Draft
 
     embedding = trained.embed_tokens.weight
     generator_state = torch.random.get_rng_state()
@@ -165,7 +166,7 @@ def stop_token_ids(model: Any, tokenizer: Any) -> set[int]:
 # -- the run -----------------------------------------------------------------------------
 
 def evaluate(args: argparse.Namespace, progress: ProgressReporter) -> dict[str, Any]:
-    from workers.speculative import (
+    from workers.eagle3.evaluation.speculative import (
         Acceptance,
         DraftState,
         Target,
@@ -273,7 +274,7 @@ def evaluate(args: argparse.Namespace, progress: ProgressReporter) -> dict[str, 
 
 PROMPTS, HANDWRITTEN = "prompts", "handwritten"
 """The two sets: `--prompts` (the pipeline's held-out split of its own prompts file) and
-the hand-written questions shipped in workers/eagle3/data/."""
+the hand-written questions shipped in workers/eagle3/evaluation/data/."""
 
 
 @dataclass
@@ -442,7 +443,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     add("--limit", type=positive_int, metavar="M",
         help="evaluate at most M prompts of --prompts")
     add("--no-handwritten", action="store_true",
-        help="skip the hand-written questions (workers/eagle3/data/"
+        help="skip the hand-written questions (workers/eagle3/evaluation/data/"
              "heldout_handwritten.jsonl: 80, 10 in each of 8 categories), evaluated "
              "besides --prompts and first by default")
     add("--handwritten-limit", type=positive_int, metavar="N",

@@ -35,7 +35,7 @@ interrupted run (or a full disk, exit 4) resumes where it stopped.
 wrote plus the target's `embed_tokens` (speculators' loader needs it in the file; vLLM
 and SGLang do not, so out/train/draft/ never holds it), and the exact `speculators
 convert` line, printed, that makes OUT/speculators_draft/ with the draft's layer ids
-(workers/speculators_draft.py says why both).
+(workers/eagle3/draft/speculators_draft.py says why both).
 
 --vocab takes the d2t/t2d file of `workers.vocab` (or a draft checkpoint that has them).
 Progress goes to $JOBSUP_PROGRESS_FILE; OUT/export.json records what was exported.
@@ -64,10 +64,11 @@ from typing import Any
 import torch
 from safetensors import safe_open
 
-from workers import speculators_draft
 from workers.common import ProgressReporter, fail, read_jsonl, setup_logging, write_json
-from workers.eagle3.fp8_features import is_encoded, read_feature, store_of
-from workers.hidden_files import (
+from workers.eagle3.draft import speculators_draft
+from workers.eagle3.draft.vocab_mapping import VocabError, load_mapping
+from workers.eagle3.extraction.fp8_features import is_encoded, read_feature, store_of
+from workers.eagle3.extraction.hidden_files import (
     PRENORM_KEY,
     SHARD_SIZE,
     DiskFull,
@@ -75,7 +76,6 @@ from workers.hidden_files import (
     safetensors_parts,
     write_atomically,
 )
-from workers.vocab_mapping import VocabError, load_mapping
 
 log = logging.getLogger("workers.export")
 

@@ -14,10 +14,10 @@ Storage: `--store dtype` (the default) keeps the hidden states in the compute dt
 scale per token and per layer beside each (`aux_hidden_states_scale` [S, 3],
 `hidden_state_scale` [S, 1], `hidden_state_prenorm_scale` [S, 1]; x ~= fp8 * scale):
 about half the disk of bf16 (H + 4 bytes per token and layer instead of 2H), per
-element within 1/16 of the value plus 2^-10 of the scale (workers/eagle3/fp8_features.py).
-Encoded on the GPU before the device-to-host copy; train, export and every other reader
-decode it (train to its compute dtype, export to bf16). extract_config.json records the
-store, and a resume refuses another one.
+element within 1/16 of the value plus 2^-10 of the scale
+(workers/eagle3/extraction/fp8_features.py). Encoded on the GPU before the device-to-host copy;
+train, export and every other reader decode it (train to its compute dtype, export to bf16).
+extract_config.json records the store, and a resume refuses another one.
 
 Speed: on a GPU the three costs — forward passes, device-to-host copies, file writes —
 overlap. Batches are packed by length (`--batch-tokens`), captured states are copied
@@ -32,8 +32,9 @@ run evicts the whole page cache. `--writeback range` starts each file's writebac
 once and waits for it a few files later (bench/writeback.py compares the three).
 
 Several GPUs: `--gpus N` runs one process per GPU, each taking every N-th sample into
-the same tree (workers/ranks.py); `--gpus-per-model K` splits the model's layers over K
-GPUs for a target larger than one (workers/split.py), N/K copies with `--gpus N`.
+the same tree (workers/eagle3/extraction/ranks.py); `--gpus-per-model K` splits the
+model's layers over K GPUs for a target larger than one (workers/eagle3/target/split.py),
+N/K copies with `--gpus N`.
 
 Several nodes: started once per task by a launcher that sets RANK and WORLD_SIZE (srun
 under jobsup's `slurm` backend, torchrun), task t of T with L local ranks (`--gpus`,
@@ -47,10 +48,11 @@ train, vocab, export and evaluate keep reading one complete manifest).
 
 Batch invariance: `--check-batch-invariance N` re-runs N of the samples alone and
 compares them with the same samples inside their packed batches (per-layer relative
-differences, MoE routing flips, lm_head argmax changes: workers/batch_invariance.py),
-writes `batch_invariance.json`, logs a table and exits without extracting. In bf16 a
-mixture-of-experts target is not batch-invariant: near-tie top-k routing decisions flip
-with what a sample is batched with, and every later layer inherits the flip.
+differences, MoE routing flips, lm_head argmax changes:
+workers/eagle3/extraction/batch_invariance.py), writes `batch_invariance.json`, logs a
+table and exits without extracting. In bf16 a mixture-of-experts target is not
+batch-invariant: near-tie top-k routing decisions flip with what a sample is batched
+with, and every later layer inherits the flip.
 
 Resume: samples whose file exists whole are skipped (their manifest line is restored
 if the crash came between the rename and the append); a file cut short (a power loss
@@ -82,9 +84,9 @@ from workers.common import (
     tokenize_conversation,
     write_json,
 )
-from workers.eagle3.fp8_features import DEFAULT_STORE, STORES, store_of
-from workers.extract_parent import run_parent
-from workers.hidden_files import (
+from workers.eagle3.extraction.extract_parent import run_parent
+from workers.eagle3.extraction.fp8_features import DEFAULT_STORE, STORES, store_of
+from workers.eagle3.extraction.hidden_files import (
     DEFAULT_WRITEBACK,
     PRENORM_KEY,
     WRITEBACK_MODES,
@@ -94,21 +96,20 @@ from workers.hidden_files import (
     rank_summary,
     restore_manifest,
 )
-from workers.ranks import LaunchError, in_shard, launcher_task, run_identity
-from workers.target import (
+from workers.eagle3.extraction.ranks import LaunchError, in_shard, launcher_task, run_identity
+from workers.eagle3.target.loading import (
     DTYPE_NAMES,
     EXPERTS,
-    Target,
-    TargetError,
     load_target,
     load_tokenizer,
     torch_dtype,
 )
+from workers.eagle3.target.model import Target, TargetError
 
 if TYPE_CHECKING:  # imported where used: the parent of the ranks never loads torch
     import torch
 
-    from workers.extractor import Sample, Stats
+    from workers.eagle3.extraction.extractor import Sample, Stats
 
 log = logging.getLogger("workers.extract")
 
@@ -119,7 +120,7 @@ def load_samples(data: Path, tokenizer: Any, *, max_length: int | None, on_too_l
                  stats: Stats, limit: int | None) -> Iterator[Sample]:
     """Tokenized samples in file order; the index is the record's ordinal among valid
     records, so it is stable across resumes of the same file."""
-    from workers.extractor import Sample
+    from workers.eagle3.extraction.extractor import Sample
 
     jsonl = JsonlStats()
     seen: set[str] = set()
@@ -155,11 +156,11 @@ def load_samples(data: Path, tokenizer: Any, *, max_length: int | None, on_too_l
 def load_model(path: Path, *, device: str, dtype: torch.dtype, experts: str = "auto",
                progress: ProgressReporter | None = None) -> tuple[Target, Any]:
     """The target (a causal LM, or a multimodal model's language model: see
-    workers/target.py) on `device`, or split over a comma-separated list of devices;
+    workers/eagle3/target/loading.py) on `device`, or split over a comma-separated list of devices;
     `experts`: how a packed-INT4 checkpoint's routed experts are held. A packed load
     reports its GB read and GB/s in `progress`'s metrics (`load_gb`, `load_gb_per_s`):
     the seed's 24-minute load was silent."""
-    from workers.split import parse_devices
+    from workers.eagle3.target.split import parse_devices
 
     started = time.monotonic()
 
@@ -341,9 +342,13 @@ def extract_here(args: argparse.Namespace) -> int:
     """The extraction in this process: alone, or as one rank of a parent's."""
     import torch
 
-    from workers.batch_invariance import CheckError, check_batch_invariance, format_report
-    from workers.extractor import Extractor, Stats, capture_layers
-    from workers.split import parse_devices
+    from workers.eagle3.extraction.batch_invariance import (
+        CheckError,
+        check_batch_invariance,
+        format_report,
+    )
+    from workers.eagle3.extraction.extractor import Extractor, Stats, capture_layers
+    from workers.eagle3.target.split import parse_devices
 
     first = torch.device(parse_devices(args.device)[0])
     if first.type == "cuda" and first.index is not None:
@@ -438,7 +443,7 @@ def check_resume_settings(out: Path, *, keep_prenorm: bool, store: str) -> None:
 
 
 def write_config(args: argparse.Namespace, target: Target) -> None:
-    from workers.extractor import capture_layers
+    from workers.eagle3.extraction.extractor import capture_layers
 
     config = {"model": str(args.model), "num_layers": target.num_layers,
               "hidden_size": target.hidden_size, "vocab_size": target.vocab_size,

@@ -8,7 +8,7 @@ reasoning trace, where the server returns one) is kept as one conversation per l
 
 With --self-prompts N the target first writes the prompts (Magpie: its chat template up
 to a user turn's content, continued until the turn ends), which are filtered and
-de-duplicated (workers/eagle3/self_prompts.py) into OUT_STEM.self_prompts.jsonl beside
+de-duplicated (workers/eagle3/generation/self_prompts.py) into OUT_STEM.self_prompts.jsonl beside
 the output, with counts in OUT_STEM.self_prompts.summary.json; a rerun keeps them and
 samples only what is missing.
 
@@ -38,8 +38,8 @@ from workers.common import (
     require_file,
     setup_logging,
 )
-from workers.eagle3 import self_prompts
-from workers.generate_output import (
+from workers.eagle3.generation import self_prompts
+from workers.eagle3.generation.generate_output import (
     Answer,
     OutputFile,
     Prompt,
@@ -47,8 +47,8 @@ from workers.generate_output import (
     RunState,
     make_record,
 )
-from workers.openai_backend import run_openai
-from workers.target import EXPERTS
+from workers.eagle3.generation.openai_backend import run_openai
+from workers.eagle3.target.loading import EXPERTS
 
 log = logging.getLogger("workers.generate")
 
@@ -120,7 +120,8 @@ def load_local_target(args: argparse.Namespace) -> LocalTarget:
     started = time.monotonic()
     import torch
 
-    from workers.target import TargetError, load_target, load_tokenizer
+    from workers.eagle3.target.loading import load_target, load_tokenizer
+    from workers.eagle3.target.model import TargetError
 
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     try:

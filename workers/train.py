@@ -3,7 +3,7 @@
 Reads what `workers.extract` wrote (`--data`: manifest.jsonl, extract_config.json,
 one safetensors file per sample, each opened memory-mapped only when its batch is
 built, one batch read ahead on a thread) and the d2t/t2d of `workers.vocab`; trains the
-draft of `workers.draft` (SGLang `LlamaForCausalLMEagle3` layout) against the target's
+draft of `workers.eagle3.draft.model` (SGLang `LlamaForCausalLMEagle3` layout) against the target's
 own lm_head applied to the saved final hidden states:
 
 - target at position p: softmax over the draft-vocabulary columns of
@@ -33,8 +33,8 @@ directory and renamed, then `latest` is replaced; the last two are kept. A rerun
 same command resumes from `latest`: weights, optimizer, scheduler, RNG and the position
 in the epoch, so no sample is repeated or skipped. SIGTERM saves a checkpoint, exit 143.
 
-Held-out choice (`workers.train_heldout`): `--heldout-samples` (default 2 %, at most 256)
-are never trained on; every `--eval-every` steps and at the end the draft's per-TTT-step
+Held-out choice (`workers.eagle3.training.train_heldout`): `--heldout-samples` (default 2 %, at
+most 256) are never trained on; every `--eval-every` steps and at the end the draft's per-TTT-step
 accuracy on them gives a simulated accepted length tau_sim(k), logged, reported in the
 progress metrics (`heldout_tau_5`, `heldout_acc_0`, ...) and appended to
 out/heldout.jsonl. Each new best (by tau_sim(`--select-k`)) is written to
@@ -57,23 +57,13 @@ import shutil
 import signal
 import sys
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
 import torch
 from safetensors import safe_open
 
-from workers import serving
-from workers.checkpoints import (
-    best_dir,
-    latest_checkpoint,
-    reset_best,
-    rng_state,
-    save_best,
-    save_checkpoint,
-    set_rng_state,
-)
 from workers.common import (
     ProgressReporter,
     fail,
@@ -83,7 +73,8 @@ from workers.common import (
     setup_logging,
     write_json,
 )
-from workers.draft import (
+from workers.eagle3.draft import serving
+from workers.eagle3.draft.model import (
     STEP_WEIGHT,
     DraftConfig,
     DraftFileError,
@@ -95,9 +86,26 @@ from workers.draft import (
     ttt_losses,
     write_draft,
 )
-from workers.hidden_files import truncate_torn_line
-from workers.train_data import Batch, ExtractedData, Sample, TrainError, load_batch, prefetched
-from workers.train_heldout import (
+from workers.eagle3.extraction.hidden_files import truncate_torn_line
+from workers.eagle3.training.checkpoints import (
+    best_dir,
+    latest_checkpoint,
+    reset_best,
+    rng_state,
+    save_best,
+    save_checkpoint,
+    set_rng_state,
+)
+from workers.eagle3.training.target_head import load_target_head, load_target_norm
+from workers.eagle3.training.train_data import (
+    Batch,
+    ExtractedData,
+    Sample,
+    TrainError,
+    load_batch,
+    prefetched,
+)
+from workers.eagle3.training.train_heldout import (
     HeldoutMeasure,
     default_eval_every,
     heldout_count,
@@ -113,70 +121,8 @@ EXIT_TERMINATED = 143
 
 # -- inputs ----------------------------------------------------------------------------
 
-def _tensor_files(model_dir: Path) -> dict[str, Path]:
-    index = model_dir / "model.safetensors.index.json"
-    if index.is_file():
-        weight_map = json.loads(index.read_text(encoding="utf-8"))["weight_map"]
-        return {name: model_dir / file for name, file in weight_map.items()}
-    names: dict[str, Path] = {}
-    for file in sorted(model_dir.glob("*.safetensors")):
-        with safe_open(str(file), framework="pt") as f:
-            names.update(dict.fromkeys(f.keys(), file))
-    return names
-
-
-def load_target_head(model_dir: Path, device: torch.device,
-                     dtype: torch.dtype) -> tuple[dict[str, Any], torch.Tensor, torch.Tensor]:
-    """(config.json, embed_tokens [V, H], lm_head [V, H]) of the target, reading only
-    those two tensors; lm_head is the embedding when the target ties them. A multimodal
-    target's are its language model's (Kimi-K2.5: `language_model.model.embed_tokens`,
-    `language_model.lm_head`), never a vision tower's."""
-    config_file = model_dir / "config.json"
-    if not config_file.is_file():
-        raise TrainError(f"--target {str(model_dir)!r} has no config.json")
-    config = json.loads(config_file.read_text(encoding="utf-8"))
-    files = _tensor_files(model_dir)
-
-    def text_first(names: Iterable[str]) -> list[str]:  # the language model's, then shortest
-        return sorted(names, key=lambda n: ("language_model" not in n, len(n)))
-
-    embeds = text_first(n for n in files if n.endswith("embed_tokens.weight"))
-    heads = text_first(n for n in files if n == "lm_head.weight" or n.endswith(".lm_head.weight"))
-    if not embeds:
-        raise TrainError(f"--target {str(model_dir)!r}: no embed_tokens weight in its "
-                         "safetensors files")
-    text = config.get("text_config") or config
-    tied = text.get("tie_word_embeddings", config.get("tie_word_embeddings", False))
-    if not heads and not tied:
-        quantized = any(n.endswith("lm_head.weight_packed") for n in files)
-        raise TrainError(f"--target {str(model_dir)!r}: no lm_head weight and the "
-                         "embeddings are not tied" + (" (its lm_head is quantized; the "
-                         "training targets need it in full precision)" if quantized else ""))
-
-    def read(name: str) -> torch.Tensor:
-        with safe_open(str(files[name]), framework="pt") as f:
-            return f.get_tensor(name).to(device=device, dtype=dtype)
-
-    embed = read(embeds[0])
-    return config, embed, read(heads[0]) if heads else embed
-
-
-def load_target_norm(model_dir: Path, device: torch.device,
-                     dtype: torch.dtype) -> torch.Tensor | None:
-    """The target's final norm weight [H] (`model.norm.weight`, a multimodal target's
-    language model's), None when its files have none by that name."""
-    files = _tensor_files(model_dir)
-    names = sorted((n for n in files if n == "model.norm.weight"
-                    or n.endswith(".model.norm.weight")),
-                   key=lambda n: ("language_model" not in n, len(n)))
-    if not names:
-        return None
-    with safe_open(str(files[names[0]]), framework="pt") as f:
-        return f.get_tensor(names[0]).to(device=device, dtype=dtype)
-
-
 def load_vocab(path: Path) -> tuple[torch.Tensor, torch.Tensor]:
-    from workers.vocab_mapping import VocabError, load_mapping
+    from workers.eagle3.draft.vocab_mapping import VocabError, load_mapping
 
     try:
         d2t, t2d, _ = load_mapping(path)

@@ -39,7 +39,7 @@ from workers.common import (
     setup_logging,
     tokenize_conversation,
 )
-from workers.vocab_mapping import (
+from workers.eagle3.draft.vocab_mapping import (
     VocabError,
     VocabReport,
     build_mapping,
@@ -232,7 +232,7 @@ def run(args: argparse.Namespace) -> VocabReport:
     d2t = t2d = None
     if args.from_checkpoint is not None:
         if (args.from_checkpoint / "config.json").is_file():  # a saved draft directory
-            from workers.draft import DraftFileError, read_draft_mapping
+            from workers.eagle3.draft.model import DraftFileError, read_draft_mapping
             try:  # its own tensors, or identity when it has the target's whole vocabulary
                 d2t, t2d = read_draft_mapping(args.from_checkpoint)
             except DraftFileError as exc:

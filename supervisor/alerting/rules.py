@@ -59,7 +59,7 @@ LOG_SIGNATURES: tuple[tuple[re.Pattern[str], str], ...] = (
 )
 
 RANK_FAILURES: tuple[re.Pattern[str], ...] = (
-    # workers.ranks (jobsup's data-parallel workers)
+    # workers.eagle3.extraction.ranks (jobsup's data-parallel workers)
     re.compile(r"rank (?P<rank>\d+) \((?P<where>[^)]*)\) failed \((?P<how>[^)]*)\)"),
     # torchrun's failure summary: the first observed failure
     re.compile(r"Root Cause.*?rank\s*:\s*(?P<rank>\d+)\s*\(local_rank:\s*(?P<where>\d+)\)"

@@ -295,14 +295,15 @@ def create_app(settings: Settings, sessions: sessionmaker[Session], *,
         """The four EAGLE-3 steps (and the target's server, with `serve`) as jobs
         chained with `depends_on`; all or nothing."""
         check_env(params.env, settings.allowed_env)
-        submitted: list[tuple[Job, list[str]]] = []
-        for spec in eagle3_jobs(params, resolve=lambda i: submitted[i][0].id):
-            submitted.append(submit_job(session, spec, default_cwd=default_cwd,
-                                        views=views(), default_backend=settings.backend,
-                                        now=clock()))
+        submitted: dict[str, tuple[Job, list[str]]] = {}  # by step, in submission order
+        for spec in eagle3_jobs(params, resolve=lambda step: submitted[step][0].id):
+            submitted[spec.labels["step"]] = submit_job(
+                session, spec, default_cwd=default_cwd, views=views(),
+                default_backend=settings.backend, now=clock())
         session.commit()
         wake()
-        return [job_out(job, None, warnings=warnings) for job, warnings in submitted]
+        return [job_out(job, None, warnings=warnings)
+                for job, warnings in submitted.values()]
 
     @app.get(f"{API_PREFIX}/jobs")
     def list_jobs(

@@ -5,11 +5,11 @@ five steps (generation with the transformers backend, extraction, vocabulary, tr
 evaluation on held-out prompts), shows them live until they end, and says where to look.
 
 Targets (`--model`): `tiny`, a random Llama built locally with no download, on the 32
-prompts shipped in `workers/data/` (16 held out) -- fast, and its draft learns nothing;
-`smollm2`, SmolLM2-135M-Instruct from the package registry (workers/smollm2.py), on 96
+prompts shipped in `workers/fixtures/data/` (16 held out) -- fast, and its draft learns nothing;
+`smollm2`, SmolLM2-135M-Instruct from the package registry (workers/fixtures/smollm2.py), on 96
 synthetic prompts (4 more held out) -- a real chat model whose draft's acceptance means
 something, in about 8 minutes on 2 CPU cores (the default), which also evaluates 8 of
-the hand-written questions (workers/eagle3/handwritten.py), one per category.
+the hand-written questions (workers/eagle3/evaluation/handwritten.py), one per category.
 """
 
 from __future__ import annotations
@@ -28,7 +28,8 @@ from supervisor.config import Settings
 from supervisor.errors import JobsupError
 
 DAEMON_START_TIMEOUT_S = 30.0
-DEMO_PROMPTS = Path(__file__).resolve().parents[2] / "workers" / "data" / "demo_prompts.jsonl"
+DEMO_PROMPTS = (Path(__file__).resolve().parents[2] / "workers" / "fixtures" / "data"
+                / "demo_prompts.jsonl")
 
 
 def daemon_answers(client: Client) -> bool:
@@ -56,7 +57,7 @@ def tiny_model(path: Path, console: Console) -> Path:
     if (path / "config.json").exists():
         return path
     try:
-        from workers.tiny import build_tiny_llama
+        from workers.fixtures.tiny import build_tiny_llama
     except ImportError as exc:
         raise JobsupError(f"the demo needs the workers extra ({exc.name} is missing)",
                           hint="pip install -e '.[workers]' (./dev.sh demo does it)") from None
@@ -66,9 +67,9 @@ def tiny_model(path: Path, console: Console) -> Path:
 
 def smollm2_model(demo_dir: Path, console: Console) -> Path:
     """SmolLM2-135M-Instruct as an HF checkpoint (fetched from the package registry and
-    converted once, ~1-2 min; see workers/smollm2.py)."""
+    converted once, ~1-2 min; see workers/fixtures/smollm2.py)."""
     try:
-        from workers import smollm2
+        from workers.fixtures import smollm2
     except ImportError as exc:
         raise JobsupError(f"the demo needs the workers extra ({exc.name} is missing)",
                           hint="pip install -e '.[workers]' (./dev.sh demo does it)") from None
@@ -143,7 +144,7 @@ def run_demo(*, url: str, data_dir: Path | None, keep_daemon: bool, console: Con
     out = demo_dir / time.strftime("run-%Y%m%d-%H%M%S")
     if model_kind == "smollm2":
         model = smollm2_model(demo_dir, console)
-        from workers.prompts import prompt_texts, write_prompts
+        from workers.fixtures.prompts import prompt_texts, write_prompts
         out.mkdir(parents=True, exist_ok=True)
         prompts = write_prompts(out / "prompts.jsonl",
                                 prompt_texts(SMOLLM2_TRAIN_PROMPTS + SMOLLM2_HELD_OUT))

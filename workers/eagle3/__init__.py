@@ -1,4 +1,6 @@
-"""The EAGLE-3 library's room: what it takes to hold a target the workers cannot load
-through transformers as it ships (Kimi-K2.5's packed INT4 experts), the fp8 codec of
-extracted hidden states (`workers.extract --store fp8`), and the hand-written held-out
-questions `workers.evaluate` scores (handwritten.py, data/)."""
+"""The EAGLE-3 library the steps (`workers/<step>.py`) are built from, one room per
+stage: `target` (loading the target model: dense, split over GPUs, packed INT4
+experts), `generation` (the target's own answers), `extraction` (hidden states and
+their files), `draft` (the draft model, its vocabulary mapping and its serving formats),
+`training` (batches, held-out measure, checkpoints) and `evaluation` (speculative
+decoding, its checks, the held-out and hand-written sets)."""
