@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import socket
 import time
+from datetime import datetime
 from pathlib import Path
 from typing import Any
 
@@ -143,7 +145,14 @@ def test_a_crashed_job_arrives_in_block_kit_with_host_attempt_cause_tail_and_lin
     assert len(long_line) == 300 and long_line.endswith("x…")  # capped, not the tail cut
     assert tail.endswith("RuntimeError: NCCL error: unhandled system error\n```")
     assert f"<https://jobs.example/jobs/{job['id']}|job>" in whole  # its page, not JSON
-    assert "<https://grafana.example/d/jobsup/jobsup?var-job_name=train-draft|Grafana>" in whole
+    # Grafana at the time of the run, 10 min either side of its start and end
+    grafana = re.search(r"<https://grafana\.example/d/jobsup/jobsup\?var-job_name=train-draft"
+                        r"&amp;from=(\d+)&amp;to=(\d+)\|Grafana>", whole)
+    assert grafana is not None, whole
+    started = datetime.fromisoformat(done["started_at"]).timestamp()
+    ended = datetime.fromisoformat(done["ended_at"]).timestamp()
+    assert int(grafana[1]) == int((started - 600) * 1000)
+    assert int(grafana[2]) == int((ended + 600) * 1000)
     for absent in ("ETA", "*rate*", "*disk*", "*written*"):  # an ended job, no output dir
         assert absent not in whole
 

@@ -379,7 +379,14 @@ def test_the_event_is_versioned_and_carries_host_attempt_cause_links() -> None:
         "job": "http://jobs.example:8765/api/v1/jobs/a1b2c3",
         "logs": "http://jobs.example:8765/api/v1/jobs/a1b2c3/logs?tail=200",
         "page": "http://jobs.example:8765/jobs/a1b2c3",
-        "grafana": "https://grafana.example/d/jobsup/jobsup?var-job_name=extract-hidden"}
+        # the run's time range, 10 min either side: from its start to the event (#32 item 12)
+        "grafana": "https://grafana.example/d/jobsup/jobsup?var-job_name=extract-hidden"
+                   "&from=1699991400000&to=1700000600000"}
+    ended = {**JOB, "state": "failed", "ended_at": "2023-11-14T21:00:00Z"}
+    assert compose("firing", ended, alert=None, log_tail=[], context=CONTEXT)["links"][
+        "grafana"].endswith("&from=1699991400000&to=1699996200000")  # to its end
+    assert compose("firing", {**JOB, "started_at": None}, alert=None, log_tail=[],
+                   context=CONTEXT)["links"]["grafana"].endswith("=extract-hidden")  # none
     plain = compose("firing", JOB, alert=ALERT, log_tail=[],
                     context=MessageContext(host="h", public_url="http://127.0.0.1:8765/"))
     assert plain["links"]["grafana"] is None and plain["run_time_s"] is None  # no `now`

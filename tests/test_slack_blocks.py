@@ -189,7 +189,7 @@ def test_links_in_the_context_block() -> None:
     assert "/api/" not in text
     # the URL's own `&` escaped, as Slack wants inside a link
     assert ("<https://grafana.example/d/jobsup/jobsup?orgId=1&amp;var-job_name=extract-hidden"
-            "|Grafana>") in text
+            "&amp;from=1699991400000&amp;to=now|Grafana>") in text  # no `now` given: to now
     assert "`gpu-node-7`" in text
     without = compose("firing", JOB, alert=ALERT, log_tail=[],
                       context=MessageContext(host="h"))["slack"]

@@ -194,15 +194,39 @@ def facts(kind: str, job: dict[str, Any], run_s: float | None) -> list[tuple[str
     return out[:MAX_FIELDS]
 
 
-def links(job: dict[str, Any], context: MessageContext) -> dict[str, str | None]:
+GRAFANA_MARGIN_S = 600.0
+"""Grafana links open the job's run with this much before its start and after its end
+(or the event), so the change that led to the alert is in view."""
+
+
+def grafana_range(job: dict[str, Any], alert: dict[str, Any] | None,
+                  now: float | None) -> str:
+    """`&from=...&to=...` (epoch milliseconds, Grafana's time range) around the job's
+    run: from its start (or the alert's, if earlier) to its end, or to the event for a
+    job still running (`to=now` when the event's time is not given); empty when the job
+    never started and no alert gives a time."""
+    starts = [t for t in (_seconds(job.get("started_at")),
+                          _seconds((alert or {}).get("started_at"))) if t is not None]
+    if not starts:
+        return ""
+    ended = _seconds(job.get("ended_at"))
+    end = ended if ended is not None else now
+    to = "now" if end is None else str(int((end + GRAFANA_MARGIN_S) * 1000))
+    return f"&from={int((min(starts) - GRAFANA_MARGIN_S) * 1000)}&to={to}"
+
+
+def links(job: dict[str, Any], context: MessageContext, *, alert: dict[str, Any] | None = None,
+          now: float | None = None) -> dict[str, str | None]:
     """The job in the API and its log there (for programs: the webhook's readers), its
-    page (for people: Slack's "job" and "log" open it, not raw JSON) and Grafana."""
+    page (for people: Slack's "job" and "log" open it, not raw JSON) and Grafana, at the
+    time of the job's run (`grafana_range`)."""
     root, job_id = context.public_url.rstrip("/"), quote(str(job["id"]))
     base = f"{root}/api/v1/jobs/{job_id}"
     grafana = None
     if context.grafana_url:
         sep = "&" if "?" in context.grafana_url else "?"
-        grafana = f"{context.grafana_url}{sep}var-job_name={quote(str(job['name']), safe='')}"
+        grafana = (f"{context.grafana_url}{sep}var-job_name={quote(str(job['name']), safe='')}"
+                   + grafana_range(job, alert, now))
     return {"job": base, "logs": base + "/logs?tail=200", "page": f"{root}/jobs/{job_id}",
             "grafana": grafana}
 
@@ -228,7 +252,7 @@ def compose(kind: str, job: dict[str, Any], *, alert: dict[str, Any] | None,
         "max_attempts": max_attempts(job), "run_time_s": run_s,
         "stopped_by_user": stopped_by_user(job),
         "job": job, "alert": alert, "log_tail": [terminal_text(line) for line in log_tail],
-        "links": links(job, context)})
+        "links": links(job, context, alert=alert, now=now)})
     pairs = facts(kind, event["job"], run_s)  # from the redacted job, like the rest
     tail = event["log_tail"] if kind != "resolved" else []
     event["text"] = plain_text(kind, event, pairs, tail)
