@@ -114,9 +114,10 @@ def test_the_summary_counts_firing_alerts(daemon: Daemon, tab: Tab) -> None:
 
 def test_a_chart_of_one_sample_spans_minutes_not_years(make_daemon: Callable[..., Daemon],
                                                        tab: Tab) -> None:
-    # a tick a minute: the job's start and its exit's tick leave one sample
+    # a sample a minute: a job of 4 s is sampled once (1.5 s went unsampled under load:
+    # it could end before the first tick saw it)
     daemon = make_daemon(env={"JOBSUP_SAMPLE_INTERVAL": "60"})
-    job = daemon.submit(python_job("import time; time.sleep(1.5)"), name="brief")
+    job = daemon.submit(python_job("import time; time.sleep(4)"), name="brief")
     daemon.wait_state(job["id"], "succeeded", timeout=30)
     assert len(daemon.http.get(f"/api/v1/jobs/{job['id']}/samples").json()) == 1
     page = tab.page

@@ -2,7 +2,7 @@
 in the real headless Chromium against a real daemon: it pages (newest first), sorts by
 column, searches names, shows duration and the command, fits 1440 px with a
 128-character name and a 390 px phone with progress visible, and has Restart beside
-Stop and a "restart all failed" (`POST /api/v1/jobs/restart`)."""
+Stop and a "restart all failed" (`POST /api/v1/jobs:restart`)."""
 
 from __future__ import annotations
 
@@ -134,7 +134,7 @@ def test_restart_beside_stop_and_restart_all_failed(daemon: Daemon, tab: Tab) ->
     page.click(f"#job-{running} button[data-action=stop]")
     daemon.wait_state(running, "stopped")
     # the route itself: only ended jobs of the state asked, 202 with what it restarted
-    answer = daemon.http.post("/api/v1/jobs/restart", params={"state": "stopped"})
+    answer = daemon.http.post("/api/v1/jobs:restart", params={"state": "stopped"})
     assert answer.status_code == 202 and [j["id"] for j in answer.json()] == [running]
     assert tab.errors == []
 

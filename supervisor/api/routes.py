@@ -373,7 +373,7 @@ def create_app(settings: Settings, sessions: sessionmaker[Session], *,
         wake()
         return answer
 
-    @app.post(f"{API_PREFIX}/jobs/restart", status_code=202)
+    @app.post(f"{API_PREFIX}/jobs:restart", status_code=202)
     def restart_jobs(
         session: DB, state: Literal["failed", "stopped", "lost"] = "failed",
         label: Annotated[list[LabelSelector] | None,

@@ -89,7 +89,7 @@
   const result = document.getElementById("action-result");
   async function act(button) {
     const action = button.dataset.action;
-    const path = action === "restart-failed" ? "/api/v1/jobs/restart?state=failed"
+    const path = action === "restart-failed" ? "/api/v1/jobs:restart?state=failed"
       : "/api/v1/jobs/" + encodeURIComponent(button.dataset.job) + "/" + action;
     button.disabled = true;
     let said;
