@@ -29,6 +29,17 @@ def tensor_files(model_dir: Path) -> dict[str, Path]:
     return names
 
 
+def text_first(names: Iterable[str]) -> list[str]:
+    """Tensor names, a multimodal target's language model's first, then the shortest."""
+    return sorted(names, key=lambda n: ("language_model" not in n, len(n)))
+
+
+def read_tensor(files: dict[str, Path], name: str, device: torch.device,
+                dtype: torch.dtype) -> torch.Tensor:
+    with safe_open(str(files[name]), framework="pt") as f:
+        return f.get_tensor(name).to(device=device, dtype=dtype)
+
+
 def load_target_head(model_dir: Path, device: torch.device,
                      dtype: torch.dtype) -> tuple[dict[str, Any], torch.Tensor, torch.Tensor]:
     """(config.json, embed_tokens [V, H], lm_head [V, H]) of the target, reading only
@@ -40,10 +51,6 @@ def load_target_head(model_dir: Path, device: torch.device,
         raise TrainError(f"--target {str(model_dir)!r} has no config.json")
     config = json.loads(config_file.read_text(encoding="utf-8"))
     files = tensor_files(model_dir)
-
-    def text_first(names: Iterable[str]) -> list[str]:  # the language model's, then shortest
-        return sorted(names, key=lambda n: ("language_model" not in n, len(n)))
-
     embeds = text_first(n for n in files if n.endswith("embed_tokens.weight"))
     heads = text_first(n for n in files if n == "lm_head.weight" or n.endswith(".lm_head.weight"))
     if not embeds:
@@ -57,12 +64,8 @@ def load_target_head(model_dir: Path, device: torch.device,
                          "embeddings are not tied" + (" (its lm_head is quantized; the "
                          "training targets need it in full precision)" if quantized else ""))
 
-    def read(name: str) -> torch.Tensor:
-        with safe_open(str(files[name]), framework="pt") as f:
-            return f.get_tensor(name).to(device=device, dtype=dtype)
-
-    embed = read(embeds[0])
-    return config, embed, read(heads[0]) if heads else embed
+    embed = read_tensor(files, embeds[0], device, dtype)
+    return config, embed, read_tensor(files, heads[0], device, dtype) if heads else embed
 
 
 def load_target_norm(model_dir: Path, device: torch.device,
@@ -70,10 +73,6 @@ def load_target_norm(model_dir: Path, device: torch.device,
     """The target's final norm weight [H] (`model.norm.weight`, a multimodal target's
     language model's), None when its files have none by that name."""
     files = tensor_files(model_dir)
-    names = sorted((n for n in files if n == "model.norm.weight"
-                    or n.endswith(".model.norm.weight")),
-                   key=lambda n: ("language_model" not in n, len(n)))
-    if not names:
-        return None
-    with safe_open(str(files[names[0]]), framework="pt") as f:
-        return f.get_tensor(names[0]).to(device=device, dtype=dtype)
+    names = text_first(n for n in files if n == "model.norm.weight"
+                       or n.endswith(".model.norm.weight"))
+    return read_tensor(files, names[0], device, dtype) if names else None
