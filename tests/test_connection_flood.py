@@ -74,18 +74,10 @@ def test_half_sent_connections_do_not_hang_the_api_or_hide_an_exit(tmp_path: Pat
         opened_s = time.monotonic() - t0
         assert len(flood) > OPEN_FILES
 
-        # the API answers (a fresh client each time: a new connection in the flood). A
-        # new connection can be closed unanswered while the flood is being evicted (seen
-        # once in a full suite run on 2 loaded cores): a client's retry then answers.
-        disconnected = 0
-
+        # the API answers (a fresh client each time: a new connection in the flood; one
+        # was once closed unanswered, before EVICT_AFTER_S, in a full suite run)
         def get_job() -> dict[str, Any]:
-            nonlocal disconnected
-            try:
-                response = httpx.get(f"{daemon.url}/api/v1/jobs/{job['id']}", timeout=5)
-            except httpx.RemoteProtocolError:
-                disconnected += 1
-                response = httpx.get(f"{daemon.url}/api/v1/jobs/{job['id']}", timeout=5)
+            response = httpx.get(f"{daemon.url}/api/v1/jobs/{job['id']}", timeout=5)
             assert response.status_code == 200
             return dict(response.json())
 
@@ -100,10 +92,9 @@ def test_half_sent_connections_do_not_hang_the_api_or_hide_an_exit(tmp_path: Pat
         wait_for(lambda: get_job()["state"] == "failed", 10, what="the job's end recorded")
         recorded_s = time.monotonic() - t
         print(f"{len(flood)} half-sent connections opened in {opened_s:.2f} s; API answers "
-              f"in {max(answered) * 1000:.0f} ms at most ({disconnected} closed unanswered "
-              f"and retried); the end recorded in {recorded_s:.2f} s")
+              f"in {max(answered) * 1000:.0f} ms at most; the end recorded in "
+              f"{recorded_s:.2f} s")
         assert recorded_s < 5 and max(answered) < 5
-        assert disconnected <= 2
     finally:
         for s in flood:
             with contextlib.suppress(OSError):

@@ -51,6 +51,12 @@ HEAD_TIMEOUT_S = 10.0
 """Seconds a connection has to send a request's head (from its opening, or from the end
 of its previous response) before it is closed."""
 
+EVICT_AFTER_S = 1.0
+"""A connection that has sent nothing yet is not closed to make room until it is this old:
+its request may be waiting in the loop, not yet read (a client that connected during a
+flood was closed unanswered when the flood's later connections pushed it to the front of
+the line). Past the limit with no other connection to close, the new one is refused."""
+
 CONNECTIONS_SHARE = 8
 """At most one open file in this many is an HTTP connection."""
 
@@ -150,9 +156,10 @@ class ConnectionBounds:
 
     def opened(self, connection: _Connection) -> bool:
         """Take in a new connection, closing the oldest idle one past the limit; False
-        when every other connection is busy (the new one is then closed)."""
+        when none can be closed (the new one is then closed)."""
         if len(self._open) >= self.limit:
-            idle = next((c for c in self._open if not c.requests), None)
+            idle = next((c for c in self._open if not c.requests and (
+                c.received or connection.opened_at - c.opened_at >= EVICT_AFTER_S)), None)
             self.closed_over_limit += 1
             self._note_closing()
             if idle is None:
@@ -183,6 +190,9 @@ class _Connection(asyncio.Protocol):
         self.transport: asyncio.BaseTransport | None = None
         self.requests = 0
         """Requests of this connection being answered now."""
+        self.opened_at = time.monotonic()
+        self.received = False
+        """Whether it has sent anything (a request, or part of one)."""
         self._timer: asyncio.TimerHandle | None = None
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
@@ -217,6 +227,7 @@ class _Connection(asyncio.Protocol):
             self.transport.close()
 
     def data_received(self, data: bytes) -> None:
+        self.received = True
         token = _CONNECTION.set(self)
         try:
             self.inner.data_received(data)
