@@ -13,8 +13,8 @@ the process can open. Here (`ConnectionBounds`):
   whose soft limit is its hard one);
 - at most `max_connections(limit)` connections stay open, an eighth of the open-file
   limit up to 1,024 (the rest is for the jobs' /proc and output files, SQLite, inotify): a
-  connection past that closes the oldest one that has no request being answered, else
-  itself;
+  connection past that closes the oldest one that has no request being answered (and
+  has sent something, or is at least EVICT_AFTER_S old), else itself;
 - the listening socket's backlog is a sixteenth of the limit, up to uvicorn's 2,048
   (`listen_backlog`): asyncio accepts up to a backlog's worth of connections in one go,
   and again at each turn of its loop, before the first of them is seen (uvicorn's 2,048
