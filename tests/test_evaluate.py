@@ -6,6 +6,8 @@ progress metrics), the layer check, prompt selection, bad arguments."""
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -14,7 +16,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from tests.helpers import make_model
+from tests.helpers import REPO, make_model
 from workers import evaluate
 from workers.eagle3.draft.model import DraftConfig, Eagle3Draft, write_draft
 from workers.eagle3.draft.serving import default_layer_ids
@@ -448,3 +450,31 @@ def test_prompt_selection_skips_limits_and_excludes_training(tmp_path: Path) -> 
     assert selected.prompts[1].messages == [{"role": "user", "content": "four"}]
     everything = heldout.select_prompts(prompts, skip=0, limit=None, exclude=None)
     assert [p.id for p in everything.prompts] == ["p0", "p1", "p2", "p3", "p4", "p6"]
+
+
+def test_sharded_evaluation_sums_to_one_process(tiny: dict[str, Path], tmp_path: Path) -> None:
+    """bench/eval_shards.py: 3 prompts in 2 processes (2 + 1) report the passes, emitted
+    tokens and per-position tries/acceptances one process reports, baseline included."""
+    flags = ["--device", "cpu", "-k", "2", "-k", "3", "--max-new-tokens", "6"]
+    whole = tmp_path / "whole"
+    assert evaluate.main(cli(tiny, whole, *flags)) == 0
+    report = json.loads((whole / "eval.json").read_text())
+    sharded = tmp_path / "sharded"
+    done = subprocess.run(
+        [sys.executable, str(REPO / "bench" / "eval_shards.py"), "--target", str(tiny["model"]),
+         "--draft", str(tiny["draft"]), "--prompts", str(tiny["prompts"]), "--out",
+         str(sharded), "--shards", "2", "--", *flags],
+        capture_output=True, text=True, timeout=300, cwd=REPO)
+    assert done.returncode == 0, done.stderr
+    assert sorted(p.name for p in sharded.glob("shard-*")) == ["shard-0", "shard-1"]
+    summary = json.loads((sharded / "summary.json").read_text())
+    assert summary["prompts"] == 3
+    expected = {**report["runs"], "baseline": report["baseline"]}
+    assert set(summary["runs"]) == set(expected)
+    for name, run in expected.items():
+        mine = summary["runs"][name]
+        for key in ("passes", "emitted", "tried_by_position", "accepted_by_position",
+                    "acceptance_length", "acceptance_rate"):
+            assert mine[key] == run[key], (name, key)
+    assert summary["lossless"]["runs_compared"] == report["lossless"]["runs_compared"]
+    assert "| k = 2 |" in done.stdout and "untrained baseline" in done.stdout
