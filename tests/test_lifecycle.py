@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import pytest
 
+from supervisor.daemon import lifecycle
 from supervisor.daemon.lifecycle import (
     Decision,
     Dependency,
@@ -122,3 +123,102 @@ def test_before_start(stop_requested: bool, deps: list[Dependency], expected: De
                       met: bool) -> None:
     assert before_start(stop_requested=stop_requested, dependencies=deps) == expected
     assert dependencies_met(deps) is met
+
+
+# -- classify_exit --------------------------------------------------------------------------
+
+def test_sigkill_with_oom_kills_is_oom() -> None:
+    notes, reason = lifecycle.classify_exit(exit_code=None, signal=9, oom_kills=1, log_tail=[])
+    assert reason == "oom"
+    assert notes is not None and "OOM-killed" in notes and "rose by 1" in notes
+
+
+def test_sigkill_without_oom_kills_is_a_labelled_guess() -> None:
+    notes, reason = lifecycle.classify_exit(exit_code=None, signal=9, oom_kills=0, log_tail=[])
+    assert reason is None
+    assert notes is not None
+    assert "possibly" in notes and "a guess" in notes and "OOM" in notes
+
+
+@pytest.mark.parametrize(("line", "meaning"), [
+    ("torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 2.00 GiB",
+     "CUDA out of memory"),
+    ("RuntimeError: CUDA error: CUBLAS_STATUS_ALLOC_FAILED when calling cublasCreate",
+     "CUDA out of memory"),
+    ("OSError: [Errno 28] No space left on device: '/data/hidden/0001.pt'", "ENOSPC"),
+    ("safetensors_rust.SafetensorError: ENOSPC while writing", "ENOSPC"),
+    ("MemoryError", "host out of memory"),
+    ("terminate called after throwing an instance of 'std::bad_alloc'", "host out of memory"),
+    ("[Rank 0] Watchdog caught collective operation timeout: WorkNCCL(SeqNum=9, "
+     "OpType=ALLREDUCE) ran for 1800000 milliseconds before timing out.", "NCCL"),
+    ("torch.distributed.DistBackendError: NCCL error in: ProcessGroupNCCL.cpp:1970",
+     "NCCL"),
+])
+def test_log_signatures_are_recognised(line: str, meaning: str) -> None:
+    tail = ["loading model", line, "Traceback follows"]
+    notes, reason = lifecycle.classify_exit(exit_code=1, signal=None, oom_kills=0, log_tail=tail)
+    assert notes is not None and meaning in notes and "seen in the log" in notes
+    assert reason is None  # a log line explains, but only the cgroup counter proves an OOM kill
+
+
+def test_cuda_oom_is_not_mistaken_for_host_memory_error() -> None:
+    notes, _ = lifecycle.classify_exit(
+        exit_code=1, signal=None, oom_kills=0,
+        log_tail=["torch.cuda.OutOfMemoryError: CUDA out of memory."])
+    assert notes == "CUDA out of memory (seen in the log)"
+
+
+def test_the_failed_rank_of_a_data_parallel_worker_is_named() -> None:
+    tail = ["rank 1 12:00:01 CUDA out of memory. Tried to allocate 8.00 GiB",
+            "12:00:02 rank 1 (cuda:1) failed (exit code 1); stopping the other ranks"]
+    notes, _ = lifecycle.classify_exit(exit_code=1, signal=None, oom_kills=0, log_tail=tail)
+    assert notes == ("rank 1 (cuda:1) failed first: exit code 1; "
+                     "CUDA out of memory (seen in the log)")
+
+
+def test_the_failed_rank_of_a_torchrun_job_is_named() -> None:
+    tail = """torch.distributed.elastic.multiprocessing.errors.ChildFailedError:
+============================================================
+train.py FAILED
+------------------------------------------------------------
+Failures:
+[1]:
+  time      : 2026-11-29_12:00:03
+  host      : node1
+  rank      : 3 (local_rank: 3)
+  exitcode  : 1 (pid: 4242)
+------------------------------------------------------------
+Root Cause (first observed failure):
+[0]:
+  time      : 2026-11-29_12:00:01
+  host      : node1
+  rank      : 2 (local_rank: 2)
+  exitcode  : -9 (pid: 4241)
+  error_file: <N/A>
+============================================================""".splitlines()
+    notes, _ = lifecycle.classify_exit(exit_code=1, signal=None, oom_kills=0, log_tail=tail)
+    assert notes == "rank 2 (local rank 2) failed first: exitcode -9"
+
+
+def test_oom_kill_and_a_log_signature_both_reported() -> None:
+    notes, reason = lifecycle.classify_exit(exit_code=None, signal=9, oom_kills=2,
+                                         log_tail=["MemoryError"])
+    assert reason == "oom"
+    assert notes == ("OOM-killed: the cgroup's oom_kill count rose by 2; "
+                     "host out of memory (seen in the log)")
+
+
+def test_plain_exit_without_a_signature_has_no_explanation() -> None:
+    tail = ["step 10/100", "ValueError: bad shape"]
+    assert lifecycle.classify_exit(exit_code=3, signal=None, oom_kills=0, log_tail=tail) == (
+        None, None)
+    assert lifecycle.classify_exit(exit_code=3, signal=None, oom_kills=0, log_tail=[]) == (
+        None, None)
+
+
+def test_other_signals_are_not_guessed_at() -> None:
+    assert lifecycle.classify_exit(exit_code=None, signal=15, oom_kills=0, log_tail=[]) == (
+        None, None)
+    # an oom_kill count without SIGKILL is not an OOM kill of this job
+    assert lifecycle.classify_exit(exit_code=1, signal=None, oom_kills=3, log_tail=[]) == (
+        None, None)

@@ -208,35 +208,8 @@ class AlertRecorder:
     def facts(self, job: Job, now: float, end: JobEnd | None = None) -> rules.JobFacts:
         """The rules' facts of a job: its row, or the end `end` its row could not take
         yet, and what the observer knows of it."""
-        spec = stored_spec(job.spec_json)
-        view = self.observer.views.get(job.id)
-        progress = view.progress if view else None
-        forecast = view.forecast if view else None
-        ended = end or JobEnd(state=job.state, reason=job.reason, exit_code=job.exit_code,
-                              signal=job.signal, exit_reason=job.exit_reason,
-                              ended_at=job.ended_at)
-        return rules.JobFacts(
-            job_id=job.id, name=job.name, state=ended.state, reason=ended.reason,
-            exit_code=ended.exit_code, signal=ended.signal, exit_reason=ended.exit_reason,
-            attempt=job.attempt, started_at=job.started_at, ended_at=ended.ended_at,
-            stall_timeout_s=spec.stall_timeout_s, startup_timeout_s=spec.startup_timeout_s,
-            items_done=progress.items_done if progress else None,
-            items_expected=spec.expected_items,
-            first_item_at=view.first_item_at if view else None,
-            last_progress_at=self.observer.last_progress_at(job.id),
-            activity_at=view.activity_at if view else None,
-            eta_s=forecast.eta_s if forecast else None,
-            disk_free_bytes=forecast.disk_free_bytes if forecast else None,
-            log_disk_free_bytes=view.log_disk_free_bytes if view else None,
-            disk_full_in_s=forecast.disk_full_in_s if forecast else None,
-            will_fit=forecast.will_fit if forecast else None,
-            gpu_memory_fraction=view.gpu_memory_fraction if view else None,
-            metrics=progress.metrics if progress else {},
-            min_acceptance_length=spec.min_acceptance_length,
-            queued=view.queued if view else False,
-            running_since=view.running_since if view else None,
-            output_contract=spec.output_dir is not None or spec.expected_items is not None,
-        )
+        return job_facts(job, self.observer.views.get(job.id), end=end,
+                         last_progress_at=self.observer.last_progress_at(job.id))
 
     def _enqueue(self, session: Session, kind: str, job: Job, alert: Alert | None,
                  now: float) -> None:
@@ -258,3 +231,39 @@ class AlertRecorder:
                                LOG_TAIL_LINES) if job.attempt else ([], 0))
         return compose(kind, snapshot, log_tail=lines, alert=alert, context=self.context,
                        now=now)
+
+
+def job_facts(job: Job, view: JobView | None, *, end: JobEnd | None = None,
+              last_progress_at: float | None = None) -> rules.JobFacts:
+    """The rules' facts of a job (the one place they are built): its row, or the end
+    `end` its row could not take yet, and what the observer knows of it (`view`, and
+    when its last item came); a job rebuilt from the data dir has only the progress its
+    progress file tells (`rebuild.py`)."""
+    spec = stored_spec(job.spec_json)
+    progress = view.progress if view else None
+    forecast = view.forecast if view else None
+    ended = end or JobEnd(state=job.state, reason=job.reason, exit_code=job.exit_code,
+                          signal=job.signal, exit_reason=job.exit_reason,
+                          ended_at=job.ended_at)
+    return rules.JobFacts(
+        job_id=job.id, name=job.name, state=ended.state, reason=ended.reason,
+        exit_code=ended.exit_code, signal=ended.signal, exit_reason=ended.exit_reason,
+        attempt=job.attempt, started_at=job.started_at, ended_at=ended.ended_at,
+        stall_timeout_s=spec.stall_timeout_s, startup_timeout_s=spec.startup_timeout_s,
+        items_done=progress.items_done if progress else None,
+        items_expected=spec.expected_items,
+        first_item_at=view.first_item_at if view else None,
+        last_progress_at=last_progress_at,
+        activity_at=view.activity_at if view else None,
+        eta_s=forecast.eta_s if forecast else None,
+        disk_free_bytes=forecast.disk_free_bytes if forecast else None,
+        log_disk_free_bytes=view.log_disk_free_bytes if view else None,
+        disk_full_in_s=forecast.disk_full_in_s if forecast else None,
+        will_fit=forecast.will_fit if forecast else None,
+        gpu_memory_fraction=view.gpu_memory_fraction if view else None,
+        metrics=progress.metrics if progress else {},
+        min_acceptance_length=spec.min_acceptance_length,
+        queued=view.queued if view else False,
+        running_since=view.running_since if view else None,
+        output_contract=spec.output_dir is not None or spec.expected_items is not None,
+    )

@@ -35,6 +35,7 @@ from supervisor.daemon.connections import (
 )
 from supervisor.daemon.loop import Engine
 from supervisor.daemon.recovery import open_database
+from supervisor.daemon.wiring import build_engine
 from supervisor.errors import DatabaseTaken, UnsafeBind
 from supervisor.storage.database import DatabaseLock, database_lock, make_sessionmaker
 from supervisor.storage.filelock import FileLock
@@ -137,7 +138,7 @@ def build_app(settings: Settings, guard: LockGuard | None = None) -> FastAPI:
     database lock the engine's ticks need (None: none, for a caller that holds none)."""
     db_engine = open_database(settings)  # checked, upgraded, rebuilt if it was lost
     sessions = make_sessionmaker(db_engine, jobs_dir=settings.jobs_dir)
-    engine = Engine(settings, sessions)
+    engine = build_engine(settings, sessions)
     if guard is not None:
         engine.may_tick = guard
 
