@@ -9,16 +9,25 @@ import pytest
 
 from supervisor.daemon import lifecycle
 from supervisor.daemon.lifecycle import (
+    LAUNCH_CONFIRM_S,
     Decision,
     Dependency,
     Exit,
+    Processes,
     Restarts,
+    Step,
+    Verdict,
+    WorkerSeen,
     after_exit,
     before_start,
     dependencies_met,
+    exit_of,
+    judge,
     launch_cut_short,
     vanished,
 )
+from supervisor.runtime.files import ExitStatus
+from supervisor.runtime.launcher import ShimState
 from supervisor.spec import ExitReason, JobState, RestartPolicy
 
 NEVER = Restarts(RestartPolicy.NEVER, done=0, limit=0, backoff_s=1.0, backoff_max_s=60.0)
@@ -102,6 +111,88 @@ def test_launch_cut_short(shim_recorded: bool, abandoned: bool, expected: Decisi
 ])
 def test_vanished(stop_requested: bool, shim_recorded: bool, expected: Decision) -> None:
     assert vanished(stop_requested=stop_requested, shim_recorded=shim_recorded) == expected
+
+
+# -- a running job's processes, as the checks diagnosed them -> what follows -------------
+
+def status(exit_code: int | None = 1, signal: int | None = None, *,
+           stop_requested: bool = False, killed_after_grace: bool = False,
+           spawn_error: str | None = None, oom_kills: int | None = None) -> ExitStatus:
+    return ExitStatus(exit_code=exit_code, signal=signal, ended_at=100.0,
+                      stop_requested=stop_requested, killed_after_grace=killed_after_grace,
+                      max_rss_bytes=0, spawn_error=spawn_error, oom_kills=oom_kills)
+
+
+def seen(shim: ShimState, worker: WorkerSeen = WorkerSeen.UNREAD, *,
+         exit: ExitStatus | None = None, shim_recorded: bool = True,
+         stop_requested: bool = False, launch_age_s: float = 60.0) -> Processes:
+    return Processes(shim=shim, worker=worker, exit=exit, shim_recorded=shim_recorded,
+                     stop_requested=stop_requested, launch_age_s=launch_age_s)
+
+
+RUN, SUS, GONE = ShimState.RUNNING, ShimState.SUSPENDED, ShimState.GONE
+ALIVE, DEAD, NONE = WorkerSeen.ALIVE, WorkerSeen.GONE, WorkerSeen.NEVER_STARTED
+LOST_UNKNOWN = Decision(L, ExitReason.LOST, "the job's process vanished after its shim died; "
+                                            "exit status unknown")
+
+
+@pytest.mark.parametrize("processes,expected", [
+    # an exit record decides, whatever else is seen
+    (seen(SUS, DEAD, exit=status()), Verdict(Step.FINISH)),
+    (seen(GONE, DEAD, exit=status(0)), Verdict(Step.FINISH)),
+    (seen(GONE, NONE, exit=status(0), shim_recorded=False), Verdict(Step.FINISH)),
+    # the shim runs: it watches the worker
+    (seen(RUN), Verdict(Step.RUNS)),
+    (seen(RUN, stop_requested=True), Verdict(Step.RUNS)),
+    # a suspended shim: nothing while its worker runs, continued once it has ended
+    (seen(SUS, ALIVE), Verdict(Step.WAIT)),
+    (seen(SUS, DEAD), Verdict(Step.RESUME_SHIM)),
+    (seen(SUS, NONE), Verdict(Step.RESUME_SHIM)),
+    # the shim is gone
+    (seen(GONE, ALIVE), Verdict(Step.WATCH_WORKER)),
+    (seen(GONE, DEAD), Verdict(Step.TRANSITION, LOST_UNKNOWN)),
+    (seen(GONE, DEAD, shim_recorded=False), Verdict(Step.TRANSITION, Decision(
+        L, ExitReason.LOST, "the job's processes vanished without recording an exit "
+                            "status"))),
+    (seen(GONE, DEAD, stop_requested=True), Verdict(Step.TRANSITION, Decision(
+        ST, ExitReason.STOPPED, "stopped on request (exit status unknown: its shim had "
+                                "died)"))),
+    # no worker ever started: a recorded shim died starting it, or the launch is overdue
+    (seen(GONE, NONE), Verdict(Step.SETTLE_LAUNCH)),
+    (seen(GONE, NONE, shim_recorded=False, launch_age_s=LAUNCH_CONFIRM_S + 1),
+     Verdict(Step.SETTLE_LAUNCH)),
+    (seen(GONE, NONE, shim_recorded=False, launch_age_s=LAUNCH_CONFIRM_S / 2),
+     Verdict(Step.WAIT)),
+])
+def test_judge(processes: Processes, expected: Verdict) -> None:
+    assert judge(processes) == expected
+
+
+@pytest.mark.parametrize("recorded,stop_requested,killed_by_backstop,expected", [
+    (status(0), False, False, Exit(0, None)),
+    (status(None, 9, oom_kills=2), False, False, Exit(
+        None, 9, oom=True, notes="OOM-killed: the cgroup's oom_kill count rose by 2")),
+    # a stop's end is no failure: no notes, however it ended
+    (status(None, 9, oom_kills=2), True, True, Exit(
+        None, 9, stop_requested=True, stopped_by="SIGKILL by the daemon's backstop")),
+    (status(None, 9, killed_after_grace=True), True, False, Exit(
+        None, 9, stop_requested=True, stopped_by="SIGKILL after the grace")),
+    (status(None, 15, stop_requested=True), True, False, Exit(None, 15, stop_requested=True)),
+    (status(127, spawn_error="cannot execute 'x'"), False, False, Exit(
+        127, None, spawn_error="cannot execute 'x'")),
+])
+def test_exit_of_a_status_record(recorded: ExitStatus, stop_requested: bool,
+                                 killed_by_backstop: bool, expected: Exit) -> None:
+    assert exit_of(recorded, stop_requested=stop_requested,
+                   killed_by_backstop=killed_by_backstop) == expected
+
+
+def test_exit_of_a_failure_reads_its_log_tail() -> None:
+    ended = exit_of(status(1), stop_requested=False,
+                    log_tail=["torch.OutOfMemoryError: CUDA out of memory."])
+    assert ended.notes == "CUDA out of memory (seen in the log)" and not ended.oom
+    assert exit_of(status(0), stop_requested=False,
+                   log_tail=["torch.OutOfMemoryError: CUDA out of memory."]).notes is None
 
 
 def dep(state: JobState, job_id: str = "a") -> Dependency:
