@@ -84,6 +84,7 @@ P, R, S, F, ST, L = (JobState.PENDING, JobState.RUNNING, JobState.SUCCEEDED, Job
 ])
 def test_after_exit(ended: Exit, restarts: Restarts, expected: Decision) -> None:
     assert after_exit(ended, restarts) == expected
+    assert R.can_become(expected.state)  # what `store.transition` lets a running job do
 
 
 def test_backoff_never_overflows() -> None:
@@ -166,6 +167,7 @@ LOST_UNKNOWN = Decision(L, ExitReason.LOST, "the job's process vanished after it
 ])
 def test_judge(processes: Processes, expected: Verdict) -> None:
     assert judge(processes) == expected
+    assert expected.decision is None or R.can_become(expected.decision.state)
 
 
 @pytest.mark.parametrize("recorded,stop_requested,killed_by_backstop,expected", [

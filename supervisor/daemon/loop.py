@@ -1,9 +1,10 @@
 """The loop that ties one tick together: exits -> stops -> starts (then, as they land:
 sample -> store -> forecast -> alert -> notify). No logic of its own beyond ordering
 and the job lifecycle rules that decide which state comes next. The per-job checks the
-tick runs are `checks.py`'s (`JobChecks`), the engine's parts `engine_base.py`'s; here:
-the loop's thread, the stops before the daemon exits, re-adoption at start, and the tick
-with its samples and alerts."""
+tick runs are `checks.py`'s (`JobChecks`), the backends and wake-ups `engine_base.py`'s,
+and `wiring.build_engine` makes the parts and hands them to the `Engine`; here: the
+loop's thread, the stops before the daemon exits, re-adoption at start, and the tick with
+its samples and alerts."""
 
 from __future__ import annotations
 
@@ -279,7 +280,7 @@ class Engine:
         self.checks.begin_tick()
         with self.sessions() as session:
             # one query for the running and lately ended jobs (#15); the pending ones
-            # are read after the running ones' checks (`_check_pending_jobs`)
+            # are read after the running ones' checks (`check_pending_jobs`)
             jobs = store.jobs_of_tick(session, ended_since=self.alerting.ended_since(now))
             running = [job for job in jobs if job.state == JobState.RUNNING]
             ended_lately = [job for job in jobs if JobState(job.state).ended]
