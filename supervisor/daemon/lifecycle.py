@@ -255,7 +255,9 @@ class WorkerSeen(StrEnum):
     GONE = "gone"
 
 
-@dataclass(frozen=True)
+# made per running job per tick, never changed once made: not frozen (a frozen one
+# costs several times as much to build, as `rules.JobFacts`)
+@dataclass(slots=True)
 class Processes:
     """The diagnosis of a running job's processes in one tick, made by the checks
     (`checks.JobChecks.diagnose`: the files and /proc it reads) for `judge`."""
@@ -302,23 +304,27 @@ class Verdict:
     """For `Step.TRANSITION`."""
 
 
+_VERDICTS = {step: Verdict(step) for step in Step if step is not Step.TRANSITION}
+"""The verdicts without a decision, made once (most jobs get `RUNS` every tick)."""
+
+
 def judge(seen: Processes) -> Verdict:
     """What follows from a running job's processes as the tick found them."""
     if seen.exit is not None:
-        return Verdict(Step.FINISH)
+        return _VERDICTS[Step.FINISH]
     if seen.shim is ShimState.RUNNING:
-        return Verdict(Step.RUNS)
+        return _VERDICTS[Step.RUNS]
     if seen.shim is ShimState.SUSPENDED:
-        return Verdict(Step.WAIT if seen.worker is WorkerSeen.ALIVE else Step.RESUME_SHIM)
+        return _VERDICTS[Step.WAIT if seen.worker is WorkerSeen.ALIVE else Step.RESUME_SHIM]
     if seen.worker is WorkerSeen.ALIVE:
-        return Verdict(Step.WATCH_WORKER)
+        return _VERDICTS[Step.WATCH_WORKER]
     if seen.worker is WorkerSeen.NEVER_STARTED:
         # a launch cut short (the daemon died before it recorded the shim, or the shim
         # exited before claiming, e.g. on a full disk where it could not reserve its
         # status file); a shim known to be dead needs no waiting
         if seen.shim_recorded or seen.launch_age_s > LAUNCH_CONFIRM_S:
-            return Verdict(Step.SETTLE_LAUNCH)
-        return Verdict(Step.WAIT)
+            return _VERDICTS[Step.SETTLE_LAUNCH]
+        return _VERDICTS[Step.WAIT]
     return Verdict(Step.TRANSITION, vanished(stop_requested=seen.stop_requested,
                                              shim_recorded=seen.shim_recorded))
 
