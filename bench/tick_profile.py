@@ -35,7 +35,8 @@ from typing import Any
 
 PARTS = [
     ("supervisor.daemon.loop", "Engine.tick"),
-    ("supervisor.daemon.checks", "JobChecks._check_running"),
+    ("supervisor.daemon.checks", "JobChecks._check_running"),  # (before #31)
+    ("supervisor.daemon.checks", "JobChecks.check_running"),
     ("supervisor.daemon.loop", "Engine._observed"),
     ("supervisor.observe.observer", "Observer.observe"),
     ("supervisor.observe.observer", "Observer._start_readings"),
@@ -43,7 +44,8 @@ PARTS = [
     ("supervisor.observe.outputs", "OutputScanner.scan"),
     ("supervisor.observe.readings", "FileSide.progress"),
     ("supervisor.observe.observer", "Observer._sample_trees"),
-    ("supervisor.observe.building", "JobViewBuilder._observe_one"),
+    ("supervisor.observe.building", "JobViewBuilder._observe_one"),  # (before #31)
+    ("supervisor.observe.building", "JobViewBuilder.observe_one"),
     ("supervisor.daemon.loop", "Engine._store_samples"),
     ("supervisor.daemon.loop", "Engine._alert"),
 ]
@@ -103,7 +105,11 @@ def main() -> None:
     parts = ([] if args.no_parts else PARTS) + [tuple(extra.split(":")) for extra in args.part]
     for module_name, path in parts:
         _time_part(module_name, path, spent, calls)
-    engine = Engine(settings, sessions)
+    try:  # the engine's one constructor (#31); a tree from before it: the class
+        from supervisor.daemon.wiring import build_engine
+    except ImportError:
+        build_engine = Engine
+    engine = build_engine(settings, sessions)
     for index in range(args.jobs):
         kind = load.PROGRESS_KINDS[index % len(load.PROGRESS_KINDS)]
         out = data / "outputs" / f"job{index:03d}"

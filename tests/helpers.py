@@ -338,7 +338,7 @@ def in_process_engine(data_dir: Path, clock: Callable[[], float] | None = None,
     (engine, sessions). Its observer's threads, its backend and every job it started
     end with the block."""
     from supervisor.config import Settings
-    from supervisor.daemon.loop import Engine
+    from supervisor.daemon.wiring import build_engine
     from supervisor.storage.database import make_engine, make_sessionmaker, upgrade
 
     settings = Settings(data_dir=data_dir, sample_interval=60)
@@ -346,7 +346,7 @@ def in_process_engine(data_dir: Path, clock: Callable[[], float] | None = None,
     db = make_engine(settings.resolved_database_url)
     upgrade(db)
     sessions = make_sessionmaker(db)
-    engine = Engine(settings, sessions, clock=clock) if clock else Engine(settings, sessions)
+    engine = build_engine(settings, sessions, clock=clock)
     try:
         yield engine, sessions
     finally:

@@ -14,7 +14,8 @@ from typing import Any
 
 import pytest
 
-from supervisor.spec import MAX_INT64, JobSpec, stored_spec
+from supervisor.observe.view import WARNED_PROGRESS_MAX, stored_progress
+from supervisor.spec import MAX_INT64, STORED_SPECS_CACHED, JobSpec, stored_spec
 from tests.helpers import Daemon, python_job, wait_for
 from tests.test_cli import jobsup
 
@@ -124,6 +125,28 @@ def test_stored_spec_falls_back_to_defaults(caplog: pytest.LogCaptureFixture) ->
     assert "stall_timeout_s" in caplog.text and "expected_items" in caplog.text
     assert stored_spec("not json").command == ["(invalid)"]
     assert stored_spec(json.dumps({**good, "name": "\x00"})).name == "(invalid)"
+
+
+def test_what_is_remembered_of_stored_specs_and_progress_is_bounded(
+        caplog: pytest.LogCaptureFixture) -> None:
+    """The parsed specs, and the warnings about unreadable ones and unreadable stored
+    progress, are bounded (#31): a broken spec is warned about again once more specs
+    than the cache holds were read since, and an unreadable progress text once more
+    such texts than are remembered were seen since (they grew without bound)."""
+    good = JobSpec(name="x", command=["true"]).model_dump()
+    broken = json.dumps({**good, "stall_timeout_s": None, "name": "bounded"})
+    with caplog.at_level(logging.WARNING, logger="supervisor.spec"):
+        stored_spec(broken)
+        for n in range(STORED_SPECS_CACHED):
+            stored_spec(json.dumps({**good, "name": f"job {n}"}))
+        stored_spec(broken)
+    assert sum("'bounded'" in r.getMessage() for r in caplog.records) == 2
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="supervisor.observe.view"):
+        for n in range(WARNED_PROGRESS_MAX + 1):
+            assert stored_progress(f"not progress {n}") is None
+        stored_progress("not progress 0")
+    assert len(caplog.records) == WARNED_PROGRESS_MAX + 2
 
 
 @pytest.mark.slow

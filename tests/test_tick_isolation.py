@@ -73,7 +73,7 @@ def _job(sessions: sessionmaker[Session], job_id: str) -> Job:
 
 
 def _shim_done(eng: Engine, sessions: sessionmaker[Session], job_id: str) -> bool:
-    attempt = eng._attempt(_job(sessions, job_id))
+    attempt = eng.backends.attempt(_job(sessions, job_id))
     return not eng.backend.shim_alive(attempt)
 
 
@@ -83,18 +83,18 @@ def test_a_pending_job_survives_a_failing_neighbour(
     eng, sessions = engine
     first = submit(sessions, "import time; time.sleep(30)", "first")
     second = submit(sessions, "import time; time.sleep(30)", "second")
-    real_launch = eng._launch
+    real_launch = eng.checks._launch
 
     def launch(session: Session, job: Job, spec: JobSpec, now: float) -> None:
         if job.id == first:
             raise RuntimeError("bug while starting one job")
         real_launch(session, job, spec, now)
 
-    monkeypatch.setattr(eng, "_launch", launch)
+    monkeypatch.setattr(eng.checks, "_launch", launch)
     eng.tick()
     assert state(sessions, first) == "pending"  # rolled back, tried again next tick
     assert state(sessions, second) == "running"
-    monkeypatch.setattr(eng, "_launch", real_launch)
+    monkeypatch.setattr(eng.checks, "_launch", real_launch)
     eng.tick()
     assert state(sessions, first) == "running"
     with sessions() as session:

@@ -29,11 +29,10 @@ runs (the mean so far) and after it succeeded (the final figure). Like `crashed`
 
 from __future__ import annotations
 
-import re
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 
-from supervisor.formatting import format_bytes, format_duration, terminal_text
+from supervisor.formatting import format_bytes, format_duration
 
 CRASHED, STALLED, DISK_WILL_FILL = "crashed", "stalled", "disk_will_fill"
 DISK_LOW, GPU_MEMORY_HIGH, INCOMPLETE = "disk_low", "gpu_memory_high", "incomplete"
@@ -46,31 +45,6 @@ SEVERITY = {CRASHED: "critical", STALLED: "warning", DISK_WILL_FILL: "critical",
 EVENT_RULES = frozenset({CRASHED, INCOMPLETE, LOW_ACCEPTANCE})
 """Rules about how a job ended: they stay firing for `AlertSettings.ended_alert_ttl_s`
 after the end (nothing can resolve them), then resolve quietly."""
-
-LOG_SIGNATURES: tuple[tuple[re.Pattern[str], str], ...] = (
-    (re.compile(r"CUDA out of memory|torch\.(cuda\.)?OutOfMemoryError|CUBLAS_STATUS_ALLOC_FAILED"
-                r"|cudaErrorMemoryAllocation", re.I), "CUDA out of memory (seen in the log)"),
-    (re.compile(r"No space left on device|ENOSPC|Errno 28", re.I),
-     "disk full: ENOSPC (seen in the log)"),
-    (re.compile(r"\bMemoryError\b|Cannot allocate memory|std::bad_alloc"),
-     "host out of memory (seen in the log)"),
-    (re.compile(r"NCCL (error|WARN.*[Tt]imeout)|Watchdog caught collective operation timeout"),
-     "NCCL error or timeout (seen in the log)"),
-)
-
-RANK_FAILURES: tuple[re.Pattern[str], ...] = (
-    # workers.eagle3.extraction.ranks (jobsup's data-parallel workers)
-    re.compile(r"rank (?P<rank>\d+) \((?P<where>[^)]*)\) failed \((?P<how>[^)]*)\)"),
-    # torchrun's failure summary: the first observed failure
-    re.compile(r"Root Cause.*?rank\s*:\s*(?P<rank>\d+)\s*\(local_rank:\s*(?P<where>\d+)\)"
-               r"\s*exitcode\s*:\s*(?P<how>-?\d+)", re.S),
-    # srun (a multi-rank `slurm` job): its task number is the rank, then the node
-    re.compile(r"srun: error: (?P<where>\S+): tasks? (?P<rank>\d+)[-\d,]*: "
-               r"(?P<how>Exited with exit code [1-9]\d*)"),
-    re.compile(r"srun: error: (?P<where>\S+): tasks? (?P<rank>\d+)[-\d,]*: "
-               r"(?P<how>Killed|Segmentation fault|Aborted|Bus error)"),
-)
-"""How a multi-process job's parent names the rank that failed first."""
 
 ACCEPTANCE_METRIC = "acceptance_length"
 ACCEPTANCE_RATE_PREFIX = "acceptance_rate_pos"
@@ -269,43 +243,6 @@ def reconcile(firing: Iterable[Firing], open_alerts: Iterable[OpenAlert],
         if key not in open_keys:
             opened.append(f)
     return Changes(tuple(opened), tuple(resolved), tuple(updated))
-
-
-def classify_exit(*, exit_code: int | None, signal: int | None, oom_kills: int,
-                  log_tail: Sequence[str]) -> tuple[str | None, str | None]:
-    """(extra explanation, "oom" when the exit was an out-of-memory kill) of a failed
-    exit. The cgroup's `oom_kill` counter rising during the run with a SIGKILL is an OOM
-    kill; a SIGKILL alone is only a guess, and says so."""
-    notes = []
-    exit_reason = None
-    if signal == 9 and oom_kills > 0:
-        notes.append(f"OOM-killed: the cgroup's oom_kill count rose by {oom_kills}")
-        exit_reason = "oom"
-    elif signal == 9:
-        notes.append("SIGKILL from outside the job: possibly the kernel OOM killer (a guess; "
-                     "no OOM kill recorded in a readable cgroup)")
-    text = terminal_text("\n".join(log_tail))  # a cause quotes the log: no colour codes
-    rank = failed_rank(text)
-    if rank:
-        notes.insert(0, rank)
-    for pattern, meaning in LOG_SIGNATURES:
-        if pattern.search(text):
-            notes.append(meaning)
-            break
-    return ("; ".join(notes) or None), exit_reason
-
-
-def failed_rank(text: str) -> str | None:
-    """"rank 1 (cuda:1) failed first: exit code 3" from a multi-process job's log, so
-    the alert says which of its processes took the job down; None if none is named."""
-    for pattern in RANK_FAILURES:
-        match = pattern.search(text)
-        if match:
-            where, how = match["where"], match["how"]
-            if where.isdigit():  # torchrun's numbers
-                where, how = f"local rank {where}", f"exitcode {how}"
-            return f"rank {match['rank']} ({where}) failed first: {how}"
-    return None
 
 
 def _recent(job: JobFacts, now: float, settings: AlertSettings) -> bool:

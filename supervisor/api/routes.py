@@ -157,19 +157,22 @@ def create_app(settings: Settings, sessions: sessionmaker[Session], *,
     # daemon's own files, not FastAPI's CDN
     app = FastAPI(title="jobsup", version=__version__, docs_url=None,
                   responses={**GUARD_RESPONSES, **(UNAUTHORIZED if settings.token else {})})
-    default_cwd = os.getcwd()
     if settings.token:
         _declare_bearer_auth(app, public_paths)
-
-    def db() -> Iterator[Session]:
-        with sessions() as session:
-            yield session
-
-    DB = Annotated[Session, Depends(db)]
 
     app.add_middleware(Guard, settings=settings, public_paths=public_paths,
                        login_page=page.login_page)
 
+    add_error_handlers(app, settings, writes)
+    add_health_routes(app, settings, registry=registry, last_tick=last_tick, writes=writes)
+    add_job_routes(app, settings, sessions, wake=wake, views=views, clock=clock)
+    page.mount(app, settings, sessions, views=views)  # the status page: /, /jobs/{id}, ...
+    return app
+
+
+def add_error_handlers(app: FastAPI, settings: Settings, writes: Writability) -> None:
+    """Every error as JSON `{error, hint, field}`: typed errors, a database or data dir
+    that cannot be written (503, retry), HTTP errors, invalid requests (422)."""
     @app.exception_handler(JobsupError)
     async def jobsup_error(_request: Request, exc: JobsupError) -> JSONResponse:
         body = {"error": exc.message, "hint": exc.hint, "field": exc.field}
@@ -238,6 +241,10 @@ def create_app(settings: Settings, sessions: sessionmaker[Session], *,
         return JSONResponse({"error": _validation_message(errors), "detail": errors},
                             status_code=422)
 
+
+def add_health_routes(app: FastAPI, settings: Settings, *, registry: CollectorRegistry | None,
+                      last_tick: Callable[[], TickTimes | None], writes: Writability) -> None:
+    """`/healthz` (the engine loop's pace, the database's writability) and `/metrics`."""
     stalled_after_s = tick_stalled_after_s(settings.sample_interval)
 
     @app.get("/healthz", response_model=HealthOut, responses={503: {
@@ -280,6 +287,20 @@ def create_app(settings: Settings, sessions: sessionmaker[Session], *,
     def metrics() -> Response:
         data = generate_latest(registry) if registry is not None else b""
         return Response(data, media_type=CONTENT_TYPE_LATEST)
+
+
+def add_job_routes(app: FastAPI, settings: Settings, sessions: sessionmaker[Session], *,
+                   wake: Callable[[], None], views: Callable[[], Mapping[str, JobView]],
+                   clock: Callable[[], float]) -> None:
+    """The API's routes under `/api/v1`: jobs (submit, list, get, events, stop, restart),
+    pipelines, alerts, samples and logs."""
+    default_cwd = os.getcwd()
+
+    def db() -> Iterator[Session]:
+        with sessions() as session:
+            yield session
+
+    DB = Annotated[Session, Depends(db)]
 
     @app.post(f"{API_PREFIX}/jobs", status_code=201)
     def submit(spec: JobSpec, session: DB) -> JobOut:
@@ -440,9 +461,6 @@ def create_app(settings: Settings, sessions: sessionmaker[Session], *,
             text = "".join(line + "\n" for line in lines)
         headers = {"X-Jobsup-Log-Offset": str(end), "X-Jobsup-Attempt": str(number)}
         return PlainTextResponse(text, headers=headers)
-
-    page.mount(app, settings, sessions, views=views)  # the status page: /, /jobs/{id}, ...
-    return app
 
 
 def _allowed_methods(app: FastAPI, scope: Scope) -> list[str]:

@@ -7,17 +7,12 @@ import asyncio
 import gc
 import ipaddress
 import logging
-import signal
 import socket
 import sys
-import threading
 import time
-from collections.abc import AsyncIterator, Callable, Iterator, MutableMapping
-from contextlib import asynccontextmanager, contextmanager, suppress
-from email.utils import formatdate
+from collections.abc import AsyncIterator, Callable, Iterator
+from contextlib import asynccontextmanager, contextmanager
 from pathlib import Path
-from types import FrameType
-from typing import Any
 
 import uvicorn
 from fastapi import FastAPI
@@ -35,6 +30,7 @@ from supervisor.daemon.connections import (
 )
 from supervisor.daemon.loop import Engine
 from supervisor.daemon.recovery import open_database
+from supervisor.daemon.wiring import build_engine
 from supervisor.errors import DatabaseTaken, UnsafeBind
 from supervisor.storage.database import DatabaseLock, database_lock, make_sessionmaker
 from supervisor.storage.filelock import FileLock
@@ -132,18 +128,21 @@ class LockGuard:
             return False
 
 
-def build_app(settings: Settings, guard: LockGuard | None = None) -> FastAPI:
+def build_app(settings: Settings, guard: LockGuard | None = None, *,
+              on_started: Callable[[], None] = lambda: None) -> FastAPI:
     """The app with its engine started and stopped by the app's lifespan; `guard`: the
-    database lock the engine's ticks need (None: none, for a caller that holds none)."""
+    database lock the engine's ticks need (None: none, for a caller that holds none);
+    `on_started`: called in the server's event loop once the engine has started."""
     db_engine = open_database(settings)  # checked, upgraded, rebuilt if it was lost
     sessions = make_sessionmaker(db_engine, jobs_dir=settings.jobs_dir)
-    engine = Engine(settings, sessions)
+    engine = build_engine(settings, sessions)
     if guard is not None:
         engine.may_tick = guard
 
     @asynccontextmanager
     async def lifespan(_app: FastAPI) -> AsyncIterator[None]:
-        engine.start()  # "ready" is logged once the port is bound (`_Server.main_loop`)
+        engine.start()
+        on_started()
         try:
             yield
         finally:
@@ -172,124 +171,6 @@ def build_app(settings: Settings, guard: LockGuard | None = None) -> FastAPI:
     app.router.lifespan_context = lifespan
     app.state.engine = engine
     return app
-
-
-class _Server(uvicorn.Server):
-    """uvicorn's server without its housekeeping wake-ups. uvicorn's loop wakes ten times
-    a second to renew the Date header and to see whether it should exit; on the 2-core VM
-    a thread woken from sleep costs ~0.1 ms of CPU, and an asyncio wake with a timeout
-    ~0.3-0.4 ms: an idle daemon's largest cost, as much as ~10 running jobs' ticks (#15).
-    Here the loop sleeps until it is asked to exit (`stop`, from any thread, or a
-    signal: `handle_exit`), and the Date header is renewed as each response starts
-    (`_DateRenewer`), at most once a second, as uvicorn's loop did. What else uvicorn's
-    loop checked (`limit_max_requests`, `callback_notify`) is not used: `serve` sets
-    neither."""
-
-    _loop: asyncio.AbstractEventLoop | None = None
-    _exit_requested: asyncio.Event | None = None
-
-    ready_line = ""
-    """Logged when the server is up: its lifespan has started and its port is bound."""
-
-    def __init__(self, config: uvicorn.Config) -> None:
-        super().__init__(config)
-        self._date_second = -1
-        config.app = _DateRenewer(config.app, self)  # (before `config.load` wraps it)
-
-    async def main_loop(self) -> None:
-        if self.ready_line:
-            log.info("%s", self.ready_line)
-        self._loop, self._exit_requested = asyncio.get_running_loop(), asyncio.Event()
-        quiet_accept_errors(self._loop)
-        if await self.on_tick(0):  # the Date header; asked to exit before the loop was up
-            return
-        undo = _wake_on_signals(self._loop)
-        try:
-            while not self.should_exit:
-                await self._exit_requested.wait()
-                self._exit_requested.clear()
-        finally:
-            undo()
-
-    def renew_date(self) -> None:
-        """uvicorn's default headers with a Date of this second (as its `on_tick`)."""
-        now = time.time()
-        if int(now) == self._date_second:
-            return
-        self._date_second = int(now)
-        date = ([(b"date", formatdate(now, usegmt=True).encode())]
-                if self.config.date_header else [])
-        # in place: the request's cycle took the list before it called the app
-        self.server_state.default_headers[:] = date + self.config.encoded_headers
-
-    def handle_exit(self, sig: int, frame: FrameType | None) -> None:
-        super().handle_exit(sig, frame)
-        self._wake()
-
-    def stop(self) -> None:
-        """Stop serving, from any thread."""
-        self.should_exit = True
-        self._wake()
-
-    def _wake(self) -> None:
-        loop, event = self._loop, self._exit_requested
-        if loop is not None and event is not None:
-            with suppress(RuntimeError):  # the loop has closed: nothing waits
-                loop.call_soon_threadsafe(event.set)
-
-
-def _wake_on_signals(loop: asyncio.AbstractEventLoop) -> Callable[[], None]:
-    """Have a signal wake the loop, whichever thread the kernel delivers it to; the
-    undoing. uvicorn's handlers (`signal.signal`) run in the main thread once it runs
-    Python code again: a signal delivered to another thread (the main one had one
-    pending, or blocks it) left it asleep in `epoll_wait`, with no timeout to end the
-    sleep now (`_Server`). The interpreter writes the signal's number to a wakeup fd that
-    the loop watches. Only in the main thread (elsewhere there are no handlers)."""
-    if threading.current_thread() is not threading.main_thread():
-        return lambda: None
-    reader, writer = socket.socketpair()
-    reader.setblocking(False)
-    writer.setblocking(False)
-
-    def drained() -> None:
-        with suppress(OSError):
-            while reader.recv(4096):
-                pass
-
-    loop.add_reader(reader.fileno(), drained)
-    previous = signal.set_wakeup_fd(writer.fileno(), warn_on_full_buffer=False)
-
-    def undo() -> None:
-        signal.set_wakeup_fd(previous)
-        loop.remove_reader(reader.fileno())
-        reader.close()
-        writer.close()
-
-    return undo
-
-
-class _DateRenewer:
-    """ASGI wrapper of the daemon's app: each HTTP response renews the server's Date
-    header as it starts (`_Server.renew_date`: a clock read, and the header once a
-    second), so the Date is of the second the response began, as with uvicorn's loop.
-    Responses uvicorn makes without the app (a malformed request's 400) are untouched."""
-
-    def __init__(self, app: Any, server: _Server) -> None:
-        self.app, self.server = app, server
-
-    async def __call__(self, scope: MutableMapping[str, Any], receive: Callable[[], Any],
-                       send: Callable[[Any], Any]) -> None:
-        if scope["type"] != "http":
-            await self.app(scope, receive, send)
-            return
-        renew = self.server.renew_date
-
-        async def dated(message: MutableMapping[str, Any]) -> None:
-            if message["type"] == "http.response.start":
-                renew()
-            await send(message)
-
-        await self.app(scope, receive, dated)
 
 
 GC_YOUNG_THRESHOLD = 10_000
@@ -321,19 +202,34 @@ def serve(settings: Settings) -> None:
     with data_dir_lock(settings.data_dir) as data_dir, \
             database_lock(settings.resolved_database_url) as lock:
         guard = LockGuard(lock, data_dir)
-        app = build_app(settings, guard)
+        ready_line = (f"jobsup daemon ready on http://{settings.host}:{settings.port} "
+                      f"(data dir {settings.data_dir})")
+
+        announcing: list[asyncio.Task[None]] = []
+
+        async def announce_when_serving() -> None:
+            """The ready line once the port is bound (uvicorn binds it after the
+            lifespan's start: a startup-only wait)."""
+            while not server.started and not server.should_exit:
+                await asyncio.sleep(0.02)
+            if server.started:
+                log.info("%s", ready_line)
+
+        def started() -> None:  # in the server's loop, the engine started
+            loop = asyncio.get_running_loop()
+            quiet_accept_errors(loop)
+            announcing.append(loop.create_task(announce_when_serving()))
+
+        app = build_app(settings, guard, on_started=started)
         # idle and half-sent connections cannot take the descriptors the tick needs
         bounds = ConnectionBounds(max_connections(open_files))
-        server = _Server(uvicorn.Config(bounds.app(app), http=bounds.protocol(),
-                                        backlog=listen_backlog(open_files),
-                                        host=settings.host, port=settings.port,
-                                        log_level="warning", access_log=False))
-        server.ready_line = (f"jobsup daemon ready on http://{settings.host}:{settings.port} "
-                             f"(data dir {settings.data_dir})")
-        guard.exit = server.stop
+        server = uvicorn.Server(uvicorn.Config(
+            bounds.app(app), http=bounds.protocol(), backlog=listen_backlog(open_files),
+            host=settings.host, port=settings.port, log_level="warning", access_log=False))
+        guard.exit = lambda: setattr(server, "should_exit", True)  # seen within 0.1 s
         settle_heap()
         server.run()
         if guard.lost is not None:
             raise guard.lost
-        if not server.started:  # as uvicorn.run: the port could not be bound
+        if not server.started:  # as uvicorn.run: it could not start
             sys.exit(STARTUP_FAILURE)

@@ -1,8 +1,10 @@
 """The per-job state checks of the tick (`JobChecks`, a part of the `Engine`): a running
-job's exit, its shim and worker, a launch cut short or a vanished process, the stop it
-was asked for (SIGTERM, then the backstop's SIGKILL) and, once it ended, the lifecycle's
-decision on what follows (`_finish`); a pending job's dependencies and its launch. The
-tick that runs them, and the engine's loop, are `loop.py`'s.
+job's processes diagnosed (`diagnose`: its exit record, its shim and worker) and the
+lifecycle's verdict on them carried out (`lifecycle.judge`: finished, running, a shim to
+continue or a worker to watch, a launch cut short, vanished); the stop it was asked for
+(SIGTERM, then the backstop's SIGKILL) and, once it ended, the lifecycle's decision on
+what follows (`finish`); a pending job's dependencies and its launch. The tick that runs
+them, and the engine's loop, are `loop.py`'s.
 """
 
 from __future__ import annotations
@@ -14,30 +16,28 @@ from collections.abc import Sequence
 
 from sqlalchemy.orm import Session
 
-from supervisor.alerting import rules
+from supervisor.config import Settings
 from supervisor.daemon import lifecycle
-from supervisor.daemon.engine_base import EngineBase
+from supervisor.daemon.engine_base import Backends, Waker
+from supervisor.daemon.lifecycle import WorkerSeen
 from supervisor.runtime.fileio import tail_lines
 from supervisor.runtime.launcher import (
     Attempt,
+    Backend,
     ExitStatus,
     LaunchDeferred,
     LaunchFate,
     ShimState,
     log_path,
 )
-from supervisor.runtime.procfs import start_ticks_of
+from supervisor.runtime.procfs import StatReader, start_ticks_of
 from supervisor.spec import ExitReason, JobSpec, JobState, stored_spec
 from supervisor.storage import store
 from supervisor.storage.tables import Job
+from supervisor.storage.transactions import TickSteps
 
 log = logging.getLogger(__name__)
 
-
-LAUNCH_CONFIRM_S = 10.0
-"""A launch recorded in the DB whose shim left no trace after this many seconds is
-settled through the attempt's claim file (`Backend.settle_launch`): launched again if
-the daemon can claim it, else waited for (its shim is starting) or lost."""
 
 STOP_BACKSTOP_S = 5.0
 """Seconds past a job's stop grace, counted from the SIGTERM this daemon sent, after which
@@ -46,9 +46,6 @@ the daemon SIGKILLs the job itself (the shim's own timer should have done it by 
 LAUNCH_RETRY_S = 10.0
 """Seconds before a launch that failed for lack of space in the data dir, or that the
 backend deferred (`LaunchDeferred`), is tried again."""
-
-LOG_TAIL_LINES = 20
-"""Log lines searched for known crash causes."""
 
 PENDING_BATCH = 100
 """Pending jobs whose stops and failures are written in one commit (a dependency's
@@ -60,80 +57,148 @@ one begins at once): a cascade of thousands of failures, or of launches (a shim'
 start takes a few ms), never holds up the running jobs' exits and alerts for long, nor
 makes /healthz see a stalled loop."""
 
-class JobChecks(EngineBase):
-    """Each running and pending job's state, checked once a tick."""
 
-    def _check_running(self, session: Session, job: Job, now: float) -> None:
-        attempt, backend = self._attempt(job), self.backend_for(job)
+def stop_grace_s(job: Job, settings: Settings) -> float:
+    """Seconds between a stop's SIGTERM and its SIGKILL: the job's, else the daemon's."""
+    spec = stored_spec(job.spec_json)
+    return spec.stop_grace_s or settings.stop_grace_s
+
+
+def restarts_of(job: Job, settings: Settings) -> lifecycle.Restarts:
+    """The job's restart policy, restarts so far and the daemon's backoff."""
+    spec = stored_spec(job.spec_json)
+    return lifecycle.Restarts(spec.restart_policy, done=job.restarts, limit=spec.max_restarts,
+                              backoff_s=settings.restart_backoff_s,
+                              backoff_max_s=settings.restart_backoff_max_s)
+
+
+class JobChecks:
+    """Each running and pending job's state, checked once a tick. What it keeps from
+    tick to tick: the stops it sent and escalated, the jobs it stopped for the daemon's
+    exit, the pending jobs' dependencies, and this tick's running jobs whose shim it saw
+    alive."""
+
+    def __init__(self, settings: Settings, backends: Backends, waker: Waker,
+                 steps: TickSteps, stat_of: StatReader):
+        self.settings = settings
+        self.backends = backends
+        self.waker = waker
+        self.steps = steps
+        self.stat_of = stat_of
+        """Where a local shim's /proc stat is read (the observer's sampler, which keeps
+        the jobs' files open)."""
+        self._stop_sent: dict[tuple[str, int], float] = {}
+        """(job, attempt) -> when this daemon sent the stop's SIGTERM (on the engine's
+        clock): the backstop counts the grace from it, not from the request, which a
+        daemon killed before it signalled may have recorded long before its successor
+        sends it."""
+        self._killed: set[tuple[str, int]] = set()
+        self._shims_seen_alive: dict[str, Attempt] = {}
+        """This tick's running jobs whose shim was alive (and not stopped) when their
+        state was checked: their reading is rooted at the shim without a second look."""
+        self._exiting = False
+        """Set by `stop_starting`: no pending job starts."""
+        self._stopped_for_exit: set[str] = set()
+        """Jobs the daemon's exit asked to stop (not those a user had stopped already)."""
+        self._depends_on: dict[str, tuple[str, ...]] = {}
+        """The `depends_on` of each pending job, kept while it is pending: read from its
+        spec once, not each tick (`check_pending_jobs`)."""
+
+    # -- what the engine asks ---------------------------------------------------------
+    def begin_tick(self) -> None:
+        self._shims_seen_alive = {}
+
+    def seen_alive(self, job_id: str) -> Attempt | None:
+        """The job's attempt if this tick saw its shim alive and running."""
+        return self._shims_seen_alive.get(job_id)
+
+    def stop_starting(self) -> None:
+        """The daemon is stopping its jobs to exit: start no pending job."""
+        self._exiting = True
+
+    def stopped_for_exit(self, job_id: str) -> None:
+        """The daemon's exit, not a person, asked this job to stop."""
+        self._stopped_for_exit.add(job_id)
+
+    # -- running jobs -----------------------------------------------------------------
+    def check_running(self, session: Session, job: Job, now: float) -> None:
+        attempt, backend = self.backends.attempt(job), self.backends.backend_for(job)
         if job.shim_pid is None and attempt.shim_pid is not None:
             store.record_shim(job, attempt)
-        # the worker's file is read while its pid is unknown, else only where it is used
-        # (a running job's shim alive and not stopped: most jobs, most ticks; #15)
-        pid_known = job.pid is not None
-        worker = None if pid_known else backend.read_worker(attempt)
-        if worker is not None:
-            store.record_worker(job, worker)
-
-        # a running shim has not recorded an exit yet (or has just done so: then the
-        # exit watcher wakes the next tick as it ends), so its status file is not read
-        shim = backend.shim_state(attempt, self.observer.sampler.processes.current_stat)
-        status = None if shim is ShimState.RUNNING else backend.read_exit(attempt)
-        if status is not None:
+        seen = self.diagnose(job, attempt, backend, now)
+        verdict = lifecycle.judge(seen)
+        if verdict.step is lifecycle.Step.FINISH:
+            assert seen.exit is not None
             backend.forget(attempt)
-            self._finish(session, job, status, now)
+            self.finish(session, job, seen.exit, now)
             return
 
         if job.stop_requested_at is None and self._served_its_purpose(session, job):
             store.stop_when_served(job, now=now)
         if job.stop_requested_at is not None:
             self._stop_running(job, attempt, now)
+        self._act(session, job, attempt, backend, seen, verdict, now)
 
-        if shim is not ShimState.GONE:
-            if (job.shim_start_ticks is None and attempt.shim_pid is not None
-                    and backend.observes_locally):
-                # a shim started before start ticks were recorded, matched by its create
-                # time this once: from now on by its start ticks (immune to clock steps)
-                job.shim_start_ticks = start_ticks_of(attempt.shim_pid)
-            if shim is ShimState.RUNNING:
-                self._shims_seen_alive[job.id] = attempt  # its reading needs no new look
-                note = backend.status_note(attempt)  # a scheduler's queue, and why
-                if note is not None and note != job.reason:
-                    job.reason = note
-                return
+    def diagnose(self, job: Job, attempt: Attempt, backend: Backend,
+                 now: float) -> lifecycle.Processes:
+        """What a running job's processes are now, read as little as deciding needs: a
+        running shim has not recorded an exit yet (or has just done so: then the exit
+        watcher wakes the next tick as it ends), so its status file is not read, nor its
+        worker's file once the worker's pid is known (most jobs, most ticks; #15)."""
+        pid_known = job.pid is not None
+        worker = None if pid_known else backend.read_worker(attempt)
+        if worker is not None:
+            store.record_worker(job, worker)
+        shim = backend.shim_state(attempt, self.stat_of)
+        if (shim is not ShimState.GONE and job.shim_start_ticks is None
+                and attempt.shim_pid is not None and backend.observes_locally):
+            # a shim started before start ticks were recorded, matched by its create
+            # time this once: from now on by its start ticks (immune to clock steps)
+            job.shim_start_ticks = start_ticks_of(attempt.shim_pid)
+        status = None if shim is ShimState.RUNNING else backend.read_exit(attempt)
+        seen = WorkerSeen.UNREAD
+        if status is None and shim is not ShimState.RUNNING:
             if pid_known:
                 worker = backend.read_worker(attempt)
-            if worker is None or not backend.worker_running(worker):
-                # a stopped shim cannot reap the worker nor record its exit: continue it
-                # (it then ends what the worker left in its group, as at any exit)
-                log.warning("job %s: its shim (pid %s) was stopped (SIGSTOP) after the "
-                            "worker ended; continuing it (SIGCONT)", job.id, attempt.shim_pid)
-                backend.resume_shim(attempt)
-            return
-        if pid_known:
-            worker = backend.read_worker(attempt)
-        if worker is not None and backend.worker_alive(worker):
+            if worker is None:
+                seen = WorkerSeen.NEVER_STARTED
+            elif (backend.worker_running(worker) if shim is ShimState.SUSPENDED
+                  else backend.worker_alive(worker)):
+                seen = WorkerSeen.ALIVE
+            else:
+                seen = WorkerSeen.GONE
+            if shim is ShimState.GONE and seen is not WorkerSeen.ALIVE:
+                status = backend.read_exit(attempt)  # the shim may have just finished
+        return lifecycle.Processes(
+            shim=shim, worker=seen, exit=status, shim_recorded=attempt.shim_pid is not None,
+            stop_requested=job.stop_requested_at is not None,
+            launch_age_s=now - (job.started_at or now), worker_record=worker)
+
+    def _act(self, session: Session, job: Job, attempt: Attempt, backend: Backend,
+             seen: lifecycle.Processes, verdict: lifecycle.Verdict, now: float) -> None:
+        """Do what the lifecycle's verdict on a running job's processes says."""
+        step = verdict.step
+        if step is lifecycle.Step.RUNS:
+            self._shims_seen_alive[job.id] = attempt  # its reading needs no new look
+            note = backend.status_note(attempt)  # a scheduler's queue, and why
+            if note is not None and note != job.reason:
+                job.reason = note
+        elif step is lifecycle.Step.RESUME_SHIM:
+            log.warning("job %s: its shim (pid %s) was stopped (SIGSTOP) after the "
+                        "worker ended; continuing it (SIGCONT)", job.id, attempt.shim_pid)
+            backend.resume_shim(attempt)
+        elif step is lifecycle.Step.WATCH_WORKER:
             # the shim died but the job runs on: watch the worker itself, so its end
             # is noticed at once (the watcher ignores a pid it already watches)
-            backend.watch(attempt, worker)
-            return
-        status = backend.read_exit(attempt)  # the shim may have just finished
-        if status is not None:
-            self._finish(session, job, status, now)
-        elif worker is None:
-            # no worker was ever started: a launch cut short (the daemon died before it
-            # recorded the shim, or the shim exited before claiming, e.g. on a full disk
-            # where it could not reserve its status file). The claim file settles it; a
-            # shim known to be dead needs no waiting
-            if attempt.shim_pid is not None or now - (job.started_at or now) > LAUNCH_CONFIRM_S:
-                fate = backend.settle_launch(attempt)
-                if fate is not LaunchFate.WAIT:
-                    self._apply(session, job, lifecycle.launch_cut_short(
-                        shim_recorded=attempt.shim_pid is not None,
-                        abandoned=fate is LaunchFate.ABANDONED), at=now, now=now)
-        else:
-            self._apply(session, job, lifecycle.vanished(
-                stop_requested=job.stop_requested_at is not None,
-                shim_recorded=attempt.shim_pid is not None), at=now, now=now)
+            backend.watch(attempt, seen.worker_record)
+        elif step is lifecycle.Step.SETTLE_LAUNCH:
+            fate = backend.settle_launch(attempt)
+            if fate is not LaunchFate.WAIT:
+                self._apply(session, job, lifecycle.launch_cut_short(
+                    shim_recorded=attempt.shim_pid is not None,
+                    abandoned=fate is LaunchFate.ABANDONED), at=now, now=now)
+        elif verdict.decision is not None:
+            self._apply(session, job, verdict.decision, at=now, now=now)
 
     @staticmethod
     def _served_its_purpose(session: Session, job: Job) -> bool:
@@ -145,21 +210,21 @@ class JobChecks(EngineBase):
         return all(other is None or JobState(other.state).ended for other in states)
 
     def _stop_running(self, job: Job, attempt: Attempt, now: float) -> None:
-        key, backend = (job.id, job.attempt), self.backend_for(job)
+        key, backend = (job.id, job.attempt), self.backends.backend_for(job)
+        grace_s = stop_grace_s(job, self.settings)
         worker = backend.read_worker(attempt)
         sent_at = self._stop_sent.get(key)
         if sent_at is None:
             self._stop_sent[key] = now
-            log.info("job %s: stopping (SIGTERM, SIGKILL after %.0f s)", job.id,
-                     self._grace(job))
+            log.info("job %s: stopping (SIGTERM, SIGKILL after %.0f s)", job.id, grace_s)
             backend.request_stop(attempt, worker)
-        elif key not in self._killed and now - sent_at > self._grace(job) + STOP_BACKSTOP_S:
+        elif key not in self._killed and now - sent_at > grace_s + STOP_BACKSTOP_S:
             self._killed.add(key)
             log.warning("job %s: still running %.0f s after stop; SIGKILL", job.id,
                         now - sent_at)
             backend.kill(attempt, worker)
 
-    def _finish(self, session: Session, job: Job, status: ExitStatus, now: float) -> None:
+    def finish(self, session: Session, job: Job, status: ExitStatus, now: float) -> None:
         """Record the exit and apply what the lifecycle decides follows it: ended, or
         pending again for a restart."""
         store.record_exit(job, exit_code=status.exit_code, signal=status.signal)
@@ -167,36 +232,40 @@ class JobChecks(EngineBase):
         # clock stepped forward must not push the end, and the alerts' windows, ahead)
         ended_at = min(status.ended_at, now)
         stop_requested = job.stop_requested_at is not None or status.stop_requested
-        failed = not stop_requested and (status.exit_code != 0 or bool(status.spawn_error))
-        notes: str | None = None
-        oom: str | None = None
-        if failed:  # what the log tail and the exit tell (NCCL, CUDA OOM, the rank)
+        lines: list[str] = []
+        if lifecycle.is_failure(status, stop_requested=stop_requested):
+            # what the log tail and the exit tell (NCCL, CUDA OOM, the rank)
             lines, _ = tail_lines(log_path(self.settings.jobs_dir, job.id, job.attempt),
-                                  LOG_TAIL_LINES)
-            notes, oom = rules.classify_exit(exit_code=status.exit_code, signal=status.signal,
-                                              oom_kills=status.oom_kills or 0, log_tail=lines)
-        stopped_by = ("SIGKILL after the grace" if status.killed_after_grace else
-                      "SIGKILL by the daemon's backstop"
-                      if (job.id, job.attempt) in self._killed else "SIGTERM")
+                                  lifecycle.LOG_TAIL_LINES)
         served = stop_requested and self._served_its_purpose(session, job)
         by_daemon_exit = stop_requested and not served and job.id in self._stopped_for_exit
         stop_cause = ("because the jobs it served have ended" if served
                       else "because the daemon is exiting (--stop-jobs-on-exit)"
                       if by_daemon_exit else "on request")
-        spec = stored_spec(job.spec_json)
         decision = lifecycle.after_exit(
-            lifecycle.Exit(status.exit_code, status.signal, spawn_error=status.spawn_error,
-                           stop_requested=stop_requested, stopped_by=stopped_by,
-                           stop_cause=stop_cause, by_daemon_exit=by_daemon_exit,
-                           oom=oom is not None, notes=notes or None,
-                           scheduler_end=self.backend_for(job).scheduler_end(
-                               self._attempt(job))),
-            lifecycle.Restarts(spec.restart_policy, done=job.restarts, limit=spec.max_restarts,
-                               backoff_s=self.settings.restart_backoff_s,
-                               backoff_max_s=self.settings.restart_backoff_max_s))
+            lifecycle.exit_of(status, stop_requested=stop_requested, log_tail=lines,
+                              killed_by_backstop=(job.id, job.attempt) in self._killed,
+                              stop_cause=stop_cause,
+                              by_daemon_exit=by_daemon_exit,
+                              scheduler_end=self.backends.backend_for(job).scheduler_end(
+                                  self.backends.attempt(job))),
+            restarts_of(job, self.settings))
         self._apply(session, job, decision, at=ended_at, now=now)
 
-    def _check_pending_jobs(self, session: Session, running: Sequence[Job], now: float) -> None:
+    def _apply(self, session: Session, job: Job, decision: lifecycle.Decision, *, at: float,
+               now: float) -> None:
+        """Write a lifecycle decision: the exit reason, a restart's bookkeeping, and the
+        transition through the store (at `at`, the time the job's state changed)."""
+        restart_at = (now + decision.restart_in_s if decision.restart_in_s is not None
+                      else None)
+        store.transition(session, job, decision.state, now=at, reason=decision.reason,
+                         exit_reason=decision.exit_reason, restart_at=restart_at,
+                         clear_stop=decision.requeue)
+        if restart_at is not None:
+            self.waker.wake_at(restart_at)
+
+    # -- pending jobs -----------------------------------------------------------------
+    def check_pending_jobs(self, session: Session, running: Sequence[Job], now: float) -> None:
         """Each pending job the tick can act on: stopped, failed by a dependency's end, or
         launched, oldest first (a dependency is older than its dependents, so a failure
         runs down a chain in one tick). Thousands may wait on one running dependency (a
@@ -253,7 +322,7 @@ class JobChecks(EngineBase):
                     log.info("%d pending job(s) left for the next tick (this one spent "
                              "%.2f s on pending jobs)", len(waiting) - index - 1,
                              PENDING_BUDGET_S)
-                    self.wake()
+                    self.waker.wake()
                     return
         if batch:
             self._write_pending(session, batch, now)
@@ -306,7 +375,7 @@ class JobChecks(EngineBase):
         store.start_attempt(session, job, now=now)
         session.commit()
         try:
-            attempt = self.backend_for(job).start(job.id, job.attempt, spec,
+            attempt = self.backends.backend_for(job).start(job.id, job.attempt, spec,
                                          cwd=spec.cwd or ".",
                                          stop_grace_s=spec.stop_grace_s
                                          or self.settings.stop_grace_s)

@@ -14,12 +14,44 @@ is checked against a table (`tests/test_lifecycle.py`), as supervisord's `transi
 
 from __future__ import annotations
 
+import re
 import signal as signals
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from enum import StrEnum
 
-from supervisor.runtime.launcher import SchedulerEnd
+from supervisor.formatting import terminal_text
+from supervisor.runtime.files import ExitStatus, WorkerInfo
+from supervisor.runtime.launcher import SchedulerEnd, ShimState
 from supervisor.spec import ExitReason, JobState, RestartPolicy
+
+LOG_TAIL_LINES = 20
+"""Log lines searched for known crash causes (`classify_exit`)."""
+
+LOG_SIGNATURES: tuple[tuple[re.Pattern[str], str], ...] = (
+    (re.compile(r"CUDA out of memory|torch\.(cuda\.)?OutOfMemoryError|CUBLAS_STATUS_ALLOC_FAILED"
+                r"|cudaErrorMemoryAllocation", re.I), "CUDA out of memory (seen in the log)"),
+    (re.compile(r"No space left on device|ENOSPC|Errno 28", re.I),
+     "disk full: ENOSPC (seen in the log)"),
+    (re.compile(r"\bMemoryError\b|Cannot allocate memory|std::bad_alloc"),
+     "host out of memory (seen in the log)"),
+    (re.compile(r"NCCL (error|WARN.*[Tt]imeout)|Watchdog caught collective operation timeout"),
+     "NCCL error or timeout (seen in the log)"),
+)
+
+RANK_FAILURES: tuple[re.Pattern[str], ...] = (
+    # workers.eagle3.extraction.ranks (jobsup's data-parallel workers)
+    re.compile(r"rank (?P<rank>\d+) \((?P<where>[^)]*)\) failed \((?P<how>[^)]*)\)"),
+    # torchrun's failure summary: the first observed failure
+    re.compile(r"Root Cause.*?rank\s*:\s*(?P<rank>\d+)\s*\(local_rank:\s*(?P<where>\d+)\)"
+               r"\s*exitcode\s*:\s*(?P<how>-?\d+)", re.S),
+    # srun (a multi-rank `slurm` job): its task number is the rank, then the node
+    re.compile(r"srun: error: (?P<where>\S+): tasks? (?P<rank>\d+)[-\d,]*: "
+               r"(?P<how>Exited with exit code [1-9]\d*)"),
+    re.compile(r"srun: error: (?P<where>\S+): tasks? (?P<rank>\d+)[-\d,]*: "
+               r"(?P<how>Killed|Segmentation fault|Aborted|Bus error)"),
+)
+"""How a multi-process job's parent names the rank that failed first."""
 
 
 def signal_name(sig: int) -> str:
@@ -119,6 +151,69 @@ def after_exit(ended: Exit, restarts: Restarts) -> Decision:
     return Decision(JobState.FAILED, exit_reason, reason)
 
 
+def is_failure(status: ExitStatus, *, stop_requested: bool) -> bool:
+    """The recorded end is a failure (its log tail may tell why: `classify_exit`)."""
+    return not stop_requested and (status.exit_code != 0 or bool(status.spawn_error))
+
+
+def exit_of(status: ExitStatus, *, stop_requested: bool, log_tail: Sequence[str] = (),
+            killed_by_backstop: bool = False, stop_cause: str = "on request",
+            by_daemon_exit: bool = False, scheduler_end: SchedulerEnd | None = None) -> Exit:
+    """The `Exit` of an attempt's `status.json`, as both the live engine
+    (`checks.JobChecks.finish`) and a rebuild from the data dir (`rebuild.py`) give it to
+    `after_exit`: a failure's OOM and notes from its log tail (`classify_exit`; read by
+    the caller only for a failure, `is_failure`), and how a stop ended it.
+    `stop_requested`: by the user or the jobs it served, as the daemon or the shim
+    recorded it; `killed_by_backstop`: the daemon's own SIGKILL (`STOP_BACKSTOP_S`)."""
+    notes = oom = None
+    if is_failure(status, stop_requested=stop_requested):
+        notes, oom = classify_exit(exit_code=status.exit_code, signal=status.signal,
+                                   oom_kills=status.oom_kills or 0, log_tail=log_tail)
+    stopped_by = ("SIGKILL after the grace" if status.killed_after_grace else
+                  "SIGKILL by the daemon's backstop" if killed_by_backstop else "SIGTERM")
+    return Exit(status.exit_code, status.signal, spawn_error=status.spawn_error,
+                stop_requested=stop_requested, stopped_by=stopped_by, stop_cause=stop_cause,
+                by_daemon_exit=by_daemon_exit, oom=oom is not None, notes=notes or None,
+                scheduler_end=scheduler_end)
+
+
+def classify_exit(*, exit_code: int | None, signal: int | None, oom_kills: int,
+                  log_tail: Sequence[str]) -> tuple[str | None, ExitReason | None]:
+    """(extra explanation, `ExitReason.OOM` when the exit was an out-of-memory kill) of a
+    failed exit. The cgroup's `oom_kill` counter rising during the run with a SIGKILL is
+    an OOM kill; a SIGKILL alone is only a guess, and says so."""
+    notes = []
+    exit_reason = None
+    if signal == 9 and oom_kills > 0:
+        notes.append(f"OOM-killed: the cgroup's oom_kill count rose by {oom_kills}")
+        exit_reason = ExitReason.OOM
+    elif signal == 9:
+        notes.append("SIGKILL from outside the job: possibly the kernel OOM killer (a guess; "
+                     "no OOM kill recorded in a readable cgroup)")
+    text = terminal_text("\n".join(log_tail))  # a cause quotes the log: no colour codes
+    rank = failed_rank(text)
+    if rank:
+        notes.insert(0, rank)
+    for pattern, meaning in LOG_SIGNATURES:
+        if pattern.search(text):
+            notes.append(meaning)
+            break
+    return ("; ".join(notes) or None), exit_reason
+
+
+def failed_rank(text: str) -> str | None:
+    """"rank 1 (cuda:1) failed first: exit code 3" from a multi-process job's log, so
+    the alert says which of its processes took the job down; None if none is named."""
+    for pattern in RANK_FAILURES:
+        match = pattern.search(text)
+        if match:
+            where, how = match["where"], match["how"]
+            if where.isdigit():  # torchrun's numbers
+                where, how = f"local rank {where}", f"exitcode {how}"
+            return f"rank {match['rank']} ({where}) failed first: {how}"
+    return None
+
+
 def launch_cut_short(*, shim_recorded: bool, abandoned: bool) -> Decision:
     """No worker was ever started and the launch is settled: `abandoned` (the daemon
     owns the attempt now) starts it again; otherwise its shim died starting it."""
@@ -138,6 +233,100 @@ def vanished(*, stop_requested: bool, shim_recorded: bool) -> Decision:
            if shim_recorded else
            "the job's processes vanished without recording an exit status")
     return Decision(JobState.LOST, ExitReason.LOST, why)
+
+
+LAUNCH_CONFIRM_S = 10.0
+"""A launch recorded in the DB whose shim left no trace after this many seconds is
+settled through the attempt's claim file (`Backend.settle_launch`): launched again if
+the daemon can claim it, else waited for (its shim is starting) or lost."""
+
+
+class WorkerSeen(StrEnum):
+    """A running job's worker, as the tick's checks found it."""
+
+    UNREAD = "unread"
+    """Not looked at: an exit is recorded, or the shim runs and watches the worker."""
+    NEVER_STARTED = "never started"
+    """No worker was recorded (no `worker.json`): the launch was cut short, or its shim
+    is still starting it."""
+    ALIVE = "alive"
+    """It runs: beside a suspended shim, the worker process itself; beside a gone
+    shim, the worker or what it left in its process group."""
+    GONE = "gone"
+
+
+# made per running job per tick, never changed once made: not frozen (a frozen one
+# costs several times as much to build, as `rules.JobFacts`)
+@dataclass(slots=True)
+class Processes:
+    """The diagnosis of a running job's processes in one tick, made by the checks
+    (`checks.JobChecks.diagnose`: the files and /proc it reads) for `judge`."""
+
+    shim: ShimState
+    worker: WorkerSeen
+    exit: ExitStatus | None
+    """The shim's end record (`status.json`): read only once the shim no longer runs."""
+    shim_recorded: bool
+    """The shim's identity is known (its `shim.json`, or the launch's own record)."""
+    stop_requested: bool
+    launch_age_s: float
+    """Seconds since the attempt's launch was recorded."""
+    worker_record: WorkerInfo | None = field(default=None, compare=False)
+    """The worker's `worker.json` where the checks read it (to watch it, `WATCH_WORKER`)."""
+
+
+class Step(StrEnum):
+    """What the checks do next for a running job (`judge`)."""
+
+    FINISH = "finish"
+    """Its exit is recorded: `after_exit` decides what follows it."""
+    RUNS = "runs"
+    """Its shim runs and watches the worker: nothing to decide."""
+    WAIT = "wait"
+    """Nothing to do this tick: a suspended shim's worker still runs, or a launch not yet
+    `LAUNCH_CONFIRM_S` old may still start."""
+    RESUME_SHIM = "resume shim"
+    """A suspended shim (SIGSTOP) cannot reap the ended worker nor record its exit:
+    continue it (it then ends what the worker left in its group, as at any exit)."""
+    WATCH_WORKER = "watch worker"
+    """The shim died but the job runs on: watch the worker itself."""
+    SETTLE_LAUNCH = "settle launch"
+    """No worker was ever started: the claim file settles the launch (then
+    `launch_cut_short` decides, unless the fate is to wait)."""
+    TRANSITION = "transition"
+    """`Verdict.decision` is the job's next state."""
+
+
+@dataclass(frozen=True)
+class Verdict:
+    step: Step
+    decision: Decision | None = None
+    """For `Step.TRANSITION`."""
+
+
+_VERDICTS = {step: Verdict(step) for step in Step if step is not Step.TRANSITION}
+"""The verdicts without a decision, made once (most jobs get `RUNS` every tick)."""
+
+
+def judge(seen: Processes) -> Verdict:
+    """What follows from a running job's processes as the tick found them."""
+    if seen.exit is not None:
+        return _VERDICTS[Step.FINISH]
+    if seen.shim is ShimState.RUNNING:
+        return _VERDICTS[Step.RUNS]
+    if seen.shim is ShimState.SUSPENDED:
+        return _VERDICTS[Step.WAIT if seen.worker is WorkerSeen.ALIVE else Step.RESUME_SHIM]
+    if seen.worker is WorkerSeen.ALIVE:
+        return _VERDICTS[Step.WATCH_WORKER]
+    if seen.worker is WorkerSeen.NEVER_STARTED:
+        # a launch cut short (the daemon died before it recorded the shim, or the shim
+        # exited before claiming, e.g. on a full disk where it could not reserve its
+        # status file); a shim known to be dead needs no waiting
+        if seen.shim_recorded or seen.launch_age_s > LAUNCH_CONFIRM_S:
+            return _VERDICTS[Step.SETTLE_LAUNCH]
+        return _VERDICTS[Step.WAIT]
+    return Verdict(Step.TRANSITION, vanished(stop_requested=seen.stop_requested,
+                                             shim_recorded=seen.shim_recorded))
 
 
 @dataclass(frozen=True)

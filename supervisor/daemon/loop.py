@@ -1,28 +1,28 @@
 """The loop that ties one tick together: exits -> stops -> starts (then, as they land:
 sample -> store -> forecast -> alert -> notify). No logic of its own beyond ordering
 and the job lifecycle rules that decide which state comes next. The per-job checks the
-tick runs are `checks.py`'s (`JobChecks`), the engine's parts `engine_base.py`'s; here:
-the loop's thread, the stops before the daemon exits, re-adoption at start, and the tick
-with its samples and alerts."""
+tick runs are `checks.py`'s (`JobChecks`), the backends and wake-ups `engine_base.py`'s,
+and `wiring.build_engine` makes the parts and hands them to the `Engine`; here: the
+loop's thread, the stops before the daemon exits, re-adoption at start, and the tick with
+its samples and alerts."""
 
 from __future__ import annotations
 
 import logging
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import replace
 
-from sqlalchemy.orm import Session
+from sqlalchemy.orm import Session, sessionmaker
 
-from supervisor.daemon.checks import (
-    LAUNCH_CONFIRM_S,
-    LAUNCH_RETRY_S,
-    LOG_TAIL_LINES,
-    STOP_BACKSTOP_S,
-    JobChecks,
-)
-from supervisor.observe.observer import ObservedJob
-from supervisor.observe.view import JobEnd, progress_json, stored_progress
+from supervisor.alerting.notify import Notifier
+from supervisor.alerting.recorder import AlertRecorder
+from supervisor.config import Settings
+from supervisor.daemon.checks import STOP_BACKSTOP_S, JobChecks, stop_grace_s
+from supervisor.daemon.engine_base import Backends, Waker
+from supervisor.observe.observer import ObservedJob, Observer
+from supervisor.observe.view import JobEnd, JobView, progress_json, stored_progress
 from supervisor.runtime import files
 from supervisor.runtime.launcher import (
     Attempt,
@@ -32,10 +32,8 @@ from supervisor.runtime.launcher import (
 from supervisor.spec import JobState, stored_spec
 from supervisor.storage import store
 from supervisor.storage.tables import Job, SampleRecord
-
-__all__ = ["COMPACT_EVERY_S", "EXIT_STOP_MARGIN_S", "LAUNCH_CONFIRM_S", "LAUNCH_RETRY_S",
-           "LOG_TAIL_LINES", "PROGRESS_STORE_S", "STOP_BACKSTOP_S", "UNSAVED_SAMPLES_MAX",
-           "Engine"]
+from supervisor.storage.transactions import TickSteps
+from supervisor.storage.writability import Writability
 
 log = logging.getLogger(__name__)
 
@@ -55,7 +53,78 @@ memory; the row serves a daemon restart and the job after its end, when it is wr
 at once, and again when its final output reading is in)."""
 
 
-class Engine(JobChecks):
+class Engine:
+    """The daemon's supervision: a loop that ticks in its thread over parts that each own
+    their state, made and joined by `wiring.build_engine`: the backends, the per-job
+    checks, the observer, the alert recorder and the notifier. What it keeps itself:
+    the loop's thread, the samples and progress a refused write held back, the ends the
+    database refused, and the downsampling's pace."""
+
+    def __init__(self, settings: Settings, sessions: sessionmaker[Session], *,
+                 clock: Callable[[], float], backends: Backends, waker: Waker,
+                 checks: JobChecks, observer: Observer, notifier: Notifier,
+                 alerting: AlertRecorder, steps: TickSteps, writability: Writability):
+        self.settings = settings
+        self.sessions = sessions
+        self.clock = clock
+        """Every timeout and backoff is measured on this clock (see `clock.py`)."""
+        self.backends = backends
+        self.backend: Backend = backends.backend
+        """The `local` backend (or the one a test gives)."""
+        self.waker = waker
+        self.checks = checks
+        self.observer = observer
+        self.notifier = notifier
+        self.alerting = alerting
+        self.steps = steps
+        self.writability = writability
+        """Whether the database takes writes (the tick's steps report to it, /healthz
+        and the API read it)."""
+        self._shim_observes: dict[tuple[str, int], bool] = {}
+        """Per (job, attempt): observed through its shim's readings (`observed.jsonl`)."""
+        self._should_exit = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._next_compact_at = 0.0
+        self._compacted_until: dict[float, float] | None = None
+        """Per sample tier, the cutoff of the last downsampling pass (None: none yet in
+        this daemon; the first pass starts from `store.compaction_resume_point`)."""
+        self.unrecorded_ends: dict[str, JobEnd] = {}
+        """Running jobs whose end the database refused, by id: shown (`views`) and
+        alerted on (`AlertRecorder.send_unrecorded`) from here until it is recorded."""
+        self._unsaved_samples: list[SampleRecord] = []
+        self._progress_stored: dict[str, tuple[float, str | None]] = {}
+        """When each running job's progress was last written to its row, and the
+        observation error it held."""
+        self._finals_unsaved: set[str] = set()
+        """Ended jobs whose final progress a failed write held back."""
+        self.may_tick: Callable[[], bool] = lambda: True
+        """Asked before each tick of the loop: False skips it (`app.py`: the daemon's
+        lock on its PostgreSQL database is not confirmed, or was lost to another daemon:
+        no job is launched, judged or stopped without it)."""
+        self.on_tick: Callable[[float], None] = lambda _seconds: None
+        """Called with each tick's duration in seconds (the metrics histogram)."""
+        self.last_tick_at: float | None = None
+        """`time.monotonic()` when the loop last finished a tick (one that raised too) or
+        started; None before `start()`. A tick blocked in I/O leaves it behind: /healthz."""
+
+    def views(self) -> Mapping[str, JobView]:
+        """What the engine knows of each job now, for the API and the metrics: the
+        observer's views, with the ends the database has not taken yet."""
+        views = self.observer.views
+        ends = self.unrecorded_ends
+        if not ends:
+            return views
+        shown = dict(views)
+        for job_id, end in list(ends.items()):
+            view = shown.get(job_id)
+            if view is not None:
+                shown[job_id] = replace(view, unrecorded_end=end)
+        return shown
+
+    def wake(self) -> None:
+        """Run a tick now (a process exited, a job was submitted or stopped)."""
+        self.waker.wake()
+
     # -- lifecycle ------------------------------------------------------------------
     def start(self) -> None:
         """Re-adopt what runs, then tick in a thread until `stop()`."""
@@ -67,7 +136,7 @@ class Engine(JobChecks):
     def stop(self) -> None:
         """Stop the loop. Jobs keep running: their shims do not depend on the daemon."""
         self._should_exit.set()
-        self._wake.set()
+        self.waker.wake()
         if self._thread is not None:
             self._thread.join(timeout=10)
         self.notifier.stop()
@@ -76,7 +145,7 @@ class Engine(JobChecks):
                         "observer is left open (the daemon's exit closes it)")
         else:
             self.observer.close()
-        for backend in self.backends.values():
+        for backend in self.backends.all():
             backend.close()
 
     def stop_jobs(self, poll_s: float = 0.1) -> None:
@@ -88,7 +157,7 @@ class Engine(JobChecks):
         unstarted. The loop thread does the work; this asks and waits. Where the stop
         cannot be recorded (the database locked or full), the shims get SIGTERM directly,
         so the jobs still have their grace before the namespace goes."""
-        self._exiting = True
+        self.checks.stop_starting()
         deadline: float | None = None
         told: set[str] = set()
         while True:
@@ -102,7 +171,7 @@ class Engine(JobChecks):
                     log.info("every job stopped; exiting")
                 return
             if deadline is None or left.keys() - told:
-                grace_s = max(self._grace(job) for job in left.values())
+                grace_s = max(stop_grace_s(job, self.settings) for job in left.values())
                 deadline = max(deadline or 0.0, time.monotonic() + grace_s + STOP_BACKSTOP_S
                                + EXIT_STOP_MARGIN_S)
                 if not told:
@@ -124,7 +193,7 @@ class Engine(JobChecks):
             for job in running.values():
                 if job.id not in told:
                     if job.stop_requested_at is None:
-                        self._stopped_for_exit.add(job.id)
+                        self.checks.stopped_for_exit(job.id)
                     store.request_stop(session, job.id, now=now, by_person=False)
             session.commit()
             return running
@@ -141,8 +210,8 @@ class Engine(JobChecks):
         for job in running.values():
             if job.id in told:
                 continue
-            attempt, backend = self._attempt(job), self.backend_for(job)
-            self._stopped_for_exit.add(job.id)
+            attempt, backend = self.backends.attempt(job), self.backends.backend_for(job)
+            self.checks.stopped_for_exit(job.id)
             backend.request_stop(attempt, backend.read_worker(attempt))
         return running
 
@@ -155,7 +224,7 @@ class Engine(JobChecks):
                 if progress is not None:
                     self.observer.seed(job.id, progress)
             for job in store.jobs_in_states(session, JobState.RUNNING):
-                attempt, backend = self._attempt(job), self.backend_for(job)
+                attempt, backend = self.backends.attempt(job), self.backends.backend_for(job)
                 backend.watch(attempt, backend.read_worker(attempt))
                 rows = store.samples(session, job.id, since=job.started_at or 0, limit=100_000)
                 self.observer.load_history(self._observed(job, attempt, self.clock()), rows)
@@ -166,10 +235,10 @@ class Engine(JobChecks):
         next_tick = time.monotonic() + interval
         self.last_tick_at = time.monotonic()
         while not self._should_exit.is_set():
-            self._wake.wait(max(0.0, next_tick - time.monotonic()))
+            self.waker.event.wait(max(0.0, next_tick - time.monotonic()))
             if self._should_exit.is_set():
                 return
-            self._wake.clear()
+            self.waker.event.clear()
             if self._may_tick():
                 started = time.monotonic()
                 try:
@@ -206,12 +275,12 @@ class Engine(JobChecks):
             self.steps.tick_ended()
 
     def _tick(self, now: float) -> None:
-        for backend in list(self.backends.values()):
+        for backend in self.backends.all():
             backend.reap()
-        self._shims_seen_alive = {}
+        self.checks.begin_tick()
         with self.sessions() as session:
             # one query for the running and lately ended jobs (#15); the pending ones
-            # are read after the running ones' checks (`_check_pending_jobs`)
+            # are read after the running ones' checks (`check_pending_jobs`)
             jobs = store.jobs_of_tick(session, ended_since=self.alerting.ended_since(now))
             running = [job for job in jobs if job.state == JobState.RUNNING]
             ended_lately = [job for job in jobs if JobState(job.state).ended]
@@ -219,13 +288,13 @@ class Engine(JobChecks):
                 end = None
                 with self.steps.isolated(session, f"job {job.id}"), \
                         self.steps.writing(session, "job state") as written:
-                    self._check_running(session, job, now)
+                    self.checks.check_running(session, job, now)
                     end = _end_of(job)
                 self._keep_unrecorded_end(job.id, None if written.ok else end)
             with self.steps.isolated(session, "observation"):
                 # jobs that ended this tick get one last reading: their final output counts
-                observed = [self._observed(job, self._shims_seen_alive.get(job.id)
-                                           or self._attempt(job), now) for job in running]
+                observed = [self._observed(job, self.checks.seen_alive(job.id)
+                                           or self.backends.attempt(job), now) for job in running]
                 self._store_samples(session, running, self.observer.observe(observed, now))
             with self.steps.isolated(session, "alerts"):
                 self._alert(session, running, ended_lately, now)
@@ -235,7 +304,7 @@ class Engine(JobChecks):
                     self._shim_observes.pop((job.id, job.attempt), None)
             self.notifier.wake_if_enqueued()
             with self.steps.isolated(session, "pending jobs"):
-                self._check_pending_jobs(session, running, now)
+                self.checks.check_pending_jobs(session, running, now)
             if now >= self._next_compact_at:
                 self._next_compact_at = now + COMPACT_EVERY_S
                 with self.steps.isolated(session, "sample downsampling"), \
@@ -324,7 +393,7 @@ class Engine(JobChecks):
         job whose processes are on other machines (a SLURM job) has no tree here: its
         pids are not looked up in this machine's /proc; it may wait in its scheduler's
         queue, and its run starts when it leaves it (the alert rules' clocks)."""
-        backend = self.backend_for(job)
+        backend = self.backends.backend_for(job)
         if not backend.observes_locally:  # its shim publishes its readings
             queued = backend.queued(attempt)
             return ObservedJob(job.id, stored_spec(job.spec_json), job.attempt,
@@ -332,7 +401,7 @@ class Engine(JobChecks):
                                scheduler_job_id=backend.scheduler_job_id(attempt),
                                queued=queued, running_since=None if queued
                                else backend.running_since(attempt, now))
-        if attempt.shim_pid is not None and (self._shims_seen_alive.get(job.id) is attempt
+        if attempt.shim_pid is not None and (self.checks.seen_alive(job.id) is attempt
                                              or backend.shim_alive(attempt)):
             root, root_time, root_ticks = (attempt.shim_pid, attempt.shim_create_time,
                                            attempt.shim_start_ticks)

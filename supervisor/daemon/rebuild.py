@@ -35,10 +35,12 @@ from sqlalchemy import select
 from sqlalchemy.orm import Session
 
 from supervisor.alerting import rules
-from supervisor.daemon.lifecycle import signal_name
-from supervisor.daemon.loop import LOG_TAIL_LINES
+from supervisor.alerting.recorder import job_facts
+from supervisor.config import Settings
+from supervisor.daemon import lifecycle
+from supervisor.daemon.checks import restarts_of
 from supervisor.observe.progress_file import from_progress_file
-from supervisor.observe.view import ProgressRecord, progress_json
+from supervisor.observe.view import JobView, ProgressRecord, progress_json
 from supervisor.runtime import files
 from supervisor.runtime.fileio import read_json, tail_lines
 from supervisor.runtime.launcher import (
@@ -109,7 +111,8 @@ def attempt_numbers(jdir: Path) -> list[int]:
     return sorted(numbers)
 
 
-def rebuild(session: Session, jobs_dir: Path, now: float) -> RebuildSummary:
+def rebuild(session: Session, jobs_dir: Path, now: float, *,
+            settings: Settings) -> RebuildSummary:
     """Recreate a Job row (and one JobEvent) for each job directory the database does
     not know; the caller commits. A directory that holds neither a job record nor an
     attempt's launch file is skipped with a warning."""
@@ -120,7 +123,7 @@ def rebuild(session: Session, jobs_dir: Path, now: float) -> RebuildSummary:
         if len(job_id) > 32 or job_id in known:
             continue
         try:
-            rebuilt = _rebuild_job(jobs_dir, jdir, now)
+            rebuilt = _rebuild_job(jobs_dir, jdir, now, settings)
         except Exception as exc:  # one odd directory must not keep the daemon from starting
             rebuilt = f"{type(exc).__name__}: {exc}"
         if isinstance(rebuilt, str):
@@ -143,8 +146,8 @@ def rebuild(session: Session, jobs_dir: Path, now: float) -> RebuildSummary:
     return summary
 
 
-def _rebuild_job(jobs_dir: Path, jdir: Path,
-                 now: float) -> tuple[Job, str, bool, list[rules.Firing]] | str:
+def _rebuild_job(jobs_dir: Path, jdir: Path, now: float,
+                 settings: Settings) -> tuple[Job, str, bool, list[rules.Firing]] | str:
     """(the job, its event's reason, whether its spec came from a launch.json, the
     alerts of an end that was told already), or why nothing can be rebuilt."""
     numbers = attempt_numbers(jdir)
@@ -165,7 +168,7 @@ def _rebuild_job(jobs_dir: Path, jdir: Path,
     job = Job(id=jdir.name, name=spec.name, spec_json=spec.model_dump_json(),
               state=JobState.PENDING.value, created_at=created_at, attempt=0, restarts=0)
     if numbers:
-        state, reason = _from_attempt(jobs_dir, job, spec, numbers[-1], now)
+        state, reason = _from_attempt(jobs_dir, job, spec, numbers[-1], now, settings)
     else:
         state, reason = JobState.PENDING, "not started yet"
     recorded = _recorded_end(jdir, job, spec, now)
@@ -175,21 +178,15 @@ def _rebuild_job(jobs_dir: Path, jdir: Path,
         state, reason = _stopped(job, state, reason, now)
     job.state, job.reason = state.value, reason
     progress = from_progress_file(progress_path(jobs_dir, job.id))
-    if progress is not None:
-        job.progress_json = progress_json(ProgressRecord(
-            items_done=progress.items_done,
-            items_total=progress.items_total or spec.expected_items,
-            source="progress_file", metrics=progress.metrics))
+    read = None if progress is None else ProgressRecord(
+        items_done=progress.items_done,
+        items_total=progress.items_total or spec.expected_items,
+        source="progress_file", metrics=progress.metrics)
+    if read is not None:
+        job.progress_json = progress_json(read)
     told = [] if recorded is None else [
-        alert for alert in rules.evaluate(rules.JobFacts(
-            job_id=job.id, name=job.name, state=job.state, reason=job.reason,
-            exit_code=job.exit_code, signal=job.signal, exit_reason=job.exit_reason,
-            attempt=job.attempt, started_at=job.started_at, ended_at=job.ended_at,
-            stall_timeout_s=spec.stall_timeout_s, startup_timeout_s=spec.startup_timeout_s,
-            items_done=progress.items_done if progress else None,
-            items_expected=spec.expected_items,
-            metrics=progress.metrics if progress else {},
-            min_acceptance_length=spec.min_acceptance_length),
+        alert for alert in rules.evaluate(
+            job_facts(job, JobView(progress=read) if read else None),
             now=now, settings=rules.AlertSettings())
         if alert.rule in rules.EVENT_RULES]
     return job, f"{REBUILT} (from {source}): {reason}", from_launch, told
@@ -257,7 +254,7 @@ def _spec_from_launch(jobs_dir: Path, job_id: str,
 
 
 def _from_attempt(jobs_dir: Path, job: Job, spec: JobSpec, number: int,
-                  now: float) -> tuple[JobState, str]:
+                  now: float, settings: Settings) -> tuple[JobState, str]:
     """Fill the job's attempt, processes and exit from attempt `number`'s files."""
     adir = attempt_dir(jobs_dir, job.id, number)
     job.attempt = number
@@ -280,7 +277,7 @@ def _from_attempt(jobs_dir: Path, job: Job, spec: JobSpec, number: int,
                                   "rebuilt")
     status = files.read_exit(adir)
     if status is not None:
-        return _ended(jobs_dir, job, spec, status, now)
+        return _ended(jobs_dir, job, status, now, settings)
     if is_same_process(job.shim_pid, job.shim_create_time, job.shim_start_ticks):
         return JobState.RUNNING, f"{started}; re-adopted after the database was rebuilt"
     if worker is not None and worker_group_alive(worker):
@@ -295,38 +292,28 @@ def _from_attempt(jobs_dir: Path, job: Job, spec: JobSpec, number: int,
                            "when the database was rebuilt)")
 
 
-def _ended(jobs_dir: Path, job: Job, spec: JobSpec, status: files.ExitStatus,
-           now: float) -> tuple[JobState, str]:
-    """engine._finish's classification of a recorded exit, from status.json."""
-    exit_code, sig, spawn_error = status.exit_code, status.signal, status.spawn_error
-    job.exit_code, job.signal, job.ended_at = exit_code, sig, status.ended_at
-    if status.stop_requested:
-        job.exit_reason = ExitReason.STOPPED.value
-        how = "SIGKILL after the grace" if status.killed_after_grace else "SIGTERM"
-        return JobState.STOPPED, f"stopped on request ({how})"
-    if exit_code == 0 and not spawn_error:
-        job.exit_reason = ExitReason.EXIT.value
-        return JobState.SUCCEEDED, "exited with code 0"
-    if spawn_error:
-        job.exit_reason, reason = ExitReason.EXIT.value, spawn_error
-    elif sig is not None:
-        job.exit_reason = ExitReason.SIGNAL.value
-        reason = f"killed by signal {sig} ({signal_name(sig)})"
-    else:
-        job.exit_reason, reason = ExitReason.EXIT.value, f"exited with code {exit_code}"
-    lines, _ = tail_lines(log_path(jobs_dir, job.id, job.attempt), LOG_TAIL_LINES)
-    notes, oom = rules.classify_exit(exit_code=exit_code, signal=sig,
-                                      oom_kills=status.oom_kills or 0,
-                                      log_tail=lines)
-    if oom:
-        job.exit_reason = ExitReason.OOM.value
-    if notes:
-        reason = f"{reason} — {notes}"
-    if spec.restart_policy is RestartPolicy.ON_FAILURE and job.restarts < spec.max_restarts:
+def _ended(jobs_dir: Path, job: Job, status: files.ExitStatus,
+           now: float, settings: Settings) -> tuple[JobState, str]:
+    """A recorded exit, from status.json, as the engine decides it when the shim records
+    it (`checks.JobChecks.finish`): the same `lifecycle.exit_of` and `after_exit`, set on
+    the job as `store.transition` writes a decision. What only a live daemon knew is not
+    in the data dir: that a stop was its own on its way out, its backstop's SIGKILL, or
+    that the jobs a job served had ended (a stop is "on request")."""
+    job.exit_code, job.signal = status.exit_code, status.signal
+    lines: list[str] = []
+    if lifecycle.is_failure(status, stop_requested=status.stop_requested):
+        lines, _ = tail_lines(log_path(jobs_dir, job.id, job.attempt), lifecycle.LOG_TAIL_LINES)
+    decision = lifecycle.after_exit(
+        lifecycle.exit_of(status, stop_requested=status.stop_requested, log_tail=lines),
+        restarts_of(job, settings))
+    if decision.exit_reason is not None:
+        job.exit_reason = decision.exit_reason.value
+    if decision.restart_in_s is not None:  # as `store.transition(restart_at=...)`
         job.restarts += 1
-        job.next_start_at, job.ended_at = now, None
-        return JobState.PENDING, f"{reason}; restart {job.restarts}/{spec.max_restarts}"
-    return JobState.FAILED, reason
+        job.next_start_at = now + decision.restart_in_s
+    if decision.state.ended:
+        job.ended_at = min(status.ended_at, now)
+    return decision.state, decision.reason
 
 
 def _mtime(path: Path, default: float) -> float:

@@ -289,7 +289,7 @@ def rebuild_if_lost(engine: Engine, settings: Settings, where: str, lost: str | 
     lost = lost or "had no jobs"
     sessions = make_sessionmaker(engine)
     with sessions() as session:
-        summary = rebuild(session, settings.jobs_dir, now)
+        summary = rebuild(session, settings.jobs_dir, now, settings=settings)
         session.commit()
     counts = ", ".join(f"{n} {state}" for state, n in sorted(summary.states.items()))
     log.warning(

@@ -1,8 +1,8 @@
-"""Building a job's view and sample from one tick's readings (`JobViewBuilder`, a part
-of `Observer`): its progress from a fresh file reading or, when there is none, its last
-known figures and why; its forecast and resources; the samples of a remote job's older
-readings; what its forecast history keeps. The readings themselves, and the tick that
-takes them, are `observer.py`'s.
+"""Building a job's view and sample from one tick's readings (`JobViewBuilder`, which
+the `Observer` holds and hands each job's previous view): its progress from a fresh file
+reading or, when there is none, its last known figures and why; its forecast and
+resources; the samples of a remote job's older readings; what its forecast history
+keeps. The readings themselves, and the tick that takes them, are `observer.py`'s.
 """
 
 from __future__ import annotations
@@ -28,19 +28,17 @@ HISTORY_KEEP_S = 60.0
 still marks time passing); readings with news are always kept."""
 
 class JobViewBuilder:
-    """The view and sample of one job per tick: a part of `Observer`, which holds the
-    `views` it reads."""
+    """The view and sample of one job per tick, from its readings, what the observer
+    keeps of it (`_JobState`) and its previous view; it keeps nothing itself."""
 
-    views: dict[str, JobView]
-
-    def _observe_one(self, job: ObservedJob, state: _JobState, tree: TreeReading, now: float,
-                     backlog: list[SampleRecord]
-                     ) -> tuple[JobView, SampleRecord | None, forecast.JobForecast]:
+    def observe_one(self, job: ObservedJob, state: _JobState, tree: TreeReading, now: float,
+                    backlog: list[SampleRecord], previous: JobView | None
+                    ) -> tuple[JobView, SampleRecord | None, forecast.JobForecast]:
         """`backlog`: receives the samples of a remote job's readings older than the
-        newest (those its shim wrote since the last tick, or while the daemon was down)."""
+        newest (those its shim wrote since the last tick, or while the daemon was down).
+        `previous`: the job's view of the tick before, if any."""
         spec = job.spec
         outcome, state.outcome = state.outcome, None
-        previous = self.views.get(job.job_id)
         if isinstance(outcome, FileReading):
             state.reading = fresh = outcome
             items_done, items_total, metrics, source = items_from(spec, fresh)
@@ -49,7 +47,7 @@ class JobViewBuilder:
                                          counted=source == "files")
             state.note_items(items_done, fresh.t)
             if fresh.stale is None:
-                self._remember(state, forecast.Observation(fresh.t, items_done,
+                self.remember(state, forecast.Observation(fresh.t, items_done,
                                                            fresh.bytes_written))
             progress = ProgressRecord(
                 items_done=items_done, items_total=items_total, files=fresh.files,
@@ -65,7 +63,7 @@ class JobViewBuilder:
             state.logged_error = fresh.stale
         else:  # nothing new: the last known figures, and why
             error = self._why_not_fresh(job, state, outcome)
-            self._log_error(job.job_id, state, error, outcome)
+            self.log_error(job.job_id, state, error, outcome)
             shown = previous.progress if previous is not None else ProgressRecord(
                 items_total=spec.expected_items)
             progress = replace(shown, observation_error=error)
@@ -115,7 +113,7 @@ class JobViewBuilder:
         for sample, r in zip(samples, newer, strict=True):
             if sample.items_done is not None:
                 state.note_items(sample.items_done, r.t)
-                self._remember(state, forecast.Observation(r.t, sample.items_done,
+                self.remember(state, forecast.Observation(r.t, sample.items_done,
                                                            sample.bytes_written))
             state.note_activity(r.tree, sample.bytes_written, r.t)
             state.last_sample_t = r.t
@@ -132,16 +130,16 @@ class JobViewBuilder:
             return f"{what} still running ({running_s:.1f} s so far)"
         return f"{what} not started: {state.start_error or 'unknown'}"
 
-    def _stale_view(self, job: ObservedJob, error: str) -> JobView:
+    def stale_view(self, job: ObservedJob, error: str, previous: JobView | None) -> JobView:
         """The job's previous view, saying why it is not fresh (its place in a queue is
         the scheduler's word, fresh)."""
-        previous = self.views.get(job.job_id) or JobView(
+        previous = previous or JobView(
             progress=ProgressRecord(items_total=job.spec.expected_items))
         return replace(previous.failing(error), queued=job.queued,
                        running_since=job.running_since)
 
     @staticmethod
-    def _log_error(job_id: str, state: _JobState, message: str,
+    def log_error(job_id: str, state: _JobState, message: str,
                    error: BaseException | None) -> None:
         """Log an observation error once while it lasts (not every tick); a reading
         still running is no error to log."""
@@ -152,7 +150,7 @@ class JobViewBuilder:
                     exc_info=(type(error), error, error.__traceback__))
 
     @staticmethod
-    def _remember(state: _JobState, observation: forecast.Observation) -> None:
+    def remember(state: _JobState, observation: forecast.Observation) -> None:
         last = state.last_kept
         if last is not None:
             unchanged = (last.items_done == observation.items_done
@@ -161,6 +159,7 @@ class JobViewBuilder:
                 return
         state.last_kept = observation
         state.forecaster.add(observation)
+
 
 def gpu_shares(devices: Sequence[TreeGpuMemory] | None) -> tuple[GpuShare, ...] | None:
     if devices is None:

@@ -99,7 +99,11 @@ def _final_progress(shown: ProgressRecord, job: ObservedJob,
         metrics=metrics, observed_at=reading.t)
 
 
-class Observer(JobViewBuilder):
+class Observer:
+    """Each running job's readings once a tick, isolated, and the views and samples
+    built from them (`JobViewBuilder`): what the daemon knows of its jobs between ticks
+    (`views`)."""
+
     def __init__(self, jobs_dir: Path, sampler: Sampler | None = None, *,
                  scan_budget_s: float = SCAN_BUDGET_S, workers: int = FILE_WORKERS,
                  make_scanner: ScannerFactory | None = None, watch_outputs: bool = True,
@@ -125,6 +129,7 @@ class Observer(JobViewBuilder):
         self._ending: dict[str, _Ending] = {}
         self._tick = 0
         self._sampler_error: str | None = None
+        self.building = JobViewBuilder()
         self.views: dict[str, JobView] = {}
         """Latest view per job id; replaced whole each tick, so readers need no lock."""
         self.settled: list[str] = []
@@ -155,13 +160,15 @@ class Observer(JobViewBuilder):
             try:
                 if tree is None:
                     raise RuntimeError(tree_errors.get(job.job_id, "no process reading"))
-                view, sample, job_forecast = self._observe_one(job, state, tree, now, backlog)
+                view, sample, job_forecast = self.building.observe_one(
+                    job, state, tree, now, backlog, self.views.get(job.job_id))
             except Exception as error:  # a bug or a surprise in this job's reading only
                 message = f"observation failed: {_describe(error)}"
                 if tree is None:
                     message = f"process reading failed: {error}"
-                self._log_error(job.job_id, state, message, error)
-                views[job.job_id] = self._stale_view(job, message)
+                self.building.log_error(job.job_id, state, message, error)
+                views[job.job_id] = self.building.stale_view(job, message,
+                                                             self.views.get(job.job_id))
                 continue
             samples += backlog
             if sample is not None:
@@ -436,7 +443,8 @@ class Observer(JobViewBuilder):
         if rows:
             state.last_sample_t = rows[-1].t
         for row in rows:
-            self._remember(state, forecast.Observation(row.t, row.items_done, row.bytes_written))
+            self.building.remember(state, forecast.Observation(row.t, row.items_done,
+                                                               row.bytes_written))
             state.note_items(row.items_done, row.t)
         if rows:  # the daemon was down: count its restart as activity, not as a stall
             state.activity_at = max(state.activity_at or 0.0, rows[-1].t)

@@ -160,11 +160,16 @@ def stored_progress(text: str | None) -> ProgressRecord | None:
             observation_error=stored.observation_error)
     except (ValidationError, ValueError) as exc:
         if hash(text) not in _warned_progress:
+            if len(_warned_progress) >= WARNED_PROGRESS_MAX:
+                _warned_progress.clear()  # bounded: warned about again, past this many
             _warned_progress.add(hash(text))
             log.warning("unreadable stored progress (%s); showing none", exc)
         return None
 
 
+WARNED_PROGRESS_MAX = 1024
+"""Unreadable stored progress texts remembered as warned about (the API reads every job
+it lists, each time): past this many, all are forgotten, and warned about again."""
 _warned_progress: set[int] = set()
 
 
