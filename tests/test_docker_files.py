@@ -23,7 +23,8 @@ import yaml
 from packaging.requirements import Requirement
 from packaging.utils import canonicalize_name
 
-from supervisor.daemon.loop import EXIT_STOP_MARGIN_S, STOP_BACKSTOP_S
+from supervisor.daemon.checks import STOP_BACKSTOP_S
+from supervisor.daemon.loop import EXIT_STOP_MARGIN_S
 from tests.helpers import REPO
 
 DOCKER = REPO / "docker"

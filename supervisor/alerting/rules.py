@@ -34,6 +34,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from supervisor.formatting import format_bytes, format_duration, terminal_text
+from supervisor.spec import ExitReason, JobState
 
 CRASHED, STALLED, DISK_WILL_FILL = "crashed", "stalled", "disk_will_fill"
 DISK_LOW, GPU_MEMORY_HIGH, INCOMPLETE = "disk_low", "gpu_memory_high", "incomplete"
@@ -72,6 +73,10 @@ RANK_FAILURES: tuple[re.Pattern[str], ...] = (
 )
 """How a multi-process job's parent names the rank that failed first."""
 
+LOG_TAIL_LINES = 20
+"""Lines read from the end of an attempt's log: searched for known crash causes
+(`classify_exit`) and quoted in the alert's messages (`log_tail`, docs/api.md)."""
+
 ACCEPTANCE_METRIC = "acceptance_length"
 ACCEPTANCE_RATE_PREFIX = "acceptance_rate_pos"
 """`acceptance_rate_pos<i>`: the share of passes accepting draft position i, given i-1."""
@@ -94,7 +99,7 @@ class JobFacts:
 
     job_id: str
     name: str
-    state: str
+    state: JobState
     reason: str | None
     exit_code: int | None
     signal: int | None
@@ -163,17 +168,18 @@ def evaluate(job: JobFacts, *, now: float, settings: AlertSettings) -> list[Firi
     def fire(rule: str, message: str) -> None:
         out.append(Firing(job.job_id, rule, SEVERITY[rule], message))
 
-    if job.state in ("failed", "lost") and job.attempt > 0 and _recent(job, now, settings):
+    if (job.state in (JobState.FAILED, JobState.LOST) and job.attempt > 0
+            and _recent(job, now, settings)):
         fire(CRASHED, f"{job.name} {job.state}: {job.reason or 'no reason recorded'}")
-    if (job.state == "succeeded" and job.items_expected is not None
+    if (job.state == JobState.SUCCEEDED and job.items_expected is not None
             and job.items_done is not None and job.items_done < job.items_expected
             and _recent(job, now, settings)):
         fire(INCOMPLETE, f"{job.name} exited 0 with {job.items_done} of "
                          f"{job.items_expected} expected items")
     low = low_acceptance_message(job)
-    if low and job.state in ("running", "succeeded") and _recent(job, now, settings):
+    if low and job.state in (JobState.RUNNING, JobState.SUCCEEDED) and _recent(job, now, settings):
         fire(LOW_ACCEPTANCE, low)
-    if job.state != "running":
+    if job.state != JobState.RUNNING:
         return out
 
     stalled = stall_message(job, now)
@@ -242,7 +248,7 @@ def low_acceptance_message(job: JobFacts) -> str | None:
     baseline = metrics.get(BASELINE_METRIC)
     if baseline is not None:
         message += f"; an untrained draft gets {baseline:.2f}"
-    if job.state == "running":
+    if job.state == JobState.RUNNING:
         message += " (so far: still measuring)"
     return message
 
@@ -280,7 +286,7 @@ def classify_exit(*, exit_code: int | None, signal: int | None, oom_kills: int,
     exit_reason = None
     if signal == 9 and oom_kills > 0:
         notes.append(f"OOM-killed: the cgroup's oom_kill count rose by {oom_kills}")
-        exit_reason = "oom"
+        exit_reason = ExitReason.OOM.value
     elif signal == 9:
         notes.append("SIGKILL from outside the job: possibly the kernel OOM killer (a guess; "
                      "no OOM kill recorded in a readable cgroup)")

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Mapping, Sequence
+from typing import Any
 
 from supervisor.api.models import (
     AlertOut,
@@ -77,6 +78,12 @@ def job_out(job: Job, view: JobView | None, *, alerts: Sequence[Alert] = (),
         alerts=[alert_out(a) for a in alerts],
         warnings=warnings or [],
     )
+
+
+def job_document(job: Job, view: JobView | None) -> dict[str, Any]:
+    """A job as `GET /jobs/{id}` shows it, in JSON (without its alerts): what the alerts'
+    messages say of it (`alerting.recorder.AlertRecorder.job_document`)."""
+    return job_out(job, view).model_dump(mode="json")
 
 
 def progress_model(p: ProgressRecord) -> Progress:

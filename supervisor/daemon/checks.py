@@ -47,9 +47,6 @@ LAUNCH_RETRY_S = 10.0
 """Seconds before a launch that failed for lack of space in the data dir, or that the
 backend deferred (`LaunchDeferred`), is tried again."""
 
-LOG_TAIL_LINES = 20
-"""Log lines searched for known crash causes."""
-
 PENDING_BATCH = 100
 """Pending jobs whose stops and failures are written in one commit (a dependency's
 failure fails its thousands of dependents in one tick: a commit each took ~4 ms)."""
@@ -172,7 +169,7 @@ class JobChecks(EngineBase):
         oom: str | None = None
         if failed:  # what the log tail and the exit tell (NCCL, CUDA OOM, the rank)
             lines, _ = tail_lines(log_path(self.settings.jobs_dir, job.id, job.attempt),
-                                  LOG_TAIL_LINES)
+                                  rules.LOG_TAIL_LINES)
             notes, oom = rules.classify_exit(exit_code=status.exit_code, signal=status.signal,
                                               oom_kills=status.oom_kills or 0, log_tail=lines)
         stopped_by = ("SIGKILL after the grace" if status.killed_after_grace else

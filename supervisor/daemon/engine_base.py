@@ -16,8 +16,10 @@ from dataclasses import replace
 
 from sqlalchemy.orm import Session, sessionmaker
 
-from supervisor.alerting.notify import Destination, Notifier
+from supervisor.alerting.notify import Notifier
 from supervisor.alerting.recorder import AlertRecorder
+from supervisor.alerting.wire import Destination
+from supervisor.api import views
 from supervisor.clock import SteadyClock
 from supervisor.config import Settings
 from supervisor.daemon import lifecycle
@@ -102,7 +104,8 @@ class EngineBase:
                                  backoff_max_s=settings.notify_backoff_max_s,
                                  webhook_secret=secret.get_secret_value() if secret else None,
                                  wall=time.time)
-        self.alerting = AlertRecorder(settings, self.observer, self.notifier)
+        self.alerting = AlertRecorder(settings, self.observer, self.notifier,
+                                      job_document=views.job_document)
         self.may_tick: Callable[[], bool] = lambda: True
         """Asked before each tick of the loop: False skips it (`app.py`: the daemon's
         lock on its PostgreSQL database is not confirmed, or was lost to another daemon:

@@ -14,14 +14,8 @@ from collections.abc import Sequence
 
 from sqlalchemy.orm import Session
 
-from supervisor.daemon.checks import (
-    LAUNCH_CONFIRM_S,
-    LAUNCH_RETRY_S,
-    LOG_TAIL_LINES,
-    STOP_BACKSTOP_S,
-    JobChecks,
-)
-from supervisor.observe.observer import ObservedJob
+from supervisor.daemon.checks import STOP_BACKSTOP_S, JobChecks
+from supervisor.observe.readings import ObservedJob
 from supervisor.observe.view import JobEnd, progress_json, stored_progress
 from supervisor.runtime import files
 from supervisor.runtime.launcher import (
@@ -32,10 +26,6 @@ from supervisor.runtime.launcher import (
 from supervisor.spec import JobState, stored_spec
 from supervisor.storage import store
 from supervisor.storage.tables import Job, SampleRecord
-
-__all__ = ["COMPACT_EVERY_S", "EXIT_STOP_MARGIN_S", "LAUNCH_CONFIRM_S", "LAUNCH_RETRY_S",
-           "LOG_TAIL_LINES", "PROGRESS_STORE_S", "STOP_BACKSTOP_S", "UNSAVED_SAMPLES_MAX",
-           "Engine"]
 
 log = logging.getLogger(__name__)
 
@@ -327,8 +317,9 @@ class Engine(JobChecks):
         backend = self.backend_for(job)
         if not backend.observes_locally:  # its shim publishes its readings
             queued = backend.queued(attempt)
-            return ObservedJob(job.id, stored_spec(job.spec_json), job.attempt,
-                               -1, None, None, job.started_at, None, remote=True,
+            return ObservedJob(job_id=job.id, spec=stored_spec(job.spec_json),
+                               attempt=job.attempt, root_pid=-1, root_create_time=None,
+                               worker_pid=None, started_at=job.started_at, remote=True,
                                scheduler_job_id=backend.scheduler_job_id(attempt),
                                queued=queued, running_since=None if queued
                                else backend.running_since(attempt, now))
@@ -338,8 +329,10 @@ class Engine(JobChecks):
                                            attempt.shim_start_ticks)
         else:
             root, root_time, root_ticks = job.pid or -1, job.pid_create_time, job.pid_start_ticks
-        return ObservedJob(job.id, stored_spec(job.spec_json), job.attempt,
-                           root, root_time, job.pid, job.started_at, root_ticks,
+        return ObservedJob(job_id=job.id, spec=stored_spec(job.spec_json),
+                           attempt=job.attempt, root_pid=root, root_create_time=root_time,
+                           worker_pid=job.pid, started_at=job.started_at,
+                           root_start_ticks=root_ticks,
                            remote=self._observed_by_shim(job, backend))
 
     def _observed_by_shim(self, job: Job, backend: Backend) -> bool:

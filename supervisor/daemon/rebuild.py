@@ -36,7 +36,6 @@ from sqlalchemy.orm import Session
 
 from supervisor.alerting import rules
 from supervisor.daemon.lifecycle import signal_name
-from supervisor.daemon.loop import LOG_TAIL_LINES
 from supervisor.observe.progress_file import from_progress_file
 from supervisor.observe.view import ProgressRecord, progress_json
 from supervisor.runtime import files
@@ -182,7 +181,7 @@ def _rebuild_job(jobs_dir: Path, jdir: Path,
             source="progress_file", metrics=progress.metrics))
     told = [] if recorded is None else [
         alert for alert in rules.evaluate(rules.JobFacts(
-            job_id=job.id, name=job.name, state=job.state, reason=job.reason,
+            job_id=job.id, name=job.name, state=JobState(job.state), reason=job.reason,
             exit_code=job.exit_code, signal=job.signal, exit_reason=job.exit_reason,
             attempt=job.attempt, started_at=job.started_at, ended_at=job.ended_at,
             stall_timeout_s=spec.stall_timeout_s, startup_timeout_s=spec.startup_timeout_s,
@@ -314,7 +313,7 @@ def _ended(jobs_dir: Path, job: Job, spec: JobSpec, status: files.ExitStatus,
         reason = f"killed by signal {sig} ({signal_name(sig)})"
     else:
         job.exit_reason, reason = ExitReason.EXIT.value, f"exited with code {exit_code}"
-    lines, _ = tail_lines(log_path(jobs_dir, job.id, job.attempt), LOG_TAIL_LINES)
+    lines, _ = tail_lines(log_path(jobs_dir, job.id, job.attempt), rules.LOG_TAIL_LINES)
     notes, oom = rules.classify_exit(exit_code=exit_code, signal=sig,
                                       oom_kills=status.oom_kills or 0,
                                       log_tail=lines)

@@ -12,8 +12,8 @@ import time
 from collections.abc import Sequence
 from dataclasses import replace
 
-from supervisor.observe import forecast
-from supervisor.observe.jobstate import _describe, _JobState
+from supervisor.observe import forecast, rates
+from supervisor.observe.jobstate import KeptJobState, describe_error
 from supervisor.observe.readings import FileReading, ObservedJob, items_from
 from supervisor.observe.remote import ShimReading, backlog_samples
 from supervisor.observe.sampler import TreeGpuMemory, TreeReading
@@ -33,7 +33,7 @@ class JobViewBuilder:
 
     views: dict[str, JobView]
 
-    def _observe_one(self, job: ObservedJob, state: _JobState, tree: TreeReading, now: float,
+    def _observe_one(self, job: ObservedJob, state: KeptJobState, tree: TreeReading, now: float,
                      backlog: list[SampleRecord]
                      ) -> tuple[JobView, SampleRecord | None, forecast.JobForecast]:
         """`backlog`: receives the samples of a remote job's readings older than the
@@ -49,7 +49,7 @@ class JobViewBuilder:
                                          counted=source == "files")
             state.note_items(items_done, fresh.t)
             if fresh.stale is None:
-                self._remember(state, forecast.Observation(fresh.t, items_done,
+                self._remember(state, rates.Observation(fresh.t, items_done,
                                                            fresh.bytes_written))
             progress = ProgressRecord(
                 items_done=items_done, items_total=items_total, files=fresh.files,
@@ -103,7 +103,7 @@ class JobViewBuilder:
             disk_free_bytes=free_bytes)
         return view, sample, job_forecast
 
-    def _backlog(self, job: ObservedJob, state: _JobState, readings: Sequence[ShimReading],
+    def _backlog(self, job: ObservedJob, state: KeptJobState, readings: Sequence[ShimReading],
                  items_total: int | None, *, counted: bool) -> list[SampleRecord]:
         """Samples of a remote job's readings older than its newest, each at its own
         time, newer than its last sample; they count for its activity and, where the job's
@@ -115,18 +115,18 @@ class JobViewBuilder:
         for sample, r in zip(samples, newer, strict=True):
             if sample.items_done is not None:
                 state.note_items(sample.items_done, r.t)
-                self._remember(state, forecast.Observation(r.t, sample.items_done,
+                self._remember(state, rates.Observation(r.t, sample.items_done,
                                                            sample.bytes_written))
             state.note_activity(r.tree, sample.bytes_written, r.t)
             state.last_sample_t = r.t
         return samples
 
     @staticmethod
-    def _why_not_fresh(job: ObservedJob, state: _JobState,
+    def _why_not_fresh(job: ObservedJob, state: KeptJobState,
                        outcome: BaseException | None) -> str:
         what = "output scan" if job.spec.output_dir else "progress reading"
         if outcome is not None:
-            return f"{what} failed: {_describe(outcome)}"
+            return f"{what} failed: {describe_error(outcome)}"
         if state.inflight is not None:
             running_s = time.monotonic() - state.inflight.started
             return f"{what} still running ({running_s:.1f} s so far)"
@@ -141,7 +141,7 @@ class JobViewBuilder:
                        running_since=job.running_since)
 
     @staticmethod
-    def _log_error(job_id: str, state: _JobState, message: str,
+    def _log_error(job_id: str, state: KeptJobState, message: str,
                    error: BaseException | None) -> None:
         """Log an observation error once while it lasts (not every tick); a reading
         still running is no error to log."""
@@ -152,7 +152,7 @@ class JobViewBuilder:
                     exc_info=(type(error), error, error.__traceback__))
 
     @staticmethod
-    def _remember(state: _JobState, observation: forecast.Observation) -> None:
+    def _remember(state: KeptJobState, observation: rates.Observation) -> None:
         last = state.last_kept
         if last is not None:
             unchanged = (last.items_done == observation.items_done
