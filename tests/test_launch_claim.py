@@ -19,7 +19,8 @@ from sqlalchemy.orm import Session, sessionmaker
 
 from supervisor.api.submission import submit_job
 from supervisor.config import Settings
-from supervisor.daemon.checks import LAUNCH_CONFIRM_S, Engine
+from supervisor.daemon.checks import LAUNCH_CONFIRM_S
+from supervisor.daemon.loop import Engine
 from supervisor.runtime.fileio import create_json_exclusive
 from supervisor.runtime.launcher import attempt_dir
 from supervisor.runtime.procfs import create_time

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import ast
 import importlib
+import json
 from pathlib import Path
 
 from supervisor.observe.view import ProgressRecord, progress_json, stored_progress
@@ -88,3 +89,20 @@ def test_stored_progress_reads_and_writes_the_rows_of_before() -> None:
     assert progress_json(record) == OLD_STORED_PROGRESS  # the stored JSON is unchanged
     assert stored_progress('{"items_done":3}') == ProgressRecord(items_done=3)
     assert stored_progress('{"files":"many"}') is None  # unreadable: shown as none yet
+
+
+def test_a_message_tells_an_alert_as_the_api_shows_it() -> None:
+    """The message's own alert shape (`MessageAlert`, from the row) is the API's Alert:
+    the webhook's `alert` (docs/api.md) did not change when it stopped being built by
+    the API."""
+    from supervisor.alerting.recorder import message_alert
+    from supervisor.api.views import alert_out
+    from supervisor.storage.tables import Alert
+
+    for row in (Alert(id=3, job_id="j1", rule="crashed", severity="critical", state="firing",
+                      started_at=1_795_961_895.25, resolved_at=None, message="j1 failed"),
+                Alert(id=4, job_id="j1", rule="stalled", severity="warning",
+                      state="resolved", started_at=1_795_961_895.0,
+                      resolved_at=1_795_961_999.5, message="no new item")):
+        assert json.dumps(message_alert(row)) == json.dumps(
+            alert_out(row).model_dump(mode="json"))
