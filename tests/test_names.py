@@ -5,6 +5,7 @@ the alert rules compare states as the enums they are. Read from the source (AST)
 from __future__ import annotations
 
 import ast
+import functools
 from pathlib import Path
 
 import pytest
@@ -23,10 +24,12 @@ def module_name(path: Path) -> str:
 MODULES = {module_name(path): path for path in sorted(PACKAGE.rglob("*.py"))}
 
 
+@functools.cache
 def tree(path: Path) -> ast.Module:
     return ast.parse(path.read_text(), filename=str(path))
 
 
+@functools.cache
 def names_used_from_modules(path: Path) -> list[tuple[int, str, str]]:
     """(line, module, name) for each `from module import name` and `module.name` in
     `path`, where module is one of the supervisor's."""
@@ -48,11 +51,12 @@ def names_used_from_modules(path: Path) -> list[tuple[int, str, str]]:
     return found
 
 
-def imported_names(module: str) -> set[str]:
+@functools.cache
+def imported_names(module: str) -> frozenset[str]:
     """The names `module` imports at its top from the supervisor's other modules."""
-    return {alias.asname or alias.name for node in tree(MODULES[module]).body
-            if isinstance(node, ast.ImportFrom) and node.module in MODULES
-            for alias in node.names}
+    return frozenset(alias.asname or alias.name for node in tree(MODULES[module]).body
+                     if isinstance(node, ast.ImportFrom) and node.module in MODULES
+                     for alias in node.names)
 
 
 def test_no_private_name_is_used_outside_its_module() -> None:
