@@ -6,7 +6,7 @@ Everything a job controls (its name, its reason, its log) is escaped for Slack (
 `<`, `>` as `&amp;` `&lt;` `&gt;`: a job printing `<!channel>` mentions no one), cut to
 Slack's limits with an ellipsis, and the log tail is chosen by whole lines, each capped,
 inside a code block whose fence a job's own backticks cannot close. The job's env
-values are redacted (`notify.redact`) before anything is built from the job, so no
+values are redacted (`wire.redact`) before anything is built from the job, so no
 rendering of the message can carry them.
 """
 
