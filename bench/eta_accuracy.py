@@ -29,7 +29,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from supervisor.observe.forecast import Observation, forecast_job  # noqa: E402
+from supervisor.observe.forecast import forecast_job  # noqa: E402
+from supervisor.observe.rates import Observation  # noqa: E402
 
 CHECKPOINTS = (0.10, 0.25, 0.50, 0.75)
 METHODS = ("forecast_job", "naive elapsed", "tqdm EMA 0.3", "oracle: true mean rate")

@@ -15,7 +15,8 @@ from pathlib import Path
 import pytest
 from sqlalchemy.orm import Session, sessionmaker
 
-from supervisor.alerting.notify import Destination, Notifier
+from supervisor.alerting.notify import Notifier
+from supervisor.alerting.wire import Destination
 from supervisor.storage.database import make_engine, make_sessionmaker, upgrade
 from tests.file_order import file_seconds, longest_files_first
 from tests.helpers import Clock, Daemon, Receiver, make_model

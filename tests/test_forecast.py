@@ -10,17 +10,19 @@ import pytest
 from supervisor.observe.forecast import (
     DiskRunway,
     JobDiskDemand,
-    Observation,
     disk_demand,
     disk_runway,
-    estimate_bytes_per_item,
-    estimate_rate,
     forecast_job,
     preflight,
-    progress_history,
     with_runway,
 )
 from supervisor.observe.forecaster import RATE_REFRESH_S, JobForecaster
+from supervisor.observe.rates import (
+    Observation,
+    estimate_bytes_per_item,
+    estimate_rate,
+    progress_history,
+)
 
 T0 = 1_700_000_000.0
 SAMPLE_S = 2.0

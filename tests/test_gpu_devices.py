@@ -30,7 +30,8 @@ from prometheus_client.parser import text_string_to_metric_families
 from supervisor.api.metrics import JobsCollector, build_registry
 from supervisor.client.tui import gpu_cell, gpu_memory_text
 from supervisor.observe.gpu import GpuReader
-from supervisor.observe.observer import ObservedJob, Observer
+from supervisor.observe.observer import Observer
+from supervisor.observe.readings import ObservedJob
 from supervisor.observe.sampler import Sampler, TreeTarget
 from supervisor.runtime import procfs
 from supervisor.spec import JobSpec
@@ -288,8 +289,9 @@ def test_job_view_and_metric_per_device(monkeypatch: pytest.MonkeyPatch, trees: 
     observer = Observer(tmp_path / "jobs", Sampler(GpuReader()))
     spec = JobSpec(name="split", command=["sleep", "60"], cwd=str(tmp_path))
     now = time.time()
-    observer.observe([ObservedJob("j1", spec, 1, tree.popen.pid,
-                                  procfs.create_time(tree.popen.pid), tree.popen.pid)], now)
+    observer.observe([ObservedJob(job_id="j1", spec=spec, attempt=1, root_pid=tree.popen.pid,
+                                  root_create_time=procfs.create_time(tree.popen.pid),
+                                  worker_pid=tree.popen.pid)], now)
 
     resources = observer.views["j1"].resources
     assert resources.gpu_memory_bytes == 25 * GB

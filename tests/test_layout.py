@@ -169,9 +169,9 @@ def test_paths_computed_from_module_files_point_at_the_checkout() -> None:
     subpackages `api`, `client`, ... would shadow a job's own modules), and the demo's
     prompts must exist."""
     from supervisor.client.demo import DEMO_PROMPTS
-    from supervisor.runtime.launcher import _package_root_on_path
+    from supervisor.runtime.launcher import package_root_on_path
 
-    first = Path(_package_root_on_path().split(":")[0])
+    first = Path(package_root_on_path().split(":")[0])
     assert (first / "supervisor" / "__init__.py").is_file()
     assert first.resolve() == REPO.resolve()
     assert DEMO_PROMPTS.is_file()

@@ -24,7 +24,8 @@ from sqlalchemy.orm import Session, sessionmaker
 
 from supervisor.alerting import notify
 from supervisor.alerting.messages import compose
-from supervisor.alerting.notify import Destination, Notifier
+from supervisor.alerting.notify import Notifier
+from supervisor.alerting.wire import Destination
 from supervisor.storage.database import (
     alembic_config,
     make_engine,

@@ -14,7 +14,8 @@ from sqlalchemy.orm import Session, sessionmaker
 
 from supervisor.alerting import notify
 from supervisor.alerting.messages import SCHEMA, MessageContext, compose
-from supervisor.alerting.notify import Destination, Notifier, retry_after_s
+from supervisor.alerting.notify import Notifier
+from supervisor.alerting.wire import Destination, retry_after_s
 from supervisor.storage.tables import Notification
 from tests.helpers import T0, Receiver, free_port
 

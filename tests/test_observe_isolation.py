@@ -28,8 +28,9 @@ from supervisor.api.submission import submit_job
 from supervisor.daemon.loop import Engine
 from supervisor.observe import observer as observer_module
 from supervisor.observe import readings as readings_module
-from supervisor.observe.observer import ObservedJob, Observer
+from supervisor.observe.observer import Observer
 from supervisor.observe.outputs import OutputScanner, ScanResult
+from supervisor.observe.readings import ObservedJob
 from supervisor.observe.threads import FilePool
 from supervisor.runtime.launcher import progress_path
 from supervisor.spec import JobSpec
@@ -218,7 +219,8 @@ def test_a_slow_scan_holds_neither_the_tick_nor_the_other_jobs(
 def observed(job_id: str, spec: JobSpec) -> ObservedJob:
     """A job whose process tree is this test's process (any live tree will do)."""
     import os
-    return ObservedJob(job_id, spec, 1, os.getpid(), None, os.getpid())
+    return ObservedJob(job_id=job_id, spec=spec, attempt=1, root_pid=os.getpid(),
+                       root_create_time=None, worker_pid=os.getpid())
 
 
 def write_progress(jobs_dir: Path, job_id: str, done: int) -> None:
@@ -279,8 +281,9 @@ class Stuck:
 from supervisor.observe import readings
 readings.OutputScanner = Stuck
 observer = observer_module.Observer(Path({str(tmp_path)!r}))
-job = observer_module.ObservedJob("j", JobSpec(name="j", command=["true"], output_dir="/x"), 1,
-                          os.getpid(), None, os.getpid())
+job = readings.ObservedJob(job_id="j", spec=JobSpec(name="j", command=["true"], output_dir="/x"),
+                           attempt=1, root_pid=os.getpid(), root_create_time=None,
+                           worker_pid=os.getpid())
 observer.observe([job], time.time())
 print(observer.views["j"].progress.observation_error, flush=True)
 """

@@ -6,7 +6,7 @@ Everything a job controls (its name, its reason, its log) is escaped for Slack (
 `<`, `>` as `&amp;` `&lt;` `&gt;`: a job printing `<!channel>` mentions no one), cut to
 Slack's limits with an ellipsis, and the log tail is chosen by whole lines, each capped,
 inside a code block whose fence a job's own backticks cannot close. The job's env
-values are redacted (`notify.redact`) before anything is built from the job, so no
+values are redacted (`wire.redact`) before anything is built from the job, so no
 rendering of the message can carry them.
 """
 
@@ -15,10 +15,10 @@ from __future__ import annotations
 import re
 import socket
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypedDict
 from urllib.parse import quote
 
-from supervisor.alerting.notify import redact
+from supervisor.alerting.wire import redact
 from supervisor.formatting import format_bytes, format_duration, from_iso, terminal_text
 
 SCHEMA = "jobsup.event/v1"
@@ -44,6 +44,27 @@ HOST_MAX_CHARS = 60
 ELLIPSIS = "…"
 ZERO_WIDTH_SPACE = "\u200b"
 RUNNING_STATES = ("running", "pending")
+
+JobDocument = dict[str, Any]
+"""A job as `GET /jobs/{id}` shows it, in JSON: a message's `job` (docs/api.md). The API
+builds it (`api/views.py`) and the daemon hands the builder to the recorder
+(`AlertRecorder.job_document`): a message says of a job what the API says, and
+`alerting/` imports nothing of the API."""
+
+
+class MessageAlert(TypedDict):
+    """An alert as a message tells it (a message's `alert`; docs/api.md's Alert), built
+    from its row (`recorder.message_alert`)."""
+
+    id: int
+    job_id: str
+    rule: str
+    severity: str
+    state: str
+    started_at: str
+    """ISO 8601; "" for an alert sent before it could be recorded."""
+    resolved_at: str | None
+    message: str
 
 
 @dataclass(frozen=True)
@@ -123,26 +144,26 @@ def _seconds(value: Any) -> float | None:
         return None
 
 
-def run_time_s(job: dict[str, Any], now: float | None) -> float | None:
+def run_time_s(job: JobDocument, now: float | None) -> float | None:
     """From the latest start to the end, or to `now` for a job still running."""
     started, ended = _seconds(job.get("started_at")), _seconds(job.get("ended_at"))
     end = ended if ended is not None else (now if job.get("state") == "running" else None)
     return None if started is None or end is None else max(0.0, end - started)
 
 
-def max_attempts(job: dict[str, Any]) -> int:
+def max_attempts(job: JobDocument) -> int:
     spec = job.get("spec") or {}
     if spec.get("restart_policy") == "on-failure":
         return 1 + int(spec.get("max_restarts") or 0)
     return 1
 
 
-def stopped_by_user(job: dict[str, Any]) -> bool:
+def stopped_by_user(job: JobDocument) -> bool:
     """A stop someone asked for (not one because the jobs it served ended)."""
     return job.get("state") == "stopped" and "on request" in (job.get("reason") or "")
 
 
-def cause(kind: str, job: dict[str, Any], alert: dict[str, Any] | None) -> str | None:
+def cause(kind: str, job: JobDocument, alert: MessageAlert | None) -> str | None:
     """Why the message was sent, once: the alert's message (a `crashed` alert's already
     holds the job's reason), else the job's reason."""
     if kind == "resolved":
@@ -160,7 +181,7 @@ def cause(kind: str, job: dict[str, Any], alert: dict[str, Any] | None) -> str |
     return job.get("reason")
 
 
-def facts(kind: str, job: dict[str, Any], run_s: float | None) -> list[tuple[str, str]]:
+def facts(kind: str, job: JobDocument, run_s: float | None) -> list[tuple[str, str]]:
     """(label, value) pairs that apply to the job's state: no rate or ETA once it has
     ended, no bytes or disk without an output directory."""
     p, f, r = job.get("progress") or {}, job.get("forecast") or {}, job.get("resources") or {}
@@ -199,14 +220,14 @@ GRAFANA_MARGIN_S = 600.0
 (or the event), so the change that led to the alert is in view."""
 
 
-def grafana_range(job: dict[str, Any], alert: dict[str, Any] | None,
+def grafana_range(job: JobDocument, alert: MessageAlert | None,
                   now: float | None) -> str:
     """`&from=...&to=...` (epoch milliseconds, Grafana's time range) around the job's
     run: from its start (or the alert's, if earlier) to its end, or to the event for a
     job still running (`to=now` when the event's time is not given); empty when the job
     never started and no alert gives a time."""
     starts = [t for t in (_seconds(job.get("started_at")),
-                          _seconds((alert or {}).get("started_at"))) if t is not None]
+                          _seconds(alert.get("started_at") if alert else None)) if t is not None]
     if not starts:
         return ""
     ended = _seconds(job.get("ended_at"))
@@ -215,7 +236,7 @@ def grafana_range(job: dict[str, Any], alert: dict[str, Any] | None,
     return f"&from={int((min(starts) - GRAFANA_MARGIN_S) * 1000)}&to={to}"
 
 
-def links(job: dict[str, Any], context: MessageContext, *, alert: dict[str, Any] | None = None,
+def links(job: JobDocument, context: MessageContext, *, alert: MessageAlert | None = None,
           now: float | None = None) -> dict[str, str | None]:
     """The job in the API and its log there (for programs: the webhook's readers), its
     page (for people: Slack's "job" and "log" open it, not raw JSON) and Grafana, at the
@@ -231,14 +252,14 @@ def links(job: dict[str, Any], context: MessageContext, *, alert: dict[str, Any]
             "grafana": grafana}
 
 
-def headline(kind: str, job: dict[str, Any], alert: dict[str, Any] | None) -> str:
+def headline(kind: str, job: JobDocument, alert: MessageAlert | None) -> str:
     if alert is not None:
         verb = "RESOLVED" if kind == "resolved" else str(alert["severity"]).upper()
         return f"{verb}: {alert['rule']}"
     return f"job {job.get('state')}"
 
 
-def compose(kind: str, job: dict[str, Any], *, alert: dict[str, Any] | None,
+def compose(kind: str, job: JobDocument, *, alert: MessageAlert | None,
             log_tail: list[str], context: MessageContext | None = None,
             now: float | None = None) -> dict[str, Any]:
     """The message of one event: the `jobsup.event/v1` body of the generic webhook

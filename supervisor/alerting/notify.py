@@ -19,7 +19,7 @@ the answer was lost (a read timeout, a dropped connection). Those re-sends carry
 `X-Jobsup-Redelivery: 1`; a receiver that remembers event ids drops them.
 
 Nothing secret leaves in a message or a log line: the job's `env` shows its names only
-(`wire.redact`), webhook URLs never appear in our log lines or errors (`wire._scrubbed`), and the
+(`wire.redact`), webhook URLs never appear in our log lines or errors (`wire.scrubbed`), and the
 daemon keeps httpx's own request log (which prints the URL) quiet.
 
 The request itself (body, headers, signature, redaction, backoff) is `wire.py`'s.
@@ -40,43 +40,26 @@ from sqlalchemy.exc import OperationalError
 from sqlalchemy.orm import Session, sessionmaker
 
 from supervisor.alerting.wire import (
-    ATTEMPT_HEADER,
-    BACKOFF_BASE_S,
     BACKOFF_MAX_S,
-    EVENT_ID_HEADER,
-    MAX_RETRY_AFTER_S,
-    MIN_MASKED_LEN,
     NOT_SENT,
-    REDACTED,
-    REDELIVERY_HEADER,
-    SIGNATURE_HEADER,
-    TIMESTAMP_HEADER,
     Destination,
     Outcome,
-    _describe,
-    _scrubbed,
     backoff_s,
+    describe_error,
     new_event_id,
     redact,
     retry_after_s,
-    sign,
+    scrubbed,
 )
 from supervisor.storage import outbox
 from supervisor.storage.tables import Notification
-
-__all__ = [  # the request's names are re-exported: callers import them from here
-    "ATTEMPT_HEADER", "BACKOFF_BASE_S", "BACKOFF_MAX_S", "EVENT_ID_HEADER",
-    "MAX_RETRY_AFTER_S", "MIN_INTERVAL_S", "MIN_MASKED_LEN", "NOT_SENT", "REDACTED",
-    "REDELIVERY_HEADER", "REQUEST_TIMEOUT_S", "SIGNATURE_HEADER", "TIMESTAMP_HEADER",
-    "Destination", "Notifier", "Outcome", "backoff_s", "new_event_id", "redact",
-    "retry_after_s", "sign",
-]
 
 log = logging.getLogger(__name__)
 
 MIN_INTERVAL_S = 1.0
 """At most one message per second per destination (Slack's documented limit)."""
 REQUEST_TIMEOUT_S = 10.0
+
 
 class Notifier:
     """The outbox's delivery thread."""
@@ -269,7 +252,7 @@ class Notifier:
         now = self.clock()  # delays such as Retry-After count from the answer
         name = destination.name
         if isinstance(response, Exception):
-            error = "network error: " + _describe(response, destination.url)
+            error = "network error: " + describe_error(response, destination.url)
             return self._retry_later(name, what, attempt, now, error,
                                      may_have_arrived=not isinstance(response, NOT_SENT))
         if 200 <= response.status_code < 300:
@@ -281,8 +264,8 @@ class Notifier:
             return self._retry_later(name, what, attempt, now,
                                      f"429 Too Many Requests (Retry-After: {delay})",
                                      delay_s=delay)
-        error = _scrubbed(f"HTTP {response.status_code}: {response.text[:200]}",
-                          destination.url)
+        error = scrubbed(f"HTTP {response.status_code}: {response.text[:200]}",
+                         destination.url)
         if response.status_code >= 500:
             return self._retry_later(name, what, attempt, now, error)
         self.failed[name] += 1

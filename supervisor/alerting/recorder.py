@@ -1,22 +1,25 @@
 """The engine's alert step: evaluate the pure rules (`rules.py`) over what the observer
 knows of each job, record what opened, resolved or changed, and put the messages in the
 outbox in the same transaction. With the database's disk full, new alerts are sent
-straight away from memory and recorded (never sent twice) once space returns."""
+straight away from memory and recorded (never sent twice) once space returns.
+
+A message tells of its alert from the alert's row (`message_alert`) and of its job as the
+API shows it, through the builder the daemon gives (`job_document`: the API's own)."""
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import replace
 from typing import Any
 
 from sqlalchemy.orm import Session
 
 from supervisor.alerting import rules
-from supervisor.alerting.messages import MessageContext, compose
+from supervisor.alerting.messages import JobDocument, MessageAlert, MessageContext, compose
 from supervisor.alerting.notify import Notifier
-from supervisor.api.views import alert_out, job_out
 from supervisor.config import Settings
+from supervisor.formatting import iso
 from supervisor.observe.observer import Observer
 from supervisor.observe.view import JobEnd, JobView, ProgressRecord
 from supervisor.runtime.fileio import tail_lines
@@ -27,17 +30,26 @@ from supervisor.storage.tables import Alert, Job
 
 log = logging.getLogger(__name__)
 
-LOG_TAIL_LINES = 20
-"""Log lines quoted in a message."""
-
 RECENTLY_ENDED_S = 600.0
 """Ended jobs are evaluated for this long after their end (see `record`)."""
 
+def message_alert(alert: Alert) -> MessageAlert:
+    """An alert's row as its messages tell it."""
+    return MessageAlert(id=alert.id, job_id=alert.job_id, rule=alert.rule,
+                        severity=alert.severity, state=alert.state,
+                        started_at=iso(alert.started_at) or "",
+                        resolved_at=iso(alert.resolved_at), message=alert.message)
+
+
 class AlertRecorder:
-    def __init__(self, settings: Settings, observer: Observer, notifier: Notifier):
+    def __init__(self, settings: Settings, observer: Observer, notifier: Notifier, *,
+                 job_document: Callable[[Job, JobView | None], JobDocument]):
         self.settings = settings
         self.observer = observer
         self.notifier = notifier
+        self.job_document = job_document
+        """A job's row and view as the API shows the job (`api.views.job_document`):
+        what a message says of its job."""
         self.rules = rules.AlertSettings(
             disk_low_bytes=settings.disk_low_bytes,
             gpu_memory_high_fraction=settings.gpu_memory_high_fraction,
@@ -75,9 +87,9 @@ class AlertRecorder:
                 self._sent_unrecorded[key] = now
                 log.warning("job %s: alert %s firing (not recorded: the database cannot be "
                             "written): %s", f.job_id, f.rule, f.message)
-                alert = {"id": 0, "job_id": f.job_id, "rule": f.rule, "severity": f.severity,
-                         "state": "firing", "started_at": "", "resolved_at": None,
-                         "message": f.message}
+                alert = MessageAlert(id=0, job_id=f.job_id, rule=f.rule,
+                                     severity=f.severity, state=AlertState.FIRING.value,
+                                     started_at="", resolved_at=None, message=f.message)
                 self.notifier.send_unrecorded(self._message("firing", job, alert, now, end))
 
     def record(self, session: Session, running: Sequence[Job], now: float,
@@ -194,20 +206,18 @@ class AlertRecorder:
                  now: float) -> None:
         if not self.notifier.destinations:
             return
-        message = self._message(kind, job,
-                                alert_out(alert).model_dump(mode="json") if alert else None,
-                                now)
+        message = self._message(kind, job, message_alert(alert) if alert else None, now)
         self.notifier.enqueue(session, kind, message, job_id=job.id,
                               alert_id=alert.id if alert else None, now=now)
 
-    def _message(self, kind: str, job: Job, alert: dict[str, Any] | None,
+    def _message(self, kind: str, job: Job, alert: MessageAlert | None,
                  now: float, end: JobEnd | None = None) -> dict[str, Any]:
         view = self.observer.views.get(job.id)
         if end is not None:
             view = replace(view or JobView(progress=ProgressRecord()), unrecorded_end=end)
-        snapshot = job_out(job, view).model_dump(mode="json")
+        snapshot = self.job_document(job, view)
         lines, _ = (tail_lines(log_path(self.settings.jobs_dir, job.id, job.attempt),
-                               LOG_TAIL_LINES) if job.attempt else ([], 0))
+                               rules.LOG_TAIL_LINES) if job.attempt else ([], 0))
         return compose(kind, snapshot, log_tail=lines, alert=alert, context=self.context,
                        now=now)
 
@@ -225,7 +235,7 @@ def job_facts(job: Job, view: JobView | None, *, end: JobEnd | None = None,
                           signal=job.signal, exit_reason=job.exit_reason,
                           ended_at=job.ended_at)
     return rules.JobFacts(
-        job_id=job.id, name=job.name, state=ended.state, reason=ended.reason,
+        job_id=job.id, name=job.name, state=JobState(ended.state), reason=ended.reason,
         exit_code=ended.exit_code, signal=ended.signal, exit_reason=ended.exit_reason,
         attempt=job.attempt, started_at=job.started_at, ended_at=ended.ended_at,
         stall_timeout_s=spec.stall_timeout_s, startup_timeout_s=spec.startup_timeout_s,

@@ -33,6 +33,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 
 from supervisor.formatting import format_bytes, format_duration
+from supervisor.spec import JobState
 
 CRASHED, STALLED, DISK_WILL_FILL = "crashed", "stalled", "disk_will_fill"
 DISK_LOW, GPU_MEMORY_HIGH, INCOMPLETE = "disk_low", "gpu_memory_high", "incomplete"
@@ -45,6 +46,11 @@ SEVERITY = {CRASHED: "critical", STALLED: "warning", DISK_WILL_FILL: "critical",
 EVENT_RULES = frozenset({CRASHED, INCOMPLETE, LOW_ACCEPTANCE})
 """Rules about how a job ended: they stay firing for `AlertSettings.ended_alert_ttl_s`
 after the end (nothing can resolve them), then resolve quietly."""
+
+LOG_TAIL_LINES = 20
+"""Lines read from the end of an attempt's log: searched for known crash causes
+(`daemon.lifecycle.classify_exit`) and quoted in the alert's messages (`log_tail`,
+docs/api.md)."""
 
 ACCEPTANCE_METRIC = "acceptance_length"
 ACCEPTANCE_RATE_PREFIX = "acceptance_rate_pos"
@@ -68,7 +74,7 @@ class JobFacts:
 
     job_id: str
     name: str
-    state: str
+    state: JobState
     reason: str | None
     exit_code: int | None
     signal: int | None
@@ -137,17 +143,18 @@ def evaluate(job: JobFacts, *, now: float, settings: AlertSettings) -> list[Firi
     def fire(rule: str, message: str) -> None:
         out.append(Firing(job.job_id, rule, SEVERITY[rule], message))
 
-    if job.state in ("failed", "lost") and job.attempt > 0 and _recent(job, now, settings):
+    if (job.state in (JobState.FAILED, JobState.LOST) and job.attempt > 0
+            and _recent(job, now, settings)):
         fire(CRASHED, f"{job.name} {job.state}: {job.reason or 'no reason recorded'}")
-    if (job.state == "succeeded" and job.items_expected is not None
+    if (job.state == JobState.SUCCEEDED and job.items_expected is not None
             and job.items_done is not None and job.items_done < job.items_expected
             and _recent(job, now, settings)):
         fire(INCOMPLETE, f"{job.name} exited 0 with {job.items_done} of "
                          f"{job.items_expected} expected items")
     low = low_acceptance_message(job)
-    if low and job.state in ("running", "succeeded") and _recent(job, now, settings):
+    if low and job.state in (JobState.RUNNING, JobState.SUCCEEDED) and _recent(job, now, settings):
         fire(LOW_ACCEPTANCE, low)
-    if job.state != "running":
+    if job.state != JobState.RUNNING:
         return out
 
     stalled = stall_message(job, now)
@@ -216,7 +223,7 @@ def low_acceptance_message(job: JobFacts) -> str | None:
     baseline = metrics.get(BASELINE_METRIC)
     if baseline is not None:
         message += f"; an untrained draft gets {baseline:.2f}"
-    if job.state == "running":
+    if job.state == JobState.RUNNING:
         message += " (so far: still measuring)"
     return message
 

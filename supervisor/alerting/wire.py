@@ -86,7 +86,7 @@ def _masked(value: Any, secrets: list[str]) -> Any:
     return value
 
 
-def _scrubbed(text: str, url: str) -> str:
+def scrubbed(text: str, url: str) -> str:
     """`text` (an error, a receiver's answer) without the webhook URL or any part of it
     that could be its secret: the URL is a credential (Slack's is the whole key)."""
     try:
@@ -101,10 +101,10 @@ def _scrubbed(text: str, url: str) -> str:
     return text
 
 
-def _describe(exc: Exception, url: str) -> str:
+def describe_error(exc: Exception, url: str) -> str:
     if isinstance(exc, httpx.InvalidURL | httpx.UnsupportedProtocol | ValueError):
         return f"{type(exc).__name__} (the URL is malformed; not shown, it is a secret)"
-    return _scrubbed(f"{type(exc).__name__}: {exc}", url)
+    return scrubbed(f"{type(exc).__name__}: {exc}", url)
 
 
 @dataclass(frozen=True)

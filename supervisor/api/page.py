@@ -29,12 +29,13 @@ from starlette.types import Scope
 from supervisor.api import listing
 from supervisor.api.guard import SESSION_COOKIE, SESSION_MAX_AGE_S, session_value
 from supervisor.api.metrics import mountpoint
+from supervisor.api.models import AlertOut, JobOut
 from supervisor.api.views import alert_out, job_out, shown_states
 from supervisor.config import Settings
 from supervisor.errors import JobNotFound
 from supervisor.formatting import MISSING, format_bytes, format_duration, iso
 from supervisor.observe.view import JobView
-from supervisor.spec import AlertOut, AlertState, JobOut, JobState, stored_spec
+from supervisor.spec import AlertState, JobState, stored_spec
 from supervisor.storage import store
 from supervisor.storage.tables import Job
 

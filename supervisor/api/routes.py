@@ -17,7 +17,7 @@ from fastapi import Path as PathParam
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
-from pydantic import BaseModel, Field, StringConstraints
+from pydantic import StringConstraints
 from sqlalchemy.exc import OperationalError
 from sqlalchemy.orm import Session, sessionmaker
 from starlette.exceptions import HTTPException as StarletteHTTPException
@@ -27,24 +27,20 @@ from starlette.types import Scope
 from supervisor import __version__
 from supervisor.api import listing, page
 from supervisor.api.guard import Guard
+from supervisor.api.models import AlertOut, ErrorOut, EventOut, HealthOut, JobOut, SampleOut
 from supervisor.api.submission import submit_job
-from supervisor.api.views import alert_out, job_out, sample_out, shown_states
+from supervisor.api.views import alert_out, event_out, job_out, sample_out, shown_states
 from supervisor.config import Settings
 from supervisor.errors import Conflict, InvalidSpec, JobsupError
-from supervisor.formatting import iso
 from supervisor.observe.view import JobView
 from supervisor.pipeline import Eagle3Pipeline, eagle3_jobs
 from supervisor.runtime.fileio import read_from, tail_lines
 from supervisor.runtime.launcher import log_path
 from supervisor.spec import (
     MAX_INT64,
-    AlertOut,
     AlertState,
-    EventOut,
-    JobOut,
     JobSpec,
     JobState,
-    SampleOut,
     check_env,
     stored_spec,
 )
@@ -81,28 +77,6 @@ class TickTimes(NamedTuple):
     """Seconds since the engine loop last finished a tick (one that raised too)."""
     duration_s: float
     """How long that tick took."""
-
-
-class HealthOut(BaseModel):
-    """`GET /healthz`: the daemon answers, and whether its engine loop still ticks."""
-
-    status: Literal["ok", "degraded", "stalled"]
-    last_tick_age_s: float | None = Field(
-        description="seconds since the engine loop last finished a tick (null: no engine)")
-    last_tick_duration_s: float | None = Field(
-        default=None, description="how long that tick took")
-    error: str | None = None
-    hint: str | None = None
-
-
-class ErrorOut(BaseModel):
-    """Every error answer: what went wrong, what to do about it, the field at fault."""
-
-    error: str
-    hint: str | None = None
-    field: str | None = None
-    detail: list[dict[str, Any]] | None = None
-    """The request validation errors (loc, msg, type), on a 422 from validation."""
 
 
 def _errors(**described: str) -> dict[int | str, dict[str, Any]]:
@@ -364,11 +338,7 @@ def add_job_routes(app: FastAPI, settings: Settings, sessions: sessionmaker[Sess
     @app.get(f"{API_PREFIX}/jobs/{{job_id}}/events", responses=NOT_FOUND)
     def job_events(job_id: JobReference, session: DB) -> list[EventOut]:
         job_id = store.find_job(session, job_id).id
-        return [
-            EventOut(t=iso(e.t) or "", from_state=JobState(e.from_state) if e.from_state else None,
-                     to_state=JobState(e.to_state), reason=e.reason)
-            for e in store.events(session, job_id)
-        ]
+        return [event_out(e) for e in store.events(session, job_id)]
 
     @app.post(f"{API_PREFIX}/jobs/{{job_id}}/stop", status_code=202,
               responses={**NOT_FOUND, **_errors(**{"409": "the job already ended"})})

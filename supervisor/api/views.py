@@ -1,33 +1,36 @@
-"""Rows and the observer's records -> the API's response models (the contract's shapes,
-ISO times). The one place inside the daemon where records become response models; the
-message edge (`alerting/`) builds its snapshot of a job here too."""
+"""Rows and the observer's records -> the API's response models (`models.py`: the
+contract's shapes, ISO times). The one place where records become response models: the
+routes, the status page, and the job snapshot of the alerts' messages (which the daemon
+hands to `alerting/`, docs/api.md: a message's `job` is the job as `GET /jobs/{id}` shows
+it) all take theirs from here. The answer of `/healthz` (`HealthOut`) is built in its
+route: it tells of the engine's tick times, which no record holds."""
 
 from __future__ import annotations
 
 import logging
 from collections.abc import Mapping, Sequence
+from typing import Any
 
+from supervisor.api.models import (
+    AlertOut,
+    EventOut,
+    Forecast,
+    GpuDeviceUse,
+    JobOut,
+    Progress,
+    Resources,
+    SampleOut,
+)
 from supervisor.formatting import iso
 from supervisor.observe.forecast import JobForecast
 from supervisor.observe.view import (
     JobView,
     ProgressRecord,
     ResourceRecord,
-    progress_model,
     stored_progress,
 )
-from supervisor.spec import (
-    AlertOut,
-    ExitReason,
-    Forecast,
-    GpuDeviceUse,
-    JobOut,
-    JobState,
-    Resources,
-    SampleOut,
-    stored_spec,
-)
-from supervisor.storage.tables import Alert, Job, Sample
+from supervisor.spec import ExitReason, JobState, stored_spec
+from supervisor.storage.tables import Alert, Job, JobEvent, Sample
 
 log = logging.getLogger(__name__)
 
@@ -77,6 +80,19 @@ def job_out(job: Job, view: JobView | None, *, alerts: Sequence[Alert] = (),
     )
 
 
+def job_document(job: Job, view: JobView | None) -> dict[str, Any]:
+    """A job as `GET /jobs/{id}` shows it, in JSON (without its alerts): what the alerts'
+    messages say of it (`alerting.recorder.AlertRecorder.job_document`)."""
+    return job_out(job, view).model_dump(mode="json")
+
+
+def progress_model(p: ProgressRecord) -> Progress:
+    return Progress(
+        items_done=p.items_done, items_total=p.items_total, files=p.files,
+        bytes_written=p.bytes_written, source=p.source,
+        last_progress_at=iso(p.last_progress_at), metrics=dict(p.metrics),
+        observed_at=iso(p.observed_at), observation_error=p.observation_error)
+
 
 def forecast_model(f: JobForecast) -> Forecast:
     return Forecast(
@@ -104,3 +120,9 @@ def sample_out(row: Sample) -> SampleOut:
         gpu_memory_bytes=row.gpu_memory_bytes, disk_free_bytes=row.disk_free_bytes,
         items_total=row.items_total, read_bytes=row.read_bytes, write_bytes=row.write_bytes,
         num_procs=row.num_procs, cpu_time_s=row.cpu_time_s)
+
+
+def event_out(event: JobEvent) -> EventOut:
+    return EventOut(t=iso(event.t) or "",
+                    from_state=JobState(event.from_state) if event.from_state else None,
+                    to_state=JobState(event.to_state), reason=event.reason)

@@ -16,6 +16,7 @@ from collections.abc import Sequence
 
 from sqlalchemy.orm import Session
 
+from supervisor.alerting.rules import LOG_TAIL_LINES
 from supervisor.config import Settings
 from supervisor.daemon import lifecycle
 from supervisor.daemon.engine_base import Backends, Waker
@@ -236,7 +237,7 @@ class JobChecks:
         if lifecycle.is_failure(status, stop_requested=stop_requested):
             # what the log tail and the exit tell (NCCL, CUDA OOM, the rank)
             lines, _ = tail_lines(log_path(self.settings.jobs_dir, job.id, job.attempt),
-                                  lifecycle.LOG_TAIL_LINES)
+                                  LOG_TAIL_LINES)
         served = stop_requested and self._served_its_purpose(session, job)
         by_daemon_exit = stop_requested and not served and job.id in self._stopped_for_exit
         stop_cause = ("because the jobs it served have ended" if served

@@ -20,13 +20,11 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from enum import StrEnum
 
+from supervisor.alerting.rules import LOG_TAIL_LINES
 from supervisor.formatting import terminal_text
 from supervisor.runtime.files import ExitStatus, WorkerInfo
 from supervisor.runtime.launcher import SchedulerEnd, ShimState
 from supervisor.spec import ExitReason, JobState, RestartPolicy
-
-LOG_TAIL_LINES = 20
-"""Log lines searched for known crash causes (`classify_exit`)."""
 
 LOG_SIGNATURES: tuple[tuple[re.Pattern[str], str], ...] = (
     (re.compile(r"CUDA out of memory|torch\.(cuda\.)?OutOfMemoryError|CUBLAS_STATUS_ALLOC_FAILED"

@@ -21,7 +21,8 @@ from supervisor.alerting.recorder import AlertRecorder
 from supervisor.config import Settings
 from supervisor.daemon.checks import STOP_BACKSTOP_S, JobChecks, stop_grace_s
 from supervisor.daemon.engine_base import Backends, Waker
-from supervisor.observe.observer import ObservedJob, Observer
+from supervisor.observe.observer import Observer
+from supervisor.observe.readings import ObservedJob
 from supervisor.observe.view import JobEnd, JobView, progress_json, stored_progress
 from supervisor.runtime import files
 from supervisor.runtime.launcher import (
@@ -396,8 +397,9 @@ class Engine:
         backend = self.backends.backend_for(job)
         if not backend.observes_locally:  # its shim publishes its readings
             queued = backend.queued(attempt)
-            return ObservedJob(job.id, stored_spec(job.spec_json), job.attempt,
-                               -1, None, None, job.started_at, None, remote=True,
+            return ObservedJob(job_id=job.id, spec=stored_spec(job.spec_json),
+                               attempt=job.attempt, root_pid=-1, root_create_time=None,
+                               worker_pid=None, started_at=job.started_at, remote=True,
                                scheduler_job_id=backend.scheduler_job_id(attempt),
                                queued=queued, running_since=None if queued
                                else backend.running_since(attempt, now))
@@ -407,8 +409,10 @@ class Engine:
                                            attempt.shim_start_ticks)
         else:
             root, root_time, root_ticks = job.pid or -1, job.pid_create_time, job.pid_start_ticks
-        return ObservedJob(job.id, stored_spec(job.spec_json), job.attempt,
-                           root, root_time, job.pid, job.started_at, root_ticks,
+        return ObservedJob(job_id=job.id, spec=stored_spec(job.spec_json),
+                           attempt=job.attempt, root_pid=root, root_create_time=root_time,
+                           worker_pid=job.pid, started_at=job.started_at,
+                           root_start_ticks=root_ticks,
                            remote=self._observed_by_shim(job, backend))
 
     def _observed_by_shim(self, job: Job, backend: Backend) -> bool:

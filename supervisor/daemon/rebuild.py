@@ -302,7 +302,7 @@ def _ended(jobs_dir: Path, job: Job, status: files.ExitStatus,
     job.exit_code, job.signal = status.exit_code, status.signal
     lines: list[str] = []
     if lifecycle.is_failure(status, stop_requested=status.stop_requested):
-        lines, _ = tail_lines(log_path(jobs_dir, job.id, job.attempt), lifecycle.LOG_TAIL_LINES)
+        lines, _ = tail_lines(log_path(jobs_dir, job.id, job.attempt), rules.LOG_TAIL_LINES)
     decision = lifecycle.after_exit(
         lifecycle.exit_of(status, stop_requested=status.stop_requested, log_tail=lines),
         restarts_of(job, settings))

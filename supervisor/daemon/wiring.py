@@ -19,8 +19,10 @@ from collections.abc import Callable
 
 from sqlalchemy.orm import Session, sessionmaker
 
-from supervisor.alerting.notify import Destination, Notifier
+from supervisor.alerting.notify import Notifier
 from supervisor.alerting.recorder import AlertRecorder
+from supervisor.alerting.wire import Destination
+from supervisor.api import views
 from supervisor.clock import SteadyClock
 from supervisor.config import Settings
 from supervisor.daemon.checks import JobChecks
@@ -61,5 +63,6 @@ def build_engine(settings: Settings, sessions: sessionmaker[Session], *,
                        stat_of=lambda pid: observer.sampler.processes.current_stat(pid))
     return Engine(settings, sessions, clock=clock, backends=backends, waker=waker,
                   checks=checks, observer=observer, notifier=notifier,
-                  alerting=AlertRecorder(settings, observer, notifier), steps=steps,
+                  alerting=AlertRecorder(settings, observer, notifier,
+                                          job_document=views.job_document), steps=steps,
                   writability=writability)

@@ -12,8 +12,8 @@ import time
 from collections.abc import Sequence
 from dataclasses import replace
 
-from supervisor.observe import forecast
-from supervisor.observe.jobstate import _describe, _JobState
+from supervisor.observe import forecast, rates
+from supervisor.observe.jobstate import KeptJobState, describe_error
 from supervisor.observe.readings import FileReading, ObservedJob, items_from
 from supervisor.observe.remote import ShimReading, backlog_samples
 from supervisor.observe.sampler import TreeGpuMemory, TreeReading
@@ -29,9 +29,9 @@ still marks time passing); readings with news are always kept."""
 
 class JobViewBuilder:
     """The view and sample of one job per tick, from its readings, what the observer
-    keeps of it (`_JobState`) and its previous view; it keeps nothing itself."""
+    keeps of it (`KeptJobState`) and its previous view; it keeps nothing itself."""
 
-    def observe_one(self, job: ObservedJob, state: _JobState, tree: TreeReading, now: float,
+    def observe_one(self, job: ObservedJob, state: KeptJobState, tree: TreeReading, now: float,
                     backlog: list[SampleRecord], previous: JobView | None
                     ) -> tuple[JobView, SampleRecord | None, forecast.JobForecast]:
         """`backlog`: receives the samples of a remote job's readings older than the
@@ -47,7 +47,7 @@ class JobViewBuilder:
                                          counted=source == "files")
             state.note_items(items_done, fresh.t)
             if fresh.stale is None:
-                self.remember(state, forecast.Observation(fresh.t, items_done,
+                self.remember(state, rates.Observation(fresh.t, items_done,
                                                            fresh.bytes_written))
             progress = ProgressRecord(
                 items_done=items_done, items_total=items_total, files=fresh.files,
@@ -101,7 +101,7 @@ class JobViewBuilder:
             disk_free_bytes=free_bytes)
         return view, sample, job_forecast
 
-    def _backlog(self, job: ObservedJob, state: _JobState, readings: Sequence[ShimReading],
+    def _backlog(self, job: ObservedJob, state: KeptJobState, readings: Sequence[ShimReading],
                  items_total: int | None, *, counted: bool) -> list[SampleRecord]:
         """Samples of a remote job's readings older than its newest, each at its own
         time, newer than its last sample; they count for its activity and, where the job's
@@ -113,18 +113,18 @@ class JobViewBuilder:
         for sample, r in zip(samples, newer, strict=True):
             if sample.items_done is not None:
                 state.note_items(sample.items_done, r.t)
-                self.remember(state, forecast.Observation(r.t, sample.items_done,
+                self.remember(state, rates.Observation(r.t, sample.items_done,
                                                            sample.bytes_written))
             state.note_activity(r.tree, sample.bytes_written, r.t)
             state.last_sample_t = r.t
         return samples
 
     @staticmethod
-    def _why_not_fresh(job: ObservedJob, state: _JobState,
+    def _why_not_fresh(job: ObservedJob, state: KeptJobState,
                        outcome: BaseException | None) -> str:
         what = "output scan" if job.spec.output_dir else "progress reading"
         if outcome is not None:
-            return f"{what} failed: {_describe(outcome)}"
+            return f"{what} failed: {describe_error(outcome)}"
         if state.inflight is not None:
             running_s = time.monotonic() - state.inflight.started
             return f"{what} still running ({running_s:.1f} s so far)"
@@ -139,7 +139,7 @@ class JobViewBuilder:
                        running_since=job.running_since)
 
     @staticmethod
-    def log_error(job_id: str, state: _JobState, message: str,
+    def log_error(job_id: str, state: KeptJobState, message: str,
                    error: BaseException | None) -> None:
         """Log an observation error once while it lasts (not every tick); a reading
         still running is no error to log."""
@@ -150,7 +150,7 @@ class JobViewBuilder:
                     exc_info=(type(error), error, error.__traceback__))
 
     @staticmethod
-    def remember(state: _JobState, observation: forecast.Observation) -> None:
+    def remember(state: KeptJobState, observation: rates.Observation) -> None:
         last = state.last_kept
         if last is not None:
             unchanged = (last.items_done == observation.items_done

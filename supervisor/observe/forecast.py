@@ -2,8 +2,7 @@
 
 Pure functions: observations in, frozen dataclasses out. No I/O and no clock reads; "now"
 is always an argument, so any forecast can be recomputed from stored samples. The rate
-and bytes per item they build on are read in `rates.py` (its public names are importable
-from here too).
+and bytes per item they build on are read in `rates.py`.
 """
 
 from __future__ import annotations
@@ -14,26 +13,13 @@ from dataclasses import dataclass, replace
 
 from supervisor.formatting import format_bytes
 from supervisor.observe.rates import (
-    HistoryBuilder,
     Observation,
     ProgressHistory,
-    ProgressPoint,
     RateEstimate,
-    _bytes_per_item,
-    _rate,
-    estimate_bytes_per_item,
-    estimate_rate,
+    history_bytes_per_item,
+    history_rate,
     progress_history,
-    rate_from_points,
 )
-
-__all__ = [  # the rate's names are re-exported: callers import them from here
-    "DiskRunway", "HistoryBuilder", "JobDiskDemand", "JobForecast", "JobRunway",
-    "Observation", "ProgressHistory", "ProgressPoint", "RateEstimate", "disk_demand",
-    "disk_runway", "estimate_bytes_per_item", "estimate_rate", "forecast_from",
-    "forecast_job", "is_stalled", "preflight", "progress_history", "rate_from_points",
-    "with_runway", "with_share",
-]
 
 
 # built per job per tick, not changed once shown: not frozen (4x the cost to build: #15)
@@ -106,7 +92,7 @@ def forecast_job(
     output gives a measured value.
     """
     history = progress_history(observations)
-    return forecast_from(history, _rate(history) if history else None,
+    return forecast_from(history, history_rate(history) if history else None,
                          items_total=items_total, now=now, disk_free_bytes=disk_free_bytes,
                          declared_bytes_per_item=declared_bytes_per_item,
                          stall_timeout_s=stall_timeout_s)
@@ -141,7 +127,7 @@ def forecast_from(history: ProgressHistory | None, estimate: RateEstimate | None
         waited_s = min(max(now - history.points[-1].t, 0.0), estimate.step_s)
         eta_s = max(remaining_items / estimate.rate_items_per_s - waited_s, 0.0)
 
-    measured = _bytes_per_item(history) if history else None
+    measured = history_bytes_per_item(history) if history else None
     bytes_per_item = measured if measured is not None else declared_bytes_per_item
     projected_total_bytes = remaining_bytes = None
     if remaining_items is not None and bytes_per_item is not None and history:

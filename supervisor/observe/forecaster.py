@@ -5,12 +5,11 @@ hold this to)."""
 
 from __future__ import annotations
 
-from supervisor.observe.forecast import (
+from supervisor.observe.forecast import JobForecast, forecast_from
+from supervisor.observe.rates import (
     HistoryBuilder,
-    JobForecast,
     Observation,
     RateEstimate,
-    forecast_from,
     rate_from_points,
 )
 

@@ -1,7 +1,7 @@
-"""What the observer (`observer.py`) keeps of each job from tick to tick (`_JobState`):
+"""What the observer (`observer.py`) keeps of each job from tick to tick (`KeptJobState`):
 its file side and forecaster, its item counts and activity marks, the file reading in
-flight (`_Inflight`) and its outcome, the last error logged; and the final reading of a
-job that ended while its reading still ran (`_Ending`).
+flight (`InflightReading`) and its outcome, the last error logged; and the final reading of a
+job that ended while its reading still ran (`EndingReading`).
 """
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ from __future__ import annotations
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 
-from supervisor.observe import forecast
+from supervisor.observe import rates
 from supervisor.observe.forecaster import JobForecaster
 from supervisor.observe.readings import FileReading, FileSide, ObservedJob
 from supervisor.observe.sampler import TreeReading
@@ -23,7 +23,7 @@ Python process still wakes up now and then)."""
 
 
 @dataclass(frozen=True)
-class _Inflight:
+class InflightReading:
     """A file reading handed to the workers and not picked up yet."""
 
     future: Future[FileReading]
@@ -32,11 +32,13 @@ class _Inflight:
 
 
 @dataclass
-class _JobState:
+class KeptJobState:
+    """What the observer keeps of one job from tick to tick."""
+
     files: FileSide
     forecaster: JobForecaster = field(
         default_factory=lambda: JobForecaster(HISTORY_MAX_POINTS))
-    last_kept: forecast.Observation | None = None
+    last_kept: rates.Observation | None = None
     """The last reading given to the forecaster."""
     last_items: int | None = None
     last_progress_at: float | None = None
@@ -46,7 +48,7 @@ class _JobState:
     activity_mark: tuple[float, int, int, int | None] | None = None
     """(cpu_time_s, read_bytes, bytes_written, gpu_memory_bytes) at the last reading."""
     job: ObservedJob | None = None
-    inflight: _Inflight | None = None
+    inflight: InflightReading | None = None
     outcome: FileReading | BaseException | None = None
     """A file reading finished since the last tick used one (or what it raised)."""
     reading: FileReading | None = None
@@ -109,13 +111,14 @@ class _JobState:
 
 
 @dataclass(frozen=True)
-class _Ending:
+class EndingReading:
     """The final file reading of a job that ended while its reading was still running."""
 
     future: Future[FileReading]
     job: ObservedJob
 
 
-def _describe(error: BaseException) -> str:
+def describe_error(error: BaseException) -> str:
+    """An error as a reading's failure shows it: its type, and its text if it has one."""
     text = str(error)
     return f"{type(error).__name__}: {text}" if text else type(error).__name__

@@ -36,10 +36,10 @@ from dataclasses import replace
 from functools import partial
 from pathlib import Path
 
-from supervisor.observe import forecast
+from supervisor.observe import forecast, rates
 from supervisor.observe.building import JobViewBuilder
 from supervisor.observe.dirwatch import DirWatcher
-from supervisor.observe.jobstate import _describe, _Ending, _Inflight, _JobState
+from supervisor.observe.jobstate import EndingReading, InflightReading, KeptJobState, describe_error
 from supervisor.observe.readings import (
     FileReading,
     FileSide,
@@ -125,8 +125,8 @@ class Observer:
             output_scanner, watcher=self.dir_watcher)
         self._workers = FilePool(workers)
         self._jobs_dir_is_local: bool | None = None
-        self._state: dict[str, _JobState] = {}
-        self._ending: dict[str, _Ending] = {}
+        self._state: dict[str, KeptJobState] = {}
+        self._ending: dict[str, EndingReading] = {}
         self._tick = 0
         self._sampler_error: str | None = None
         self.building = JobViewBuilder()
@@ -163,7 +163,7 @@ class Observer:
                 view, sample, job_forecast = self.building.observe_one(
                     job, state, tree, now, backlog, self.views.get(job.job_id))
             except Exception as error:  # a bug or a surprise in this job's reading only
-                message = f"observation failed: {_describe(error)}"
+                message = f"observation failed: {describe_error(error)}"
                 if tree is None:
                     message = f"process reading failed: {error}"
                 self.building.log_error(job.job_id, state, message, error)
@@ -223,7 +223,7 @@ class Observer:
                 final = None
                 state.files.close()
             if final is not None:
-                self._ending[job_id] = _Ending(final, state.job)
+                self._ending[job_id] = EndingReading(final, state.job)
                 if progress is not None:
                     progress = replace(progress,
                                        observation_error="final output scan still running")
@@ -251,28 +251,28 @@ class Observer:
         """A view for a job seen before a daemon restart (its stored progress)."""
         self.views.setdefault(job_id, JobView(progress=progress))
 
-    def _state_for(self, job: ObservedJob, now: float, started: float) -> _JobState:
+    def _state_for(self, job: ObservedJob, now: float, started: float) -> KeptJobState:
         """The job's state, its file reading picked up if done (`_start_readings`
         starts the next)."""
         state = self._state.get(job.job_id)
         if state is None:
-            state = self._state[job.job_id] = _JobState(
+            state = self._state[job.job_id] = KeptJobState(
                 self._file_side(job), activity_at=job.started_at)
         state.job = job
         state.tick_at = (now, started)
         state.pick_up(self._tick)
         return state
 
-    def _start_readings(self, states: Sequence[_JobState], now: float, started: float
-                        ) -> list[_JobState]:
+    def _start_readings(self, states: Sequence[KeptJobState], now: float, started: float
+                        ) -> list[KeptJobState]:
         """A new file reading for every job with none in flight. Those whose cost is
         bounded (`_reads_inline`: most jobs, most ticks) are returned, to be read in the
         tick thread (`_read_inline`) once the process trees are read; the others are
         handed to the threads now (`_submit`)."""
         if self.dir_watcher is not None:
             self.dir_watcher.drain()  # what the watches reported is known before choosing
-        inline: list[_JobState] = []
-        others: list[_JobState] = []
+        inline: list[KeptJobState] = []
+        others: list[KeptJobState] = []
         for state in states:
             if state.inflight is not None or state.job is None:
                 continue
@@ -280,7 +280,7 @@ class Observer:
         self._submit(others, now, started)
         return inline
 
-    def _read_inline(self, states: Sequence[_JobState], now: float, started: float) -> None:
+    def _read_inline(self, states: Sequence[KeptJobState], now: float, started: float) -> None:
         """Take these jobs' readings in the tick thread, one after the other; once they
         have taken INLINE_TICK_MAX_S this tick, the rest go to the threads."""
         begun = time.monotonic()
@@ -294,13 +294,13 @@ class Observer:
             except Exception as error:  # costs this job its fresh figures, nothing more
                 state.outcome = error
 
-    def _submit(self, states: Sequence[_JobState], now: float, started: float) -> None:
+    def _submit(self, states: Sequence[KeptJobState], now: float, started: float) -> None:
         """Hand these jobs' readings to the threads in batches of at most
         READINGS_PER_BATCH jobs whose last reading was on the same filesystem (a dead
         file server holds only readings that would hang on it anyway); a job not read
         yet, or whose last reading outlived its tick (a huge tree), is a batch of its
         own, so it holds no other job back."""
-        batches: dict[object, list[tuple[_JobState, ObservedJob]]] = {}
+        batches: dict[object, list[tuple[KeptJobState, ObservedJob]]] = {}
         for state in states:
             assert state.job is not None
             device = state.reading.device if state.reading is not None else None
@@ -319,9 +319,9 @@ class Observer:
                     continue
                 for (state, _), future in zip(batch, futures, strict=True):
                     state.start_error = None
-                    state.inflight = _Inflight(future, started, self._tick)
+                    state.inflight = InflightReading(future, started, self._tick)
 
-    def _reads_inline(self, state: _JobState, job: ObservedJob) -> bool:
+    def _reads_inline(self, state: KeptJobState, job: ObservedJob) -> bool:
         """The job's file reading costs a few system calls on local disks: taken in the
         tick thread, not handed to a thread (whose hand-over and contention for the
         interpreter's lock cost more CPU than such a reading: #15). So it is when its
@@ -357,7 +357,7 @@ class Observer:
         return FileSide(self.jobs_dir, self.make_scanner, self.logs_disk)
 
     @staticmethod
-    def _shim_tree(state: _JobState) -> TreeReading:
+    def _shim_tree(state: KeptJobState) -> TreeReading:
         """A remote job's process figures: its shim's newest reading, from the file
         reading picked up this tick if it brought one, else the last one."""
         outcome = state.outcome
@@ -376,7 +376,7 @@ class Observer:
             self._sampler_error = None
             return readings, {}
         except Exception as error:
-            message = _describe(error)
+            message = describe_error(error)
             if message != self._sampler_error:
                 log.exception("sampling the process trees failed; sampling job by job")
             self._sampler_error = message
@@ -385,10 +385,10 @@ class Observer:
             try:
                 readings.update(self.sampler.sample([target], now))
             except Exception as error:
-                errors[target.job_id] = _describe(error)
+                errors[target.job_id] = describe_error(error)
         return readings, errors
 
-    def _final_reading(self, state: _JobState) -> Callable[[], FileReading]:
+    def _final_reading(self, state: KeptJobState) -> Callable[[], FileReading]:
         """A final reading, run after the job's in-flight one if any (so never two at
         once on its scanner), taken for the time it starts on the observer's clock."""
         assert state.job is not None
@@ -426,8 +426,8 @@ class Observer:
             else:
                 error = ending.future.exception()
             if error is not None:
-                progress = replace(view.progress, observation_error=f"final output scan "
-                                                                    f"failed: {_describe(error)}")
+                progress = replace(view.progress, observation_error=(
+                    f"final output scan failed: {describe_error(error)}"))
             else:
                 progress = _final_progress(view.progress, ending.job, ending.future.result())
             views = views if views is not None else dict(self.views)
@@ -438,12 +438,12 @@ class Observer:
 
     def load_history(self, job: ObservedJob, rows: Sequence[Sample]) -> None:
         """Continue a running job's forecast after a daemon restart from stored samples."""
-        state = self._state.setdefault(job.job_id, _JobState(
+        state = self._state.setdefault(job.job_id, KeptJobState(
             self._file_side(job), activity_at=job.started_at))
         if rows:
             state.last_sample_t = rows[-1].t
         for row in rows:
-            self.building.remember(state, forecast.Observation(row.t, row.items_done,
+            self.building.remember(state, rates.Observation(row.t, row.items_done,
                                                                row.bytes_written))
             state.note_items(row.items_done, row.t)
         if rows:  # the daemon was down: count its restart as activity, not as a stall

@@ -71,10 +71,10 @@ from collections.abc import Iterable
 from supervisor.observe.dirwatch import Changes, DirWatcher, still_open
 from supervisor.observe.outputs_state import (
     TEMP_SUFFIXES,
+    DirState,
+    FileState,
+    ScanCost,
     ScanResult,
-    _Cost,
-    _DirState,
-    _FileState,
     is_temp_name,
 )
 from supervisor.observe.patterns import DEFAULT_PATTERN, GlobMatcher
@@ -118,7 +118,7 @@ class OutputScanner:
         self.settle_s = settle_s
         self.dir_recheck_s = dir_recheck_s
         self.active_recheck_s = active_recheck_s
-        self._dirs: dict[str, _DirState] = {}  # by path relative to root, "" for the root
+        self._dirs: dict[str, DirState] = {}  # by path relative to root, "" for the root
         self.watcher = watcher
         self._by_wd: dict[int, str] = {}  # watch -> the directory relative to root
 
@@ -129,7 +129,7 @@ class OutputScanner:
         Never raises for a missing root, a root that is a file, a directory or file that
         vanishes mid-scan, or an unreadable directory (skipped, logged at debug level).
         """
-        cost = _Cost()
+        cost = ScanCost()
         listed: set[str] = set()
         if self.watcher is not None:
             self._take_changes(self.watcher.changes(self, read=final))
@@ -168,7 +168,7 @@ class OutputScanner:
             state.wd = None
         self._by_wd.clear()
 
-    def _check_root(self, cost: _Cost) -> None:
+    def _check_root(self, cost: ScanCost) -> None:
         """The root's watch follows its directory, not its path: a parent renamed and
         made again, or a symlink on the path re-pointed, leaves it on the old one. One
         stat a scan catches that (then the root is statted and listed anew)."""
@@ -202,8 +202,8 @@ class OutputScanner:
                 state.recheck = True
                 state.changed = {name: 0 for name in state.files}
 
-    def _apply_changes(self, relative_dir: str, state: _DirState, now: float,
-                       cost: _Cost) -> None:
+    def _apply_changes(self, relative_dir: str, state: DirState, now: float,
+                       cost: ScanCost) -> None:
         """Look again at each name the watch reported in a watched directory."""
         if not state.changed:
             return
@@ -217,8 +217,8 @@ class OutputScanner:
             self._take_name(relative_dir, name, known, state, now, cost,
                             settled=not still_open(mask))
 
-    def _take_name(self, relative_dir: str, name: str, known: _FileState | None,
-                   state: _DirState, now: float, cost: _Cost, *, settled: bool) -> None:
+    def _take_name(self, relative_dir: str, name: str, known: FileState | None,
+                   state: DirState, now: float, cost: ScanCost, *, settled: bool) -> None:
         """`_take_entry` for a name a watch reported (no directory entry in hand);
         `settled`: no writer holds it open (`dirwatch.still_open`), so it is statted
         now and not again until its next event."""
@@ -243,7 +243,7 @@ class OutputScanner:
         if settled:
             state.unsettled.pop(name, None)
 
-    def _unwatch(self, state: _DirState) -> None:
+    def _unwatch(self, state: DirState) -> None:
         if state.wd is not None:
             self._by_wd.pop(state.wd, None)
             if self.watcher is not None:
@@ -254,8 +254,8 @@ class OutputScanner:
         return self._root_prefix + relative_path if relative_path else self.root
 
     def _visit(
-        self, relative_dir: str, now: float, cost: _Cost, listed: set[str]
-    ) -> _DirState | None:
+        self, relative_dir: str, now: float, cost: ScanCost, listed: set[str]
+    ) -> DirState | None:
         """Stat one directory and re-list it if it changed; ``None`` if it is gone."""
         cost.dirs_statted += 1
         try:
@@ -280,10 +280,10 @@ class OutputScanner:
         self,
         relative_dir: str,
         dir_stat: os.stat_result,
-        old: _DirState | None,
+        old: DirState | None,
         now: float,
-        cost: _Cost,
-    ) -> _DirState:
+        cost: ScanCost,
+    ) -> DirState:
         """List a directory, keeping what is known of entries that did not change."""
         cost.dirs_listed += 1
         path = self._path(relative_dir)
@@ -293,7 +293,7 @@ class OutputScanner:
             if wd is not None:
                 self._by_wd[wd] = relative_dir
         recent_ns = int((now - self.dir_recheck_s) * 1e9)
-        state = _DirState(
+        state = DirState(
             inode=dir_stat.st_ino,
             ctime_ns=dir_stat.st_ctime_ns,
             recheck=wd is None and dir_stat.st_ctime_ns >= recent_ns,  # coarse timestamps
@@ -331,10 +331,10 @@ class OutputScanner:
         self,
         relative_dir: str,
         entry: os.DirEntry[str],
-        known: _FileState | None,
-        state: _DirState,
+        known: FileState | None,
+        state: DirState,
         now: float,
-        cost: _Cost,
+        cost: ScanCost,
     ) -> None:
         """Classify a new, replaced or unsettled entry: subdirectory, item, or neither."""
         name = entry.name
@@ -356,10 +356,10 @@ class OutputScanner:
         self,
         path: str,
         name: str,
-        known: _FileState | None,
-        state: _DirState,
+        known: FileState | None,
+        state: DirState,
         now: float,
-        cost: _Cost,
+        cost: ScanCost,
         taken: os.stat_result | None = None,
     ) -> None:
         """Stat one file into ``state``; drops it if it is gone. ``taken``: its stat
@@ -389,7 +389,7 @@ class OutputScanner:
             state.unsettled[name] = settles_at_ns
 
     def _restat_unsettled(
-        self, relative_dir: str, state: _DirState, now: float, cost: _Cost, *, final: bool
+        self, relative_dir: str, state: DirState, now: float, cost: ScanCost, *, final: bool
     ) -> None:
         now_ns = int(now * 1e9)
         due = sorted(name for name, due_ns in state.unsettled.items()
@@ -412,7 +412,7 @@ class OutputScanner:
         for relative_dir in list(relative_dirs):
             self._forget(relative_dir)
 
-    def _result(self, cost: _Cost) -> ScanResult:
+    def _result(self, cost: ScanCost) -> ScanResult:
         files = bytes_total = waiting = 0
         newest_ns: int | None = None
         for state in self._dirs.values():  # one loop: most trees are one directory

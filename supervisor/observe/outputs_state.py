@@ -1,5 +1,5 @@
 """What the output scanner (`outputs.py`) keeps of each directory between scans
-(`_DirState`: its matching files, the names still settling, its inotify watch, its
+(`DirState`: its matching files, the names still settling, its inotify watch, its
 totals), what one scan returns (`ScanResult`) and costs, and which names are never items
 (`is_temp_name`). Stdlib only, like the scanner: the shim's publisher imports it.
 """
@@ -29,19 +29,19 @@ class ScanResult:
     waiting: int = 0  # unsettled files not statted this scan (a `final` scan stats all)
 
 
-_FileState = tuple[int, int, int]
+FileState = tuple[int, int, int]
 """(size in bytes, mtime_ns, inode) of one matching file. A plain tuple of ints, not an
 object: less memory (~220 bytes per file in all), and the garbage collector stops tracking
 it, where a full collection over 1M tracked objects would cost ~0.2 s in the daemon."""
 
 
 @dataclass
-class _DirState:
+class DirState:
     inode: int
     ctime_ns: int
     recheck: bool  # list again next scan even if the ctime did not move
     subdirs: dict[str, str] = field(default_factory=dict)  # name -> path relative to root
-    files: dict[str, _FileState] = field(default_factory=dict)  # matching files by name
+    files: dict[str, FileState] = field(default_factory=dict)  # matching files by name
     unsettled: dict[str, int] = field(default_factory=dict)
     """Names to stat again -> when (ns since the epoch, on the scan's clock)."""
     bytes_total: int = 0  # sum of the sizes in files, in bytes
@@ -55,7 +55,7 @@ class _DirState:
         self.bytes_total = sum(entry[0] for entry in self.files.values())
         self.newest_mtime_ns = max((entry[1] for entry in self.files.values()), default=None)
 
-    def put_file(self, name: str, current: _FileState) -> None:
+    def put_file(self, name: str, current: FileState) -> None:
         """Add or update one file, totals kept (O(1), no pass over the directory)."""
         self.drop_file(name)
         self.files[name] = current
@@ -63,7 +63,7 @@ class _DirState:
         if self.newest_mtime_ns is None or current[1] > self.newest_mtime_ns:
             self.newest_mtime_ns = current[1]
 
-    def drop_file(self, name: str) -> _FileState | None:
+    def drop_file(self, name: str) -> FileState | None:
         """Remove one file, totals kept; what was known of it."""
         old = self.files.pop(name, None)
         if old is not None:
@@ -75,7 +75,7 @@ class _DirState:
 
 
 @dataclass
-class _Cost:
+class ScanCost:
     dirs_statted: int = 0
     dirs_listed: int = 0
     files_statted: int = 0

@@ -137,7 +137,7 @@ class HistoryBuilder:
 def estimate_rate(observations: Sequence[Observation]) -> float | None:
     """Items per second from the progress since the first item; None before 2 points."""
     history = progress_history(observations)
-    estimate = _rate(history) if history else None
+    estimate = history_rate(history) if history else None
     return estimate.rate_items_per_s if estimate else None
 
 
@@ -203,14 +203,15 @@ def estimate_bytes_per_item(observations: Sequence[Observation]) -> float | None
     job deleted output).
     """
     history = progress_history(observations)
-    return _bytes_per_item(history) if history else None
+    return history_bytes_per_item(history) if history else None
 
 
-def _rate(history: ProgressHistory) -> RateEstimate | None:
+def history_rate(history: ProgressHistory) -> RateEstimate | None:
+    """Items per second over a history's points (`rate_from_points`)."""
     return rate_from_points(history.points, sample_interval_s=history.sample_interval_s)
 
 
-def _bytes_per_item(history: ProgressHistory) -> float | None:
+def history_bytes_per_item(history: ProgressHistory) -> float | None:
     """Bytes per item from the first counted item to the latest reading, so None
     before two points. Not from the baseline: a worker's count lags its files (it reports
     after a batch is written; a parent of ranks sums their reports a moment later), and

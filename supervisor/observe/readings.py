@@ -23,9 +23,10 @@ if TYPE_CHECKING:
 
 
 # built per job per tick, not changed once shown: not frozen (4x the cost to build: #15)
-@dataclass(slots=True)
+@dataclass(slots=True, kw_only=True)
 class ObservedJob:
-    """What the observer needs of a running job."""
+    """What the observer needs of a running job (keywords only: three of its fields
+    are pids and times that a positional call would swap unseen)."""
 
     job_id: str
     spec: JobSpec
@@ -114,7 +115,7 @@ class LogsDisk:
 
 class FileSide:
     """A job's output scanner and where it reports progress. Used by one worker thread
-    at a time (see `jobstate._JobState.inflight`): the scanner is not thread-safe."""
+    at a time (see `jobstate.KeptJobState.inflight`): the scanner is not thread-safe."""
 
     def __init__(self, jobs_dir: Path, make_scanner: ScannerFactory,
                  logs_disk: LogsDisk | None = None) -> None:

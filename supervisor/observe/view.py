@@ -1,9 +1,9 @@
 """What the daemon knows of a job between ticks, as plain typed records with float times
 (seconds since the epoch): the observer writes them, the engine, the alert rules and the
-metrics read them, and only the API and message edges turn them into response models
-(`supervisor/api/views.py`). A job's progress is also stored with its row, in the shape of
-the API's `progress` object (`progress_json`), so that an ended job, or a job seen before a
-daemon restart, still shows its last figures.
+metrics read them, and only the API turns them into response models
+(`supervisor/api/views.py`). A job's progress is also stored with its row
+(`StoredProgress`, `progress_json`), so that an ended job, or a job seen before a daemon
+restart, still shows its last figures.
 """
 
 from __future__ import annotations
@@ -13,11 +13,11 @@ import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 
-from pydantic import ValidationError
+from pydantic import BaseModel, Field, ValidationError
 
 from supervisor.formatting import from_iso, iso
 from supervisor.observe import forecast
-from supervisor.spec import JobSpec, Progress
+from supervisor.spec import JobSpec
 
 log = logging.getLogger(__name__)
 
@@ -130,19 +130,32 @@ class JobView:
         return replace(self, progress=replace(self.progress, observation_error=error))
 
 
-# -- the stored form: the API's `progress` object, ISO times --------------------------------
+# -- the stored form: ISO times ---------------------------------------------------------------
+
+class StoredProgress(BaseModel):
+    """A job's progress as its row stores it (`jobs.progress_json`): a `ProgressRecord`
+    with ISO times. The JSON is the one rows have held since they stored the API's
+    `progress` object (the same fields in the same order): rows of any daemon read alike."""
+
+    items_done: int | None = None
+    items_total: int | None = None
+    files: int = 0
+    bytes_written: int = 0
+    source: str | None = None
+    last_progress_at: str | None = None
+    metrics: dict[str, float] = Field(default_factory=dict)
+    observed_at: str | None = None
+    observation_error: str | None = None
+
 
 def progress_json(progress: ProgressRecord) -> str:
-    """A job's progress as stored with its row (the API's `progress` object)."""
-    return progress_model(progress).model_dump_json()
-
-
-def progress_model(progress: ProgressRecord) -> Progress:
-    return Progress(
+    """A job's progress as stored with its row."""
+    return StoredProgress(
         items_done=progress.items_done, items_total=progress.items_total,
         files=progress.files, bytes_written=progress.bytes_written, source=progress.source,
         last_progress_at=iso(progress.last_progress_at), metrics=dict(progress.metrics),
-        observed_at=iso(progress.observed_at), observation_error=progress.observation_error)
+        observed_at=iso(progress.observed_at), observation_error=progress.observation_error,
+    ).model_dump_json()
 
 
 def stored_progress(text: str | None) -> ProgressRecord | None:
@@ -151,7 +164,7 @@ def stored_progress(text: str | None) -> ProgressRecord | None:
     if not text:
         return None
     try:
-        stored = Progress.model_validate_json(text)
+        stored = StoredProgress.model_validate_json(text)
         return ProgressRecord(
             items_done=stored.items_done, items_total=stored.items_total, files=stored.files,
             bytes_written=stored.bytes_written, source=stored.source,

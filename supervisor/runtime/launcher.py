@@ -290,7 +290,7 @@ def worker_group_alive(worker: WorkerInfo) -> bool:
                for stat in all_stats())
 
 
-def _package_root_on_path() -> str:
+def package_root_on_path() -> str:
     """PYTHONPATH that lets the shim import `supervisor` even from a source checkout."""
     root = str(Path(__file__).resolve().parents[2])  # the folder holding supervisor/
     existing = os.environ.get("PYTHONPATH")

@@ -26,9 +26,9 @@ from supervisor.runtime.launcher import (
     Backend,
     LaunchFate,
     ShimState,
-    _package_root_on_path,
     attempt_dir,
     observe_request,
+    package_root_on_path,
     scrubbed_env,
     worker_group_alive,
     write_launch,
@@ -76,7 +76,7 @@ class LocalBackend(Backend):
                 stdin=subprocess.DEVNULL, stdout=shim_log, stderr=subprocess.STDOUT,
                 start_new_session=True, close_fds=True, cwd="/",
                 env={**scrubbed_env(os.environ),
-                     "PYTHONPATH": _package_root_on_path()},
+                     "PYTHONPATH": package_root_on_path()},
             )
         self._children[proc.pid] = proc
         stat = read_stat(proc.pid)

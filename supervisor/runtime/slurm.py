@@ -47,9 +47,9 @@ from supervisor.runtime.launcher import (
     LaunchFate,
     SchedulerEnd,
     ShimState,
-    _package_root_on_path,
     attempt_dir,
     observe_request,
+    package_root_on_path,
     write_launch,
 )
 from supervisor.runtime.procfs import StatReader
@@ -149,7 +149,7 @@ class SlurmBackend(SlurmQueries, Backend):
         script = adir / BATCH_SCRIPT
         script.write_text(
             "#!/bin/sh\n# the job's jobsup shim, inside the allocation (docs/scale-out.md)\n"
-            f"export PYTHONPATH={shlex.quote(_package_root_on_path())}\n"
+            f"export PYTHONPATH={shlex.quote(package_root_on_path())}\n"
             f"exec {shlex.quote(sys.executable)} -m supervisor.runtime.shim "
             f"{shlex.quote(str(adir))}\n")
         name = job_name(job_id, number)

@@ -56,7 +56,7 @@ class Job(Base):
     next_start_at: Mapped[float | None] = mapped_column(Float)
     """Earliest start of a pending job (restart backoff); None = as soon as ready."""
     progress_json: Mapped[str | None] = mapped_column(Text)
-    """The latest progress view (JSON of spec.Progress), kept for ended jobs."""
+    """The latest progress view (JSON of `observe.view.StoredProgress`), kept for ended jobs."""
 
 
 class JobEvent(Base):
