@@ -20,7 +20,6 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from enum import StrEnum
 
-from supervisor.alerting.rules import LOG_TAIL_LINES
 from supervisor.formatting import terminal_text
 from supervisor.runtime.files import ExitStatus, WorkerInfo
 from supervisor.runtime.launcher import SchedulerEnd, ShimState
