@@ -15,17 +15,11 @@ from collections.abc import Sequence
 from sqlalchemy.orm import Session
 
 from supervisor.alerting import rules
+from supervisor.backends.base import Attempt, LaunchDeferred, LaunchFate, ShimState
 from supervisor.daemon import lifecycle
 from supervisor.daemon.engine_base import EngineBase
 from supervisor.runtime.fileio import tail_lines
-from supervisor.runtime.launcher import (
-    Attempt,
-    ExitStatus,
-    LaunchDeferred,
-    LaunchFate,
-    ShimState,
-    log_path,
-)
+from supervisor.runtime.files import ExitStatus, log_path
 from supervisor.runtime.procfs import start_ticks_of
 from supervisor.spec import ExitReason, JobSpec, JobState, stored_spec
 from supervisor.storage import store

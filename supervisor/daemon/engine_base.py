@@ -18,16 +18,13 @@ from sqlalchemy.orm import Session, sessionmaker
 
 from supervisor.alerting.notify import Destination, Notifier
 from supervisor.alerting.recorder import AlertRecorder
+from supervisor.backends import registry
+from supervisor.backends.base import Attempt, Backend, backend_class
 from supervisor.clock import SteadyClock
 from supervisor.config import Settings
 from supervisor.daemon import lifecycle
 from supervisor.observe.observer import SCAN_BUDGET_S, Observer
 from supervisor.observe.view import JobEnd, JobView
-from supervisor.runtime.launcher import (
-    Attempt,
-    Backend,
-)
-from supervisor.runtime.local import LocalBackend
 from supervisor.spec import stored_spec
 from supervisor.storage import store
 from supervisor.storage.tables import Job, SampleRecord
@@ -46,11 +43,10 @@ class EngineBase:
         self.sessions = sessions
         self.clock: Callable[[], float] = clock or SteadyClock()
         """Every timeout and backoff is measured on this clock (see `clock.py`)."""
-        self.backend: Backend = backend or LocalBackend(
-            settings.jobs_dir, on_exit=self.wake,
-            publish_interval_s=settings.sample_interval if settings.observe == "shim" else None)
+        self.backend: Backend = backend or backend_class(
+            registry.DEFAULT_BACKEND).from_settings(settings, on_exit=self.wake)
         """The `local` backend (or the one a test gives)."""
-        self.backends: dict[str, Backend] = {"local": self.backend}
+        self.backends: dict[str, Backend] = {registry.DEFAULT_BACKEND: self.backend}
         """By name, each made when a job first needs it (`backend_for`)."""
         self._shim_observes: dict[tuple[str, int], bool] = {}
         """Per (job, attempt): observed through its shim's readings (`observed.jsonl`)."""
@@ -139,13 +135,11 @@ class EngineBase:
         """The backend the job runs on: its spec's, stored resolved at submit; a job
         stored before backends existed (no `backend`, no `slurm`) is a local one, whatever
         JOBSUP_BACKEND says now."""
-        name = stored_spec(job.spec_json).backend_or("local")
+        name = stored_spec(job.spec_json).backend_or(registry.DEFAULT_BACKEND)
         backend = self.backends.get(name)
-        if backend is None:
-            from supervisor.runtime.slurm import SlurmBackend  # only where SLURM is used
-
-            backend = self.backends[name] = SlurmBackend(
-                self.settings.jobs_dir, publish_interval_s=self.settings.sample_interval)
+        if backend is None:  # its module imported only where a job runs there
+            backend = self.backends[name] = backend_class(name).from_settings(
+                self.settings, on_exit=self.wake)
         return backend
 
     def _grace(self, job: Job) -> float:

@@ -18,7 +18,7 @@ import signal as signals
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from supervisor.runtime.launcher import SchedulerEnd
+from supervisor.backends.base import SchedulerEnd
 from supervisor.spec import ExitReason, JobState, RestartPolicy
 
 

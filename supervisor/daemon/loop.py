@@ -14,6 +14,7 @@ from collections.abc import Sequence
 
 from sqlalchemy.orm import Session
 
+from supervisor.backends.base import Attempt, Backend
 from supervisor.daemon.checks import (
     LAUNCH_CONFIRM_S,
     LAUNCH_RETRY_S,
@@ -24,11 +25,7 @@ from supervisor.daemon.checks import (
 from supervisor.observe.observer import ObservedJob
 from supervisor.observe.view import JobEnd, progress_json, stored_progress
 from supervisor.runtime import files
-from supervisor.runtime.launcher import (
-    Attempt,
-    Backend,
-    attempt_dir,
-)
+from supervisor.runtime.files import attempt_dir
 from supervisor.spec import JobState, stored_spec
 from supervisor.storage import store
 from supervisor.storage.tables import Job, SampleRecord

@@ -35,20 +35,16 @@ from sqlalchemy import select
 from sqlalchemy.orm import Session
 
 from supervisor.alerting import rules
+from supervisor.backends.local import worker_group_alive
+from supervisor.backends.slurm_query import SLURM_FILE
 from supervisor.daemon.lifecycle import signal_name
 from supervisor.daemon.loop import LOG_TAIL_LINES
 from supervisor.observe.progress_file import from_progress_file
 from supervisor.observe.view import ProgressRecord, progress_json
 from supervisor.runtime import files
 from supervisor.runtime.fileio import read_json, tail_lines
-from supervisor.runtime.launcher import (
-    attempt_dir,
-    log_path,
-    progress_path,
-    worker_group_alive,
-)
+from supervisor.runtime.files import attempt_dir, log_path, progress_path
 from supervisor.runtime.procfs import is_same_process
-from supervisor.runtime.slurm import SLURM_FILE
 from supervisor.spec import (
     ExitReason,
     JobSpec,

@@ -14,10 +14,10 @@ from dataclasses import replace
 
 from supervisor.observe import forecast
 from supervisor.observe.jobstate import _describe, _JobState
-from supervisor.observe.readings import FileReading, ObservedJob, items_from
-from supervisor.observe.remote import ShimReading, backlog_samples
-from supervisor.observe.sampler import TreeGpuMemory, TreeReading
+from supervisor.observe.readings import FileReading, ObservedJob, ShimReading, items_from
+from supervisor.observe.remote import backlog_samples
 from supervisor.observe.view import GpuShare, JobView, ProgressRecord, ResourceRecord
+from supervisor.runtime.sampler import TreeGpuMemory, TreeReading
 from supervisor.storage.tables import SampleRecord
 
 log = logging.getLogger(__name__)

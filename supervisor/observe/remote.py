@@ -27,15 +27,20 @@ import socket
 import time
 import zlib
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 from pathlib import Path
 
 from supervisor.formatting import iso
-from supervisor.observe.gpu import GpuDevice
-from supervisor.observe.readings import FileReading, FileSide, ObservedJob, ScannerFactory
-from supervisor.observe.sampler import TreeGpuMemory, TreeReading
+from supervisor.observe.readings import (
+    FileReading,
+    FileSide,
+    ObservedJob,
+    ScannerFactory,
+    ShimReading,
+)
 from supervisor.runtime import files
 from supervisor.runtime.fileio import open_regular, read_at
+from supervisor.runtime.gpu import GpuDevice
+from supervisor.runtime.sampler import TreeGpuMemory, TreeReading
 from supervisor.storage.tables import SampleRecord
 
 log = logging.getLogger(__name__)
@@ -53,24 +58,6 @@ NO_TREE = TreeReading(t=0.0, status=None, num_procs=0, num_threads=0, cpu_time_s
                       cpu_percent=0.0, rss_bytes=0, read_bytes=0, write_bytes=0,
                       gpu_memory_bytes=None)
 """A remote job's process figures before its shim's first reading."""
-
-
-@dataclass(frozen=True)
-class ShimReading:
-    """One line of a shim's `observed.jsonl`, on the daemon's clock."""
-
-    t: float
-    seq: int
-    node: str
-    interval_s: float
-    tree: TreeReading
-    files: int | None
-    bytes_written: int | None
-    free_bytes: int | None
-    device: int | None
-    """The output filesystem's key for the disk runway (`device_key`)."""
-    final: bool
-    error: str | None
 
 
 def device_key(node: str, device: int | None) -> int | None:

@@ -14,8 +14,8 @@ flushes). The file is bounded: at `Observe.max_bytes` it is renamed to
 `observed.jsonl.1` (the one before is dropped) and a new one is started.
 
 Stdlib only at import time, like the rest of the shim. The readings reuse the daemon's
-stdlib-only readers, imported when the first reading is taken: `observe.sampler` (one
-/proc pass), `observe.outputs` (the incremental output scan) and `observe.gpu` (NVML,
+stdlib-only readers, imported when the first reading is taken: `runtime.sampler` (one
+/proc pass), `runtime.outputs` (the incremental output scan) and `runtime.gpu` (NVML,
 which imports `pynvml` only then and reads None where it is absent or fails).
 `tests/test_layout.py` holds them to the standard library.
 """
@@ -36,9 +36,9 @@ from supervisor.runtime import files
 from supervisor.runtime.fileio import PRIVATE_MODE
 
 if TYPE_CHECKING:
-    from supervisor.observe.gpu import GpuReader
-    from supervisor.observe.outputs import OutputScanner
-    from supervisor.observe.sampler import ProcessScan
+    from supervisor.runtime.gpu import GpuReader
+    from supervisor.runtime.outputs import OutputScanner
+    from supervisor.runtime.sampler import ProcessScan
 
 FINAL_READING_WAIT_S = 5.0
 """How long the shim waits, once the worker ended, for the last reading (the final output
@@ -153,8 +153,8 @@ class Publisher:
     def _tree(self, errors: list[str]) -> dict[str, Any]:
         """The shim's descendants in one /proc pass (the daemon's `ProcessScan`: the node's
         other processes are read once, not every interval)."""
-        from supervisor.observe.sampler import STATUS_NAMES, ProcessScan
         from supervisor.runtime.procfs import CLOCK_TICKS, PAGE_SIZE
+        from supervisor.runtime.sampler import STATUS_NAMES, ProcessScan
 
         tree: dict[str, Any] = dict(status=None, num_procs=0, num_threads=0, cpu_time_s=0.0,
                                     rss_bytes=0, read_bytes=0, write_bytes=0,
@@ -197,7 +197,7 @@ class Publisher:
         return times.children_user + times.children_system
 
     def _gpu_memory(self, pids: set[int]) -> dict[str, Any]:
-        from supervisor.observe.gpu import GpuReader
+        from supervisor.runtime.gpu import GpuReader
 
         if self._gpu is None:
             self._gpu = GpuReader()
@@ -222,7 +222,7 @@ class Publisher:
             return {"files": None, "bytes_written": None, "waiting": 0}
         try:
             if self._scanner is None:
-                from supervisor.observe.outputs import OutputScanner
+                from supervisor.runtime.outputs import OutputScanner
 
                 self._scanner = OutputScanner(output_dir, self.observe["pattern"])
             # file mtimes are the file server's wall clock: the scan compares with that
