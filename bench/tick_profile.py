@@ -41,6 +41,7 @@ PARTS = [
     ("supervisor.observe.observer", "Observer._start_readings"),
     ("supervisor.observe.readings", "FileSide.read"),
     ("supervisor.runtime.outputs", "OutputScanner.scan"),
+    ("supervisor.observe.outputs", "OutputScanner.scan"),  # its place in trees before #31
     ("supervisor.observe.readings", "FileSide.progress"),
     ("supervisor.observe.observer", "Observer._sample_trees"),
     ("supervisor.observe.building", "JobViewBuilder._observe_one"),

@@ -1,5 +1,5 @@
 """A remote job's readings, from the lines its shim appends to the attempt's
-`observed.jsonl` (`runtime/publish.py`; the line is `files.Observed`): the daemon cannot
+`observed.jsonl` (`runtime/publish.py`; the line is `observed.Observed`): the daemon cannot
 read a compute node's /proc, NVML or (cheaply) its output files, so the observer turns
 these lines into the `TreeReading` and `FileReading` it would have taken itself, and
 samples, progress, forecasts and alerts follow unchanged.
@@ -37,7 +37,7 @@ from supervisor.observe.readings import (
     ScannerFactory,
     ShimReading,
 )
-from supervisor.runtime import files
+from supervisor.runtime import files, observed
 from supervisor.runtime.fileio import open_regular, read_at
 from supervisor.runtime.gpu import GpuDevice
 from supervisor.runtime.sampler import TreeGpuMemory, TreeReading
@@ -70,7 +70,7 @@ def device_key(node: str, device: int | None) -> int | None:
     return -1 - zlib.crc32(f"{node}:{device}".encode())
 
 
-def _tree(line: files.Observed, t: float, cpu_percent: float) -> TreeReading:
+def _tree(line: observed.Observed, t: float, cpu_percent: float) -> TreeReading:
     devices = None if line["gpu_devices"] is None else tuple(
         TreeGpuMemory(GpuDevice(index=d["index"], name=d["name"], uuid=d["uuid"],
                                 used_bytes=d["used_bytes"], total_bytes=d["total_bytes"]),
@@ -134,7 +134,7 @@ class ShimFeed:
         offset_s = time.time() - self.clock()
         new: list[ShimReading] = []
         for raw in self._new_lines():
-            line = files.parse_observed(raw)
+            line = observed.parse_observed(raw)
             if line is None or line["seq"] <= self.last_seq:
                 continue
             self.last_seq = line["seq"]

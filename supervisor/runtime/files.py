@@ -37,10 +37,7 @@ from pathlib import Path
 from typing import Any, Literal, NotRequired, TypedDict
 
 from supervisor.runtime.fileio import read_json
-from supervisor.runtime.observed import Observed as Observed
-from supervisor.runtime.observed import ObservedGpu as ObservedGpu
-from supervisor.runtime.observed import _number, _text, _whole
-from supervisor.runtime.observed import parse_observed as parse_observed
+from supervisor.runtime.observed import float_or_none, int_or_none, str_or_none
 from supervisor.runtime.procfs import is_same_process
 
 LAUNCH = "launch.json"
@@ -209,12 +206,12 @@ class ExitStatus:
 def _observe(value: Any) -> Observe | None:
     if not isinstance(value, dict):
         return None
-    interval = _number(value.get("interval_s"))
-    max_bytes = _whole(value.get("max_bytes"))
+    interval = float_or_none(value.get("interval_s"))
+    max_bytes = int_or_none(value.get("max_bytes"))
     return Observe(
         interval_s=interval if interval is not None and interval > 0 else 2.0,
-        output_dir=_text(value.get("output_dir")) or None,
-        pattern=_text(value.get("pattern")) or "**/*", gpu=value.get("gpu") is not False,
+        output_dir=str_or_none(value.get("output_dir")) or None,
+        pattern=str_or_none(value.get("pattern")) or "**/*", gpu=value.get("gpu") is not False,
         max_bytes=max(max_bytes or OBSERVED_MAX_BYTES, OBSERVED_MIN_BYTES))
 
 
@@ -228,12 +225,12 @@ def read_launch(adir: str | os.PathLike[str]) -> Launch | None:
     argv, env = data.get("argv"), data.get("env")
     if not isinstance(argv, list) or not argv or not all(isinstance(a, str) for a in argv):
         return None
-    grace = _number(data.get("stop_grace_s"))
+    grace = float_or_none(data.get("stop_grace_s"))
     launch = Launch(
-        job_id=_text(data.get("job_id")) or "", attempt=_whole(data.get("attempt")) or 0,
-        argv=argv, cwd=_text(data.get("cwd")) or "/",
+        job_id=str_or_none(data.get("job_id")) or "", attempt=int_or_none(data.get("attempt")) or 0,
+        argv=argv, cwd=str_or_none(data.get("cwd")) or "/",
         env={str(k): str(v) for k, v in env.items()} if isinstance(env, dict) else {},
-        log_path=_text(data.get("log_path")) or str(Path(adir) / OUTPUT_LOG),
+        log_path=str_or_none(data.get("log_path")) or str(Path(adir) / OUTPUT_LOG),
         stop_grace_s=grace if grace is not None and grace > 0 else 10.0,
     )
     inherit = data.get("inherit_env")
@@ -250,27 +247,28 @@ def read_claim(adir: str | os.PathLike[str]) -> Claim | None:
     data = read_json(Path(adir) / CLAIM)
     if not isinstance(data, dict) or data.get("by") not in ("shim", "daemon"):
         return None
-    return Claim(by=data["by"], pid=_whole(data.get("pid")),
-                 create_time=_number(data.get("create_time")),
-                 start_ticks=_whole(data.get("start_ticks")))
+    return Claim(by=data["by"], pid=int_or_none(data.get("pid")),
+                 create_time=float_or_none(data.get("create_time")),
+                 start_ticks=int_or_none(data.get("start_ticks")))
 
 
 def read_shim(adir: str | os.PathLike[str]) -> Identity | None:
     """The attempt's `shim.json`, None before the shim wrote it."""
     data = read_json(Path(adir) / SHIM)
-    if not isinstance(data, dict) or _whole(data.get("pid")) is None:
+    if not isinstance(data, dict) or int_or_none(data.get("pid")) is None:
         return None
-    return Identity(pid=data["pid"], create_time=_number(data.get("create_time")),
-                    start_ticks=_whole(data.get("start_ticks")))
+    return Identity(pid=data["pid"], create_time=float_or_none(data.get("create_time")),
+                    start_ticks=int_or_none(data.get("start_ticks")))
 
 
 def read_worker(adir: str | os.PathLike[str]) -> WorkerInfo | None:
     """The attempt's `worker.json`, None before the shim started a worker."""
     data = read_json(Path(adir) / WORKER)
-    if not isinstance(data, dict) or _whole(data.get("pid")) is None:
+    if not isinstance(data, dict) or int_or_none(data.get("pid")) is None:
         return None
-    return WorkerInfo(data["pid"], _number(data.get("create_time")),
-                      _number(data.get("started_at")) or 0.0, _whole(data.get("start_ticks")))
+    return WorkerInfo(data["pid"], float_or_none(data.get("create_time")),
+                      float_or_none(data.get("started_at")) or 0.0,
+                      int_or_none(data.get("start_ticks")))
 
 
 def live_processes(jobs_dir: str | os.PathLike[str]) -> Iterator[tuple[str, int]]:
@@ -293,13 +291,14 @@ def read_exit(adir: str | os.PathLike[str]) -> ExitStatus | None:
     data = read_json(Path(adir) / STATUS)
     if not isinstance(data, dict):
         return None
-    ended_at = _number(data.get("ended_at"))
+    ended_at = float_or_none(data.get("ended_at"))
     if ended_at is None:
         return None
     return ExitStatus(
-        exit_code=_whole(data.get("exit_code")), signal=_whole(data.get("signal")),
+        exit_code=int_or_none(data.get("exit_code")), signal=int_or_none(data.get("signal")),
         ended_at=ended_at, stop_requested=bool(data.get("stop_requested")),
         killed_after_grace=bool(data.get("killed_after_grace")),
-        max_rss_bytes=_whole(data.get("max_rss_bytes")) or 0,
-        spawn_error=_text(data.get("spawn_error")), oom_kills=_whole(data.get("oom_kills")),
+        max_rss_bytes=int_or_none(data.get("max_rss_bytes")) or 0,
+        spawn_error=str_or_none(data.get("spawn_error")),
+        oom_kills=int_or_none(data.get("oom_kills")),
     )

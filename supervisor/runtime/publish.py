@@ -1,5 +1,5 @@
 """The shim's readings of its own job, published for a daemon that cannot take them: a
-thread in the shim appends one `files.Observed` line to the attempt's `observed.jsonl`
+thread in the shim appends one `observed.Observed` line to the attempt's `observed.jsonl`
 every `Observe.interval_s` while the worker runs (`launch.json`'s `observe` asks for it).
 
 Why the attempt directory and not HTTP to the daemon: the directory already carries the
@@ -32,7 +32,7 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, cast
 
-from supervisor.runtime import files
+from supervisor.runtime import files, observed
 from supervisor.runtime.fileio import PRIVATE_MODE
 
 if TYPE_CHECKING:
@@ -100,7 +100,7 @@ class Publisher:
         except Exception as exc:  # noqa: BLE001 - a bug here must not end the readings
             self._warn(f"a reading failed: {exc!r}")  # once while it repeats
 
-    def publish(self, *, final: bool) -> files.Observed:
+    def publish(self, *, final: bool) -> observed.Observed:
         """Take one reading and append it; returns it."""
         self.seq += 1
         reading = self.reading(final=final)
@@ -126,7 +126,7 @@ class Publisher:
         except OSError as exc:  # a full disk: this reading is lost, the job goes on
             self._warn(f"cannot write {self.path.name} ({exc})")
 
-    def reading(self, *, final: bool) -> files.Observed:
+    def reading(self, *, final: bool) -> observed.Observed:
         errors: list[str] = []
         tree = self._tree(errors)
         scan = self._scan(final, errors)
@@ -148,7 +148,7 @@ class Publisher:
             seq=self.seq, t=time.time(), node=self.node, interval_s=self.observe["interval_s"],
             **tree, **scan, disk_free_bytes=free_bytes, disk_total_bytes=total_bytes,
             disk_device=device, final=final, error="; ".join(errors)[:300] or None)
-        return cast(files.Observed, reading)
+        return cast(observed.Observed, reading)
 
     def _tree(self, errors: list[str]) -> dict[str, Any]:
         """The shim's descendants in one /proc pass (the daemon's `ProcessScan`: the node's
@@ -208,7 +208,7 @@ class Publisher:
         for pid in pids:
             for index, memory in self._gpu.device_memory_by_pid.get(pid, {}).items():
                 by_index[index] = by_index.get(index, 0) + memory
-        devices = [files.ObservedGpu(
+        devices = [observed.ObservedGpu(
             index=index, name=self._gpu.devices[index].name, uuid=self._gpu.devices[index].uuid,
             memory_bytes=memory, used_bytes=self._gpu.devices[index].used_bytes,
             total_bytes=self._gpu.devices[index].total_bytes)
