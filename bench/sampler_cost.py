@@ -48,8 +48,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from machine import describe  # noqa: E402
 
-from supervisor.observe.sampler import Sampler, TreeTarget  # noqa: E402
 from supervisor.runtime import procfs  # noqa: E402
+from supervisor.runtime.sampler import Sampler, TreeTarget  # noqa: E402
 
 JOB_COMMAND = ["sh", "-c", "sleep 600 & sleep 600 & sleep 600 & sleep 600 & wait"]
 PROCS_PER_JOB = 5

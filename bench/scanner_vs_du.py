@@ -32,8 +32,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from machine import describe  # noqa: E402
 
-from supervisor.observe.dirwatch import DirWatcher  # noqa: E402
-from supervisor.observe.outputs import OutputScanner, ScanResult  # noqa: E402
+from supervisor.runtime.dirwatch import DirWatcher  # noqa: E402
+from supervisor.runtime.outputs import OutputScanner, ScanResult  # noqa: E402
 
 MARKER = ".bench_tree.json"  # a dotfile: never an item, never counted by the scanner
 PATTERN = "rows_*/*.bin"
@@ -229,7 +229,7 @@ def main() -> int:
             "- Steady-state cost is one `stat` per directory; a tick with progress "
             "adds one re-listing of the shard that changed plus one `stat` per new "
             "(or still-growing) file. With inotify watches (the daemon's default on "
-            "local filesystems, `supervisor/observe/dirwatch.py`) the same scanner, "
+            "local filesystems, `supervisor/runtime/dirwatch.py`) the same scanner, "
             "new, then does the same rounds: no directory is statted or listed after "
             "the first walk, and a tick with progress costs the new files' stats.",
             "",

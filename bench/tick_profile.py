@@ -41,7 +41,8 @@ PARTS = [
     ("supervisor.observe.observer", "Observer.observe"),
     ("supervisor.observe.observer", "Observer._start_readings"),
     ("supervisor.observe.readings", "FileSide.read"),
-    ("supervisor.observe.outputs", "OutputScanner.scan"),
+    ("supervisor.runtime.outputs", "OutputScanner.scan"),
+    ("supervisor.observe.outputs", "OutputScanner.scan"),  # its place in trees before #31
     ("supervisor.observe.readings", "FileSide.progress"),
     ("supervisor.observe.observer", "Observer._sample_trees"),
     ("supervisor.observe.building", "JobViewBuilder._observe_one"),  # (before #31)
@@ -64,7 +65,7 @@ def main() -> None:
                         help="time no part of the tick (under a sampling profiler: py-spy)")
     parser.add_argument("--part", action="append", default=[], metavar="MODULE:CALLABLE",
                         help="also time this function or Class.method (repeatable), e.g. "
-                             "supervisor.observe.sampler:ProcessScan.read")
+                             "supervisor.runtime.sampler:ProcessScan.read")
     parser.add_argument("--profile-out", metavar="FILE",
                         help="with --profile, also save the stats there (pstats, snakeviz)")
     parser.add_argument("--source", default=str(Path(__file__).resolve().parents[1]),

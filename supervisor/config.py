@@ -10,8 +10,10 @@ import socket
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
-from pydantic import Field, SecretStr, field_validator
+from pydantic import AfterValidator, Field, SecretStr, field_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
+
+from supervisor.backends import registry
 
 MAX_BODY_BYTES = 1 << 20
 """Default cap of a request body (1 MiB): a JobSpec is a few KB."""
@@ -85,9 +87,10 @@ class Settings(BaseSettings):
     stop_grace_s: float = Field(default=10.0, gt=0)
     """Default seconds between SIGTERM and SIGKILL on stop (a job spec may override)."""
 
-    backend: Literal["local", "slurm"] = "local"
-    """Where a job runs when its spec names no backend (and has no `slurm` section):
-    `local` (a shim on this machine) or `slurm` (sbatch; docs/scale-out.md)."""
+    backend: Annotated[str, AfterValidator(registry.check_name)] = registry.DEFAULT_BACKEND
+    """Where a job runs when its spec names no backend (and has no `slurm` section), a
+    name in `backends.registry`: `local` (a shim on this machine) or `slurm` (sbatch;
+    docs/scale-out.md)."""
 
     stop_jobs_on_exit: bool = False
     """On SIGTERM/SIGINT the daemon stops every running job as `POST /jobs/{id}/stop`

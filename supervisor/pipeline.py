@@ -160,9 +160,9 @@ class Eagle3Pipeline(BaseModel):
             raise ValueError("prompts self:N: the target writes its prompts only on the "
                              "transformers backend; drop serve/endpoint, or give a prompts "
                              "file")
-        if self.launcher == "local" and self.slurm:
-            raise ValueError("slurm: the steps run on the local launcher; drop the slurm "
-                             "sections or set launcher slurm")
+        if self.launcher not in (None, "slurm") and self.slurm:
+            raise ValueError(f"slurm: the steps run on the {self.launcher} launcher; drop "
+                             "the slurm sections or set launcher slurm")
         for step, section in self.slurm.items():
             if section.nodes * section.tasks_per_node > 1 and step != "extract":
                 raise ValueError(

@@ -10,9 +10,10 @@ import logging
 import re
 from collections.abc import Iterable, Mapping
 from enum import StrEnum
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any
 
 from pydantic import (
+    AfterValidator,
     BaseModel,
     ConfigDict,
     Field,
@@ -21,8 +22,9 @@ from pydantic import (
     model_validator,
 )
 
+from supervisor.backends import registry
 from supervisor.errors import InvalidSpec
-from supervisor.observe.patterns import check_pattern
+from supervisor.runtime.patterns import check_pattern
 
 log = logging.getLogger(__name__)
 
@@ -159,9 +161,10 @@ def check_env(env: Mapping[str, str], allowed: Iterable[str], *, field: str = "e
             field=field)
 
 
-BackendName = Literal["local", "slurm"]
-"""Where a job runs: `local`, a shim on the daemon's machine; `slurm`, a shim inside a
-SLURM allocation (docs/scale-out.md)."""
+BackendName = Annotated[str, AfterValidator(registry.check_name), Field(
+    json_schema_extra=lambda schema: schema.update(enum=registry.names()))]
+"""Where a job runs, a name in `backends.registry.BACKENDS`: `local`, a shim on the
+daemon's machine; `slurm`, a shim inside a SLURM allocation (docs/scale-out.md)."""
 
 SLURM_TIME = re.compile(
     r"(?:\d+|\d+:\d+|\d+:\d+:\d+|\d+-\d+|\d+-\d+:\d+|\d+-\d+:\d+:\d+"
@@ -277,16 +280,16 @@ class JobSpec(BaseModel):
                     "`acceptance_length` is below this (None: off)")
     labels: dict[str, str] = Field(default_factory=dict)
     backend: BackendName | None = Field(
-        default=None, description="where the job runs: `local` or `slurm`; null: the "
-                                  "daemon's default (JOBSUP_BACKEND)")
+        default=None, description="where the job runs: a backend's name (`local`, "
+                                  "`slurm`); null: the daemon's default (JOBSUP_BACKEND)")
     slurm: SlurmResources | None = Field(
         default=None, description="what a `slurm` job asks the scheduler for")
 
     @model_validator(mode="after")
     def _slurm_only_for_slurm(self) -> JobSpec:
-        if self.slurm is not None and self.backend == "local":
-            raise ValueError("slurm: a `local` job takes no slurm section (set backend "
-                             "to `slurm`, or leave it out for the daemon's default)")
+        if self.slurm is not None and self.backend not in (None, "slurm"):
+            raise ValueError(f"slurm: a `{self.backend}` job takes no slurm section (set "
+                             "backend to `slurm`, or leave it out for the daemon's default)")
         return self
 
     def backend_or(self, default: BackendName) -> BackendName:

@@ -264,7 +264,7 @@ def test_spawn_failure_after_submit_is_reported(daemon: Daemon, tmp_path: Path) 
 
 
 def test_daemon_secrets_never_reach_a_job() -> None:
-    from supervisor.runtime.launcher import SCRUBBED_ENV, job_environment
+    from supervisor.backends.launch import SCRUBBED_ENV, job_environment
     from supervisor.spec import JobSpec
 
     base = ({name: "secret" for name in SCRUBBED_ENV}

@@ -1,4 +1,4 @@
-"""The output scanner with inotify watches (supervisor/observe/dirwatch.py), on real
+"""The output scanner with inotify watches (supervisor/runtime/dirwatch.py), on real
 directories: what it counts equals a fresh walk after every kind of change, a scan of a
 watched tree lists and stats nothing that did not change, and watches end with the job."""
 
@@ -13,8 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from supervisor.observe.dirwatch import DirWatcher, local_devices
-from supervisor.observe.outputs import OutputScanner, ScanResult
+from supervisor.runtime.dirwatch import DirWatcher, local_devices
+from supervisor.runtime.outputs import OutputScanner, ScanResult
 from tests.helpers import LATER, make_shards, write
 
 

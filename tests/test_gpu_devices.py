@@ -29,11 +29,11 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from supervisor.api.metrics import JobsCollector, build_registry
 from supervisor.client.tui import gpu_cell, gpu_memory_text
-from supervisor.observe.gpu import GpuReader
 from supervisor.observe.observer import Observer
 from supervisor.observe.readings import ObservedJob
-from supervisor.observe.sampler import Sampler, TreeTarget
 from supervisor.runtime import procfs
+from supervisor.runtime.gpu import GpuReader
+from supervisor.runtime.sampler import Sampler, TreeTarget
 from supervisor.spec import JobSpec
 from supervisor.storage.database import make_engine, make_sessionmaker, upgrade
 from supervisor.storage.tables import Job

@@ -22,7 +22,7 @@ from supervisor.config import Settings
 from supervisor.daemon.lifecycle import LAUNCH_CONFIRM_S
 from supervisor.daemon.loop import Engine
 from supervisor.runtime.fileio import create_json_exclusive
-from supervisor.runtime.launcher import attempt_dir
+from supervisor.runtime.files import attempt_dir
 from supervisor.runtime.procfs import create_time
 from supervisor.runtime.shim import CLAIM_FILE
 from supervisor.spec import JobSpec

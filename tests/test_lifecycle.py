@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import pytest
 
+from supervisor.backends.base import ShimState
 from supervisor.daemon import lifecycle
 from supervisor.daemon.lifecycle import (
     LAUNCH_CONFIRM_S,
@@ -27,7 +28,6 @@ from supervisor.daemon.lifecycle import (
     vanished,
 )
 from supervisor.runtime.files import ExitStatus
-from supervisor.runtime.launcher import ShimState
 from supervisor.spec import ExitReason, JobState, RestartPolicy
 
 NEVER = Restarts(RestartPolicy.NEVER, done=0, limit=0, backoff_s=1.0, backoff_max_s=60.0)

@@ -29,10 +29,10 @@ from supervisor.daemon.loop import Engine
 from supervisor.observe import observer as observer_module
 from supervisor.observe import readings as readings_module
 from supervisor.observe.observer import Observer
-from supervisor.observe.outputs import OutputScanner, ScanResult
 from supervisor.observe.readings import ObservedJob
 from supervisor.observe.threads import FilePool
-from supervisor.runtime.launcher import progress_path
+from supervisor.runtime.files import progress_path
+from supervisor.runtime.outputs import OutputScanner, ScanResult
 from supervisor.spec import JobSpec
 from supervisor.storage import store
 from tests.helpers import REPO, Daemon, in_process_engine, job_module, python_job, wait_for
@@ -393,7 +393,7 @@ def test_a_restarted_job_counting_from_zero_gets_its_first_item(tmp_path: Path) 
 
 def require_local_watches(path: Path) -> None:
     """Readings go to the tick thread only under inotify watches on a local disk."""
-    from supervisor.observe.dirwatch import DirWatcher
+    from supervisor.runtime.dirwatch import DirWatcher
     watcher = DirWatcher.open()
     if watcher is None:
         pytest.skip("no inotify here")
@@ -475,7 +475,7 @@ def test_a_scanner_is_watched_whole_only_with_a_few_files_to_look_at(
     a scan of a tree it watches whole; false, once the watcher has read them, while a
     directory created or moved in (listed whole by the next scan), a directory changed
     itself or more names than it allows wait; true again after that scan."""
-    from supervisor.observe.dirwatch import DirWatcher
+    from supervisor.runtime.dirwatch import DirWatcher
     require_local_watches(tmp_path)
     watcher = DirWatcher.open()
     assert watcher is not None

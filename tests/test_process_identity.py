@@ -23,11 +23,13 @@ from sqlalchemy import inspect
 from sqlalchemy.orm import Session, sessionmaker
 
 from supervisor.api.submission import submit_job
+from supervisor.backends.base import ShimState
+from supervisor.backends.local import worker_group_alive
 from supervisor.config import Settings
 from supervisor.daemon.loop import Engine
-from supervisor.observe.sampler import Sampler, TreeTarget
 from supervisor.runtime import files, procfs
-from supervisor.runtime.launcher import ShimState, attempt_dir, worker_group_alive
+from supervisor.runtime.files import attempt_dir
+from supervisor.runtime.sampler import Sampler, TreeTarget
 from supervisor.spec import JobSpec
 from supervisor.storage.database import alembic_config, make_engine, upgrade
 from supervisor.storage.tables import Base

@@ -19,9 +19,9 @@ from typing import Any
 
 import pytest
 
+from supervisor.backends.launch import job_environment
 from supervisor.observe import progress_file
 from supervisor.observe.progress_file import COUNT_MAX, FIELDS, Reported, from_progress_file
-from supervisor.runtime.launcher import job_environment
 from supervisor.spec import JobSpec
 
 pytestmark = pytest.mark.timeout(60)

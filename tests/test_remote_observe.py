@@ -17,7 +17,7 @@ from typing import Any
 import pytest
 
 from supervisor.observe.remote import STALE_MIN_S, ShimFeed
-from supervisor.runtime import files
+from supervisor.runtime import files, observed
 from supervisor.runtime.procfs import all_stats
 from supervisor.runtime.publish import Publisher
 from tests.helpers import PY, REPO, Daemon, exit_recorded, identity, job_module, wait_for
@@ -25,7 +25,7 @@ from tests.helpers import PY, REPO, Daemon, exit_recorded, identity, job_module,
 SHIM_ENV = {"JOBSUP_OBSERVE": "shim"}
 
 
-def lines_of(adir: Path) -> list[files.Observed]:
+def lines_of(adir: Path) -> list[observed.Observed]:
     """Every reading left in the attempt's observed.jsonl and its rotated file, in order."""
     out = []
     for name in (files.OBSERVED_ROTATED, files.OBSERVED):
@@ -34,7 +34,7 @@ def lines_of(adir: Path) -> list[files.Observed]:
         except FileNotFoundError:
             continue
         for line in raw.splitlines():
-            parsed = files.parse_observed(line)
+            parsed = observed.parse_observed(line)
             assert parsed is not None, line
             out.append(parsed)
     return out
@@ -270,7 +270,7 @@ def test_a_restarted_daemon_stores_the_readings_it_missed(make_daemon, tmp_path:
     down_at = time.time()
     adir = daemon.data_dir / "jobs" / job["id"] / "attempt-1"
 
-    def readings_while_down() -> list[files.Observed]:
+    def readings_while_down() -> list[observed.Observed]:
         """At the shim's own pace, not in a fixed 4 s; inside the window `missed` takes,
         with a second's margin at each end."""
         return [line for line in lines_of(adir) if down_at + 1 < line["t"] < time.time() - 1]
@@ -366,9 +366,9 @@ def test_figures_a_job_could_forge_are_kept_in_range() -> None:
     line = (b'{"seq": 3, "t": 1000.5, "node": "n1", "files": 3000000000, '
             b'"bytes_written": 100000000000000000000, "num_procs": -4, '
             b'"cpu_time_s": NaN, "rss_bytes": 12, "interval_s": Infinity}')
-    parsed = files.parse_observed(line)
+    parsed = observed.parse_observed(line)
     assert parsed is not None
     assert (parsed["files"], parsed["bytes_written"], parsed["num_procs"]) == (None, None, 0)
     assert (parsed["cpu_time_s"], parsed["rss_bytes"], parsed["interval_s"]) == (0.0, 12, 2.0)
-    assert files.parse_observed(b'{"seq": 1, "t": NaN, "node": "n1"}') is None
-    assert files.parse_observed(b'{"seq": 1, "t": -1, "node": "n1"}') is None
+    assert observed.parse_observed(b'{"seq": 1, "t": NaN, "node": "n1"}') is None
+    assert observed.parse_observed(b'{"seq": 1, "t": -1, "node": "n1"}') is None

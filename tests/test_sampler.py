@@ -17,9 +17,9 @@ from typing import Any
 import psutil
 import pytest
 
-from supervisor.observe.gpu import GpuReader
-from supervisor.observe.sampler import Sampler, TreeReading, TreeTarget, read_io_bytes
 from supervisor.runtime import procfs
+from supervisor.runtime.gpu import GpuReader
+from supervisor.runtime.sampler import Sampler, TreeReading, TreeTarget, read_io_bytes
 from tests.helpers import PY, wait_for
 
 pytestmark = pytest.mark.timeout(30)
@@ -547,7 +547,7 @@ def test_a_process_whose_parent_was_not_read_is_not_set_aside() -> None:
     """A process is a stranger for good only when its whole ancestry was seen: with its
     parent gone before its read (the child then moves to the job's shim, a subreaper), it
     is read again next pass, never skipped."""
-    from supervisor.observe.sampler import ProcessScan, ProcessTable
+    from supervisor.runtime.sampler import ProcessScan, ProcessTable
 
     def proc(pid: int, ppid: int) -> procfs.ProcStat:
         raw = f"{pid} (x) S {ppid} {pid} {pid} 0 -1 0 0 0 0 0 1 1 0 0 20 0 1 0 100 0 10"

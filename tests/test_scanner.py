@@ -12,8 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from supervisor.observe.outputs import OutputScanner, ScanResult
-from supervisor.observe.patterns import MAX_PATTERN_CHARS, GlobMatcher, check_pattern
+from supervisor.runtime.outputs import OutputScanner, ScanResult
+from supervisor.runtime.patterns import MAX_PATTERN_CHARS, GlobMatcher, check_pattern
 from tests.helpers import LATER, make_shards, write
 
 

@@ -20,12 +20,13 @@ from typing import Any
 import pytest
 from pydantic import ValidationError
 
+from supervisor.backends.slurm import SlurmBackend
+from supervisor.backends.slurm_jobs import SlurmJob, end_of, sbatch_argv
+from supervisor.backends.slurm_query import SLURM_FILE
 from supervisor.runtime import files
 from supervisor.runtime.fileio import read_json
-from supervisor.runtime.launcher import attempt_dir
+from supervisor.runtime.files import attempt_dir
 from supervisor.runtime.rank import rank_environment
-from supervisor.runtime.slurm import SLURM_FILE, SlurmBackend
-from supervisor.runtime.slurm_jobs import SlurmJob, end_of, sbatch_argv
 from supervisor.spec import ExitReason, JobSpec
 from tests.helpers import PY, Daemon, python_job, wait_for
 from tests.slurm_cluster import SlurmCluster

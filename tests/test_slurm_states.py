@@ -11,9 +11,9 @@ from typing import Any
 
 import pytest
 
+from supervisor.backends.slurm_query import SLURM_FILE
 from supervisor.runtime.fileio import read_json
-from supervisor.runtime.launcher import attempt_dir
-from supervisor.runtime.slurm import SLURM_FILE
+from supervisor.runtime.files import attempt_dir
 from tests.helpers import Daemon, python_job, wait_for
 from tests.slurm_cluster import CPUS, SlurmCluster, running
 

@@ -23,7 +23,7 @@ from supervisor.formatting import iso
 from supervisor.observe.observer import Observer
 from supervisor.observe.view import JobEnd, JobView, ProgressRecord
 from supervisor.runtime.fileio import tail_lines
-from supervisor.runtime.launcher import log_path
+from supervisor.runtime.files import log_path
 from supervisor.spec import AlertState, JobState, stored_spec
 from supervisor.storage import outbox, store
 from supervisor.storage.tables import Alert, Job

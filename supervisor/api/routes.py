@@ -35,7 +35,7 @@ from supervisor.errors import Conflict, InvalidSpec, JobsupError
 from supervisor.observe.view import JobView
 from supervisor.pipeline import Eagle3Pipeline, eagle3_jobs
 from supervisor.runtime.fileio import read_from, tail_lines
-from supervisor.runtime.launcher import log_path
+from supervisor.runtime.files import log_path
 from supervisor.spec import (
     MAX_INT64,
     AlertState,

@@ -3,24 +3,25 @@ record it. Shared by `POST /jobs` and the pipelines, which submit several at onc
 
 from __future__ import annotations
 
-import shutil
 import time
 from collections.abc import Mapping
 from pathlib import Path
 
 from sqlalchemy.orm import Session
 
+from supervisor.backends import registry
+from supervisor.backends.base import backend_class
+from supervisor.backends.launch import check_runnable
 from supervisor.errors import InvalidSpec
 from supervisor.observe.view import JobView, preflight_warnings
-from supervisor.runtime.launcher import check_runnable
-from supervisor.spec import BackendName, JobSpec
+from supervisor.spec import JobSpec
 from supervisor.storage import store
 from supervisor.storage.tables import Job
 
 
 def submit_job(session: Session, spec: JobSpec, *, default_cwd: str,
                views: Mapping[str, JobView], jobs_dir: Path | None = None,
-               default_backend: BackendName = "local",
+               default_backend: str = registry.DEFAULT_BACKEND,
                now: float | None = None) -> tuple[Job, list[str]]:
     """The recorded (pending, not yet committed) job and its submit-time warnings, or
     InvalidSpec naming the field that cannot be accepted.
@@ -34,11 +35,7 @@ def submit_job(session: Session, spec: JobSpec, *, default_cwd: str,
     daemon restarted with another JOBSUP_BACKEND still finds its running jobs."""
     spec = check_runnable(spec, default_cwd=default_cwd)
     backend = spec.backend_or(default_backend)
-    if backend == "slurm" and shutil.which("sbatch") is None:
-        raise InvalidSpec("backend: `slurm`, but sbatch is not on the daemon's PATH",
-                          hint="run the daemon on a machine that can submit SLURM jobs "
-                               "(docs/scale-out.md), or submit with backend `local`",
-                          field="backend")
+    backend_class(backend).check_usable()
     spec = spec.model_copy(update={"backend": backend})
     for field in ("depends_on", "stop_when_ended"):
         ids = getattr(spec, field)

@@ -8,6 +8,7 @@ from typing import Annotated, Any
 
 import typer
 
+from supervisor.backends import registry
 from supervisor.client.options import DEFAULT_URL, Url, client
 from supervisor.client.output import console, fail, usage_error, warn
 from supervisor.client.submit_cli import slurm_section
@@ -65,8 +66,8 @@ def pipeline_run(
         help="low_acceptance alert below this many tokens per target pass (0: off).")
     ] = DEFAULT_MIN_ACCEPTANCE_LENGTH,
     launcher: Annotated[str | None, typer.Option(
-        help="Where the steps run: local | slurm (default: the daemon's JOBSUP_BACKEND, "
-             "or slurm for a step given --slurm).")] = None,
+        help=f"Where the steps run: {' | '.join(registry.names())} (default: the daemon's "
+             "JOBSUP_BACKEND, or slurm for a step given --slurm).")] = None,
     slurm: Annotated[list[str] | None, typer.Option(
         help="STEP:KEY=VALUE, what a step asks SLURM for (repeatable): STEP one of all, "
              "generate, extract, vocab, train, evaluate; KEY as in `jobsup submit --slurm`, "

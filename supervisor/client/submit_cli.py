@@ -10,6 +10,7 @@ from typing import Annotated, Any
 
 import typer
 
+from supervisor.backends import registry
 from supervisor.client.completion import choices, job_ids
 from supervisor.client.jobs_cli import POLICIES, Json, Timeout, check_timeout, finish
 from supervisor.client.options import (
@@ -23,7 +24,6 @@ from supervisor.client.options import (
 from supervisor.client.output import fail, print_json, usage_error, warn
 from supervisor.errors import JobsupError
 
-BACKENDS = ("local", "slurm")
 SLURM_KEYS = ("partition", "nodes", "tasks_per_node", "gpus_per_node", "gres",
               "cpus_per_task", "mem", "time", "account", "qos", "extra")
 """The `slurm` section's fields (`extra` may be given several times)."""
@@ -43,7 +43,7 @@ SUBMIT_OPTIONS = {
     "depends_on": ("--depends-on", "ids of jobs this daemon knows (`jobsup ls`)"),
     "env": ("--env", "KEY=VALUE"),
     "labels": ("--label", "KEY=VALUE"),
-    "backend": ("--backend", " | ".join(BACKENDS)),
+    "backend": ("--backend", " | ".join(registry.names())),
     "slurm": ("--slurm", "KEY=VALUE, KEY one of " + ", ".join(SLURM_KEYS)),
 }
 """The submit option behind each JobSpec field, and what it takes: the hint of an error
@@ -102,8 +102,9 @@ def submit(
                      typer.Option("--label", "-l", help="KEY=VALUE; repeatable.")] = None,
     cwd: Annotated[Path | None, typer.Option(help="Working directory (default: here).")] = None,
     backend: Annotated[str | None, typer.Option(
-        help="Where it runs: local | slurm (default: the daemon's JOBSUP_BACKEND).",
-        autocompletion=choices(BACKENDS))] = None,
+        help=f"Where it runs: {' | '.join(registry.names())} (default: the daemon's "
+             "JOBSUP_BACKEND).",
+        autocompletion=choices(registry.names()))] = None,
     slurm: Annotated[list[str] | None, typer.Option(
         help="KEY=VALUE of what a slurm job asks for (partition, nodes, tasks_per_node, "
              "gpus_per_node, gres, cpus_per_task, mem, time, account, qos, extra); "
@@ -126,7 +127,7 @@ def submit(
             usage_error(f"{option}: {value} is not a finite number of seconds ({field})",
                         hint=f"{option}: {takes}")
     check_choice("--restart", restart, POLICIES)
-    check_choice("--backend", backend, BACKENDS)
+    check_choice("--backend", backend, registry.names())
     check_output_dir("--output", output)
     check_timeout(timeout)
     spec: dict[str, Any] = {"name": name, "command": command,

@@ -17,20 +17,13 @@ from collections.abc import Sequence
 from sqlalchemy.orm import Session
 
 from supervisor.alerting.rules import LOG_TAIL_LINES
+from supervisor.backends.base import Attempt, Backend, LaunchDeferred, LaunchFate, ShimState
 from supervisor.config import Settings
 from supervisor.daemon import lifecycle
 from supervisor.daemon.engine_base import Backends, Waker
 from supervisor.daemon.lifecycle import WorkerSeen
 from supervisor.runtime.fileio import tail_lines
-from supervisor.runtime.launcher import (
-    Attempt,
-    Backend,
-    ExitStatus,
-    LaunchDeferred,
-    LaunchFate,
-    ShimState,
-    log_path,
-)
+from supervisor.runtime.files import ExitStatus, log_path
 from supervisor.runtime.procfs import StatReader, start_ticks_of
 from supervisor.spec import ExitReason, JobSpec, JobState, stored_spec
 from supervisor.storage import store

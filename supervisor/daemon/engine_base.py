@@ -9,24 +9,26 @@ from __future__ import annotations
 import threading
 from collections.abc import Callable
 
+from supervisor.backends import registry
+from supervisor.backends.base import Attempt, Backend, backend_class
 from supervisor.config import Settings
-from supervisor.runtime.launcher import (
-    Attempt,
-    Backend,
-)
 from supervisor.spec import stored_spec
 from supervisor.storage.tables import Job
 
 
 class Backends:
-    """The backends the engine's jobs run on, by name: `local` from the start, the
-    others made when a job first needs one."""
+    """The backends the engine's jobs run on, by name (`backends/registry.py`): the
+    default from the start, the others made when a job first needs one."""
 
-    def __init__(self, settings: Settings, local: Backend):
+    def __init__(self, settings: Settings, on_exit: Callable[[], None],
+                 local: Backend | None = None):
         self.settings = settings
-        self.backend: Backend = local
-        """The `local` backend (or the one a test gives)."""
-        self.backends: dict[str, Backend] = {"local": local}
+        self.on_exit = on_exit
+        """Handed to each backend made: a job's process exited (wakes the loop)."""
+        self.backend: Backend = local or backend_class(
+            registry.DEFAULT_BACKEND).from_settings(settings, on_exit=on_exit)
+        """The default backend (or the one a test gives)."""
+        self.backends: dict[str, Backend] = {registry.DEFAULT_BACKEND: self.backend}
         """By name, each made when a job first needs it (`backend_for`)."""
 
     def all(self) -> list[Backend]:
@@ -42,13 +44,11 @@ class Backends:
         """The backend the job runs on: its spec's, stored resolved at submit; a job
         stored before backends existed (no `backend`, no `slurm`) is a local one, whatever
         JOBSUP_BACKEND says now."""
-        name = stored_spec(job.spec_json).backend_or("local")
+        name = stored_spec(job.spec_json).backend_or(registry.DEFAULT_BACKEND)
         backend = self.backends.get(name)
-        if backend is None:
-            from supervisor.runtime.slurm import SlurmBackend  # only where SLURM is used
-
-            backend = self.backends[name] = SlurmBackend(
-                self.settings.jobs_dir, publish_interval_s=self.settings.sample_interval)
+        if backend is None:  # its module imported only where a job runs there
+            backend = self.backends[name] = backend_class(name).from_settings(
+                self.settings, on_exit=self.on_exit)
         return backend
 
 

@@ -20,9 +20,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from enum import StrEnum
 
+from supervisor.backends.base import SchedulerEnd, ShimState
 from supervisor.formatting import terminal_text
 from supervisor.runtime.files import ExitStatus, WorkerInfo
-from supervisor.runtime.launcher import SchedulerEnd, ShimState
 from supervisor.spec import ExitReason, JobState, RestartPolicy
 
 LOG_SIGNATURES: tuple[tuple[re.Pattern[str], str], ...] = (

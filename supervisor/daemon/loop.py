@@ -18,6 +18,7 @@ from sqlalchemy.orm import Session, sessionmaker
 
 from supervisor.alerting.notify import Notifier
 from supervisor.alerting.recorder import AlertRecorder
+from supervisor.backends.base import Attempt, Backend
 from supervisor.config import Settings
 from supervisor.daemon.checks import STOP_BACKSTOP_S, JobChecks, stop_grace_s
 from supervisor.daemon.engine_base import Backends, Waker
@@ -25,11 +26,7 @@ from supervisor.observe.observer import Observer
 from supervisor.observe.readings import ObservedJob
 from supervisor.observe.view import JobEnd, JobView, progress_json, stored_progress
 from supervisor.runtime import files
-from supervisor.runtime.launcher import (
-    Attempt,
-    Backend,
-    attempt_dir,
-)
+from supervisor.runtime.files import attempt_dir
 from supervisor.spec import JobState, stored_spec
 from supervisor.storage import store
 from supervisor.storage.tables import Job, SampleRecord

@@ -36,6 +36,8 @@ from sqlalchemy.orm import Session
 
 from supervisor.alerting import rules
 from supervisor.alerting.recorder import job_facts
+from supervisor.backends.local import worker_group_alive
+from supervisor.backends.slurm_query import SLURM_FILE
 from supervisor.config import Settings
 from supervisor.daemon import lifecycle
 from supervisor.daemon.checks import restarts_of
@@ -43,14 +45,8 @@ from supervisor.observe.progress_file import from_progress_file
 from supervisor.observe.view import JobView, ProgressRecord, progress_json
 from supervisor.runtime import files
 from supervisor.runtime.fileio import read_json, tail_lines
-from supervisor.runtime.launcher import (
-    attempt_dir,
-    log_path,
-    progress_path,
-    worker_group_alive,
-)
+from supervisor.runtime.files import attempt_dir, log_path, progress_path
 from supervisor.runtime.procfs import is_same_process
-from supervisor.runtime.slurm import SLURM_FILE
 from supervisor.spec import (
     ExitReason,
     JobSpec,

@@ -23,14 +23,13 @@ from supervisor.alerting.notify import Notifier
 from supervisor.alerting.recorder import AlertRecorder
 from supervisor.alerting.wire import Destination
 from supervisor.api import views
+from supervisor.backends.base import Backend
 from supervisor.clock import SteadyClock
 from supervisor.config import Settings
 from supervisor.daemon.checks import JobChecks
 from supervisor.daemon.engine_base import Backends, Waker
 from supervisor.daemon.loop import Engine
 from supervisor.observe.observer import SCAN_BUDGET_S, Observer
-from supervisor.runtime.launcher import Backend
-from supervisor.runtime.local import LocalBackend
 from supervisor.storage.transactions import TickSteps, watch_writes
 from supervisor.storage.writability import Writability
 
@@ -42,9 +41,7 @@ def build_engine(settings: Settings, sessions: sessionmaker[Session], *,
     one (a test's own), `clock`: the steady clock unless a test gives one."""
     clock = clock or SteadyClock()
     waker = Waker(clock, settings.sample_interval)
-    backends = Backends(settings, backend or LocalBackend(
-        settings.jobs_dir, on_exit=waker.wake,
-        publish_interval_s=settings.sample_interval if settings.observe == "shim" else None))
+    backends = Backends(settings, on_exit=waker.wake, local=backend)
     # a tick waits for the jobs' file readings at most 1 s, less with short ticks
     observer = Observer(settings.jobs_dir,
                         scan_budget_s=min(SCAN_BUDGET_S, settings.sample_interval / 2),

@@ -1,2 +1,3 @@
-"""The observation pipeline of one tick: sample processes and GPUs, scan
-output files, read progress files, forecast ETA and disk runway."""
+"""The observation pipeline of one tick: each job's readings (its process tree, GPUs and
+output files, read with `supervisor/runtime/`'s readers, or from its shim's published
+lines), its progress, and its ETA and disk runway forecast."""

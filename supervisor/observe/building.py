@@ -16,8 +16,8 @@ from supervisor.observe import forecast, rates
 from supervisor.observe.jobstate import KeptJobState, describe_error
 from supervisor.observe.readings import FileReading, ObservedJob, items_from
 from supervisor.observe.remote import ShimReading, backlog_samples
-from supervisor.observe.sampler import TreeGpuMemory, TreeReading
 from supervisor.observe.view import GpuShare, JobView, ProgressRecord, ResourceRecord
+from supervisor.runtime.sampler import TreeGpuMemory, TreeReading
 from supervisor.storage.tables import SampleRecord
 
 log = logging.getLogger(__name__)

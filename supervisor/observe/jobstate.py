@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from supervisor.observe import rates
 from supervisor.observe.forecaster import JobForecaster
 from supervisor.observe.readings import FileReading, FileSide, ObservedJob
-from supervisor.observe.sampler import TreeReading
+from supervisor.runtime.sampler import TreeReading
 
 HISTORY_MAX_POINTS = 20_000
 """Above this many progress points the older half of a job's history is thinned by two."""

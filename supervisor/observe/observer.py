@@ -38,7 +38,6 @@ from pathlib import Path
 
 from supervisor.observe import forecast, rates
 from supervisor.observe.building import JobViewBuilder
-from supervisor.observe.dirwatch import DirWatcher
 from supervisor.observe.jobstate import EndingReading, InflightReading, KeptJobState, describe_error
 from supervisor.observe.readings import (
     FileReading,
@@ -50,13 +49,14 @@ from supervisor.observe.readings import (
     output_scanner,
 )
 from supervisor.observe.remote import NO_TREE, ShimFileSide
-from supervisor.observe.sampler import Sampler, TreeReading, TreeTarget
 from supervisor.observe.threads import FilePool
 from supervisor.observe.view import (
     JobView,
     ProgressRecord,
 )
-from supervisor.runtime.launcher import attempt_dir
+from supervisor.runtime.dirwatch import DirWatcher
+from supervisor.runtime.files import attempt_dir
+from supervisor.runtime.sampler import Sampler, TreeReading, TreeTarget
 from supervisor.storage.tables import Sample, SampleRecord
 
 log = logging.getLogger(__name__)

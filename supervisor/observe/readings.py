@@ -9,17 +9,15 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Protocol
+from typing import Protocol
 
 from supervisor.observe import progress_file
-from supervisor.observe.dirwatch import DirWatcher
-from supervisor.observe.outputs import OutputScanner, ScanResult
 from supervisor.observe.view import disk_free
-from supervisor.runtime.launcher import log_path, progress_path
+from supervisor.runtime.dirwatch import DirWatcher
+from supervisor.runtime.files import log_path, progress_path
+from supervisor.runtime.outputs import OutputScanner, ScanResult
+from supervisor.runtime.sampler import TreeReading
 from supervisor.spec import JobSpec
-
-if TYPE_CHECKING:
-    from supervisor.observe.remote import ShimReading
 
 
 # built per job per tick, not changed once shown: not frozen (4x the cost to build: #15)
@@ -47,6 +45,24 @@ class ObservedJob:
     running_since: float | None = None
     """When it left that queue and began running on its node (`Backend.running_since`);
     None while queued, and for a job that never waited in one."""
+
+
+@dataclass(frozen=True)
+class ShimReading:
+    """One line of a shim's `observed.jsonl`, on the daemon's clock."""
+
+    t: float
+    seq: int
+    node: str
+    interval_s: float
+    tree: TreeReading
+    files: int | None
+    bytes_written: int | None
+    free_bytes: int | None
+    device: int | None
+    """The output filesystem's key for the disk runway (`device_key`)."""
+    final: bool
+    error: str | None
 
 
 class Scanner(Protocol):

@@ -1,5 +1,5 @@
 """A remote job's readings, from the lines its shim appends to the attempt's
-`observed.jsonl` (`runtime/publish.py`; the line is `files.Observed`): the daemon cannot
+`observed.jsonl` (`runtime/publish.py`; the line is `observed.Observed`): the daemon cannot
 read a compute node's /proc, NVML or (cheaply) its output files, so the observer turns
 these lines into the `TreeReading` and `FileReading` it would have taken itself, and
 samples, progress, forecasts and alerts follow unchanged.
@@ -27,15 +27,20 @@ import socket
 import time
 import zlib
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 from pathlib import Path
 
 from supervisor.formatting import iso
-from supervisor.observe.gpu import GpuDevice
-from supervisor.observe.readings import FileReading, FileSide, ObservedJob, ScannerFactory
-from supervisor.observe.sampler import TreeGpuMemory, TreeReading
-from supervisor.runtime import files
+from supervisor.observe.readings import (
+    FileReading,
+    FileSide,
+    ObservedJob,
+    ScannerFactory,
+    ShimReading,
+)
+from supervisor.runtime import files, observed
 from supervisor.runtime.fileio import open_regular, read_at
+from supervisor.runtime.gpu import GpuDevice
+from supervisor.runtime.sampler import TreeGpuMemory, TreeReading
 from supervisor.storage.tables import SampleRecord
 
 log = logging.getLogger(__name__)
@@ -55,24 +60,6 @@ NO_TREE = TreeReading(t=0.0, status=None, num_procs=0, num_threads=0, cpu_time_s
 """A remote job's process figures before its shim's first reading."""
 
 
-@dataclass(frozen=True)
-class ShimReading:
-    """One line of a shim's `observed.jsonl`, on the daemon's clock."""
-
-    t: float
-    seq: int
-    node: str
-    interval_s: float
-    tree: TreeReading
-    files: int | None
-    bytes_written: int | None
-    free_bytes: int | None
-    device: int | None
-    """The output filesystem's key for the disk runway (`device_key`)."""
-    final: bool
-    error: str | None
-
-
 def device_key(node: str, device: int | None) -> int | None:
     """The filesystem a node reports, as the observer groups jobs by for the disk runway:
     its device number on this machine, else a negative number derived from (node, device)
@@ -83,7 +70,7 @@ def device_key(node: str, device: int | None) -> int | None:
     return -1 - zlib.crc32(f"{node}:{device}".encode())
 
 
-def _tree(line: files.Observed, t: float, cpu_percent: float) -> TreeReading:
+def _tree(line: observed.Observed, t: float, cpu_percent: float) -> TreeReading:
     devices = None if line["gpu_devices"] is None else tuple(
         TreeGpuMemory(GpuDevice(index=d["index"], name=d["name"], uuid=d["uuid"],
                                 used_bytes=d["used_bytes"], total_bytes=d["total_bytes"]),
@@ -147,7 +134,7 @@ class ShimFeed:
         offset_s = time.time() - self.clock()
         new: list[ShimReading] = []
         for raw in self._new_lines():
-            line = files.parse_observed(raw)
+            line = observed.parse_observed(raw)
             if line is None or line["seq"] <= self.last_seq:
                 continue
             self.last_seq = line["seq"]

@@ -81,7 +81,7 @@ def read_at(fd: int, offset: int, length: int) -> bytes:
 def temp_path(target: Path) -> Path:
     """Where a whole new `target` is written before it takes the name: beside it (the
     rename stays on one filesystem), hidden and ending `.tmp` (never an output item,
-    `observe.outputs.TEMP_SUFFIXES`), with the writer's pid (two processes never share
+    `outputs.TEMP_SUFFIXES`), with the writer's pid (two processes never share
     one). The workers' `workers.common.replace_file` follows the same rule."""
     return target.with_name(f".{target.name}.{os.getpid()}.tmp")
 

@@ -1,7 +1,7 @@
 """The shim <-> daemon contract: the files of one attempt directory,
 `DATA_DIR/jobs/ID/attempt-N/`, their names, their JSON fields, and the one reader of each.
 
-The daemon (`launcher.py`, `daemon/rebuild.py`) and the per-job shim (`shim.py`) both
+The daemon (`backends/`, `daemon/rebuild.py`) and the per-job shim (`shim.py`) both
 import this module, so a file or a field is named in one place; the TypedDicts let mypy
 check every writer's keys. Stdlib only: the shim imports it.
 
@@ -29,6 +29,7 @@ None for a missing, unreadable or malformed file.
 
 from __future__ import annotations
 
+import functools
 import os
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -36,10 +37,7 @@ from pathlib import Path
 from typing import Any, Literal, NotRequired, TypedDict
 
 from supervisor.runtime.fileio import read_json
-from supervisor.runtime.observed import Observed as Observed
-from supervisor.runtime.observed import ObservedGpu as ObservedGpu
-from supervisor.runtime.observed import as_float, as_int, as_str
-from supervisor.runtime.observed import parse_observed as parse_observed
+from supervisor.runtime.observed import float_or_none, int_or_none, str_or_none
 from supervisor.runtime.procfs import is_same_process
 
 LAUNCH = "launch.json"
@@ -60,6 +58,29 @@ OBSERVED_MAX_BYTES = 1 << 20
 rotated file, what a daemon away that long finds when it comes back."""
 OBSERVED_MIN_BYTES = 4096
 """The least `Observe.max_bytes` taken: a reading is a few hundred bytes."""
+
+PATHS_CACHED = 4096
+"""Paths kept built (immutable `Path`s): the tick asks for each running job's several
+times, and joining a `Path` costs ~3 us of Python each time (#15)."""
+
+
+@functools.lru_cache(maxsize=PATHS_CACHED)
+def attempt_dir(jobs_dir: Path, job_id: str, number: int) -> Path:
+    """`DATA_DIR/jobs/ID/attempt-N/`: the files of attempt `number` of the job."""
+    return jobs_dir / job_id / f"attempt-{number}"
+
+
+@functools.lru_cache(maxsize=PATHS_CACHED)
+def log_path(jobs_dir: Path, job_id: str, number: int) -> Path:
+    """stdout+stderr of one attempt."""
+    return attempt_dir(jobs_dir, job_id, number) / OUTPUT_LOG
+
+
+@functools.lru_cache(maxsize=PATHS_CACHED)
+def progress_path(jobs_dir: Path, job_id: str) -> Path:
+    """The file a cooperating worker replaces with its progress JSON (JOBSUP_PROGRESS_FILE)."""
+    return jobs_dir / job_id / "progress.json"
+
 
 Claimant = Literal["shim", "daemon"]
 
@@ -185,12 +206,12 @@ class ExitStatus:
 def _observe(value: Any) -> Observe | None:
     if not isinstance(value, dict):
         return None
-    interval = as_float(value.get("interval_s"))
-    max_bytes = as_int(value.get("max_bytes"))
+    interval = float_or_none(value.get("interval_s"))
+    max_bytes = int_or_none(value.get("max_bytes"))
     return Observe(
         interval_s=interval if interval is not None and interval > 0 else 2.0,
-        output_dir=as_str(value.get("output_dir")) or None,
-        pattern=as_str(value.get("pattern")) or "**/*", gpu=value.get("gpu") is not False,
+        output_dir=str_or_none(value.get("output_dir")) or None,
+        pattern=str_or_none(value.get("pattern")) or "**/*", gpu=value.get("gpu") is not False,
         max_bytes=max(max_bytes or OBSERVED_MAX_BYTES, OBSERVED_MIN_BYTES))
 
 
@@ -204,12 +225,12 @@ def read_launch(adir: str | os.PathLike[str]) -> Launch | None:
     argv, env = data.get("argv"), data.get("env")
     if not isinstance(argv, list) or not argv or not all(isinstance(a, str) for a in argv):
         return None
-    grace = as_float(data.get("stop_grace_s"))
+    grace = float_or_none(data.get("stop_grace_s"))
     launch = Launch(
-        job_id=as_str(data.get("job_id")) or "", attempt=as_int(data.get("attempt")) or 0,
-        argv=argv, cwd=as_str(data.get("cwd")) or "/",
+        job_id=str_or_none(data.get("job_id")) or "", attempt=int_or_none(data.get("attempt")) or 0,
+        argv=argv, cwd=str_or_none(data.get("cwd")) or "/",
         env={str(k): str(v) for k, v in env.items()} if isinstance(env, dict) else {},
-        log_path=as_str(data.get("log_path")) or str(Path(adir) / OUTPUT_LOG),
+        log_path=str_or_none(data.get("log_path")) or str(Path(adir) / OUTPUT_LOG),
         stop_grace_s=grace if grace is not None and grace > 0 else 10.0,
     )
     inherit = data.get("inherit_env")
@@ -226,27 +247,28 @@ def read_claim(adir: str | os.PathLike[str]) -> Claim | None:
     data = read_json(Path(adir) / CLAIM)
     if not isinstance(data, dict) or data.get("by") not in ("shim", "daemon"):
         return None
-    return Claim(by=data["by"], pid=as_int(data.get("pid")),
-                 create_time=as_float(data.get("create_time")),
-                 start_ticks=as_int(data.get("start_ticks")))
+    return Claim(by=data["by"], pid=int_or_none(data.get("pid")),
+                 create_time=float_or_none(data.get("create_time")),
+                 start_ticks=int_or_none(data.get("start_ticks")))
 
 
 def read_shim(adir: str | os.PathLike[str]) -> Identity | None:
     """The attempt's `shim.json`, None before the shim wrote it."""
     data = read_json(Path(adir) / SHIM)
-    if not isinstance(data, dict) or as_int(data.get("pid")) is None:
+    if not isinstance(data, dict) or int_or_none(data.get("pid")) is None:
         return None
-    return Identity(pid=data["pid"], create_time=as_float(data.get("create_time")),
-                    start_ticks=as_int(data.get("start_ticks")))
+    return Identity(pid=data["pid"], create_time=float_or_none(data.get("create_time")),
+                    start_ticks=int_or_none(data.get("start_ticks")))
 
 
 def read_worker(adir: str | os.PathLike[str]) -> WorkerInfo | None:
     """The attempt's `worker.json`, None before the shim started a worker."""
     data = read_json(Path(adir) / WORKER)
-    if not isinstance(data, dict) or as_int(data.get("pid")) is None:
+    if not isinstance(data, dict) or int_or_none(data.get("pid")) is None:
         return None
-    return WorkerInfo(data["pid"], as_float(data.get("create_time")),
-                      as_float(data.get("started_at")) or 0.0, as_int(data.get("start_ticks")))
+    return WorkerInfo(data["pid"], float_or_none(data.get("create_time")),
+                      float_or_none(data.get("started_at")) or 0.0,
+                      int_or_none(data.get("start_ticks")))
 
 
 def live_processes(jobs_dir: str | os.PathLike[str]) -> Iterator[tuple[str, int]]:
@@ -269,13 +291,14 @@ def read_exit(adir: str | os.PathLike[str]) -> ExitStatus | None:
     data = read_json(Path(adir) / STATUS)
     if not isinstance(data, dict):
         return None
-    ended_at = as_float(data.get("ended_at"))
+    ended_at = float_or_none(data.get("ended_at"))
     if ended_at is None:
         return None
     return ExitStatus(
-        exit_code=as_int(data.get("exit_code")), signal=as_int(data.get("signal")),
+        exit_code=int_or_none(data.get("exit_code")), signal=int_or_none(data.get("signal")),
         ended_at=ended_at, stop_requested=bool(data.get("stop_requested")),
         killed_after_grace=bool(data.get("killed_after_grace")),
-        max_rss_bytes=as_int(data.get("max_rss_bytes")) or 0,
-        spawn_error=as_str(data.get("spawn_error")), oom_kills=as_int(data.get("oom_kills")),
+        max_rss_bytes=int_or_none(data.get("max_rss_bytes")) or 0,
+        spawn_error=str_or_none(data.get("spawn_error")),
+        oom_kills=int_or_none(data.get("oom_kills")),
     )

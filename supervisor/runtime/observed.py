@@ -1,9 +1,8 @@
 """One line of `observed.jsonl` (`Observed`, `parse_observed`): a reading of the job as
 its shim saw it, written by `runtime/publish.py` and read by `observe/remote.py`; and the
-checks of job-written values (`as_int`, `as_float`, `as_str`, and
-here `_count`, `_size`, `_finite`) that every reader of an attempt's files (`files.py`)
-applies: they trust no type. The names are importable from `files.py` too. Stdlib only:
-the shim imports it.
+checks of job-written values (`int_or_none`, `float_or_none`, `str_or_none`, and for
+this file's figures `_count`, `_size`, `_finite`) that every reader of an attempt's files
+(`files.py`) applies: they trust no type. Stdlib only: the shim imports it.
 """
 
 from __future__ import annotations
@@ -64,19 +63,16 @@ class Observed(TypedDict):
     error: str | None
     """What part of the reading failed (its figures are then zero or None)."""
 
-def as_int(value: Any) -> int | None:
-    """A job-written value if it is an integer (not a bool), else None."""
+def int_or_none(value: Any) -> int | None:
     return value if isinstance(value, int) and not isinstance(value, bool) else None
 
 
-def as_float(value: Any) -> float | None:
-    """A job-written number (not a bool) as a float, else None."""
+def float_or_none(value: Any) -> float | None:
     return (float(value) if isinstance(value, int | float) and not isinstance(value, bool)
             else None)
 
 
-def as_str(value: Any) -> str | None:
-    """A job-written value if it is a string, else None."""
+def str_or_none(value: Any) -> str | None:
     return value if isinstance(value, str) else None
 
 def parse_observed(line: bytes) -> Observed | None:
@@ -91,19 +87,19 @@ def parse_observed(line: bytes) -> Observed | None:
         return None
     if not isinstance(data, dict):
         return None
-    seq, t, node = _size(data.get("seq")), _finite(data.get("t")), as_str(data.get("node"))
+    seq, t, node = _size(data.get("seq")), _finite(data.get("t")), str_or_none(data.get("node"))
     if seq is None or t is None or node is None:
         return None
     devices = data.get("gpu_devices")
     gpus = None if not isinstance(devices, list) else [
-        ObservedGpu(index=_count(d.get("index")) or 0, name=as_str(d.get("name")),
-                    uuid=as_str(d.get("uuid")), memory_bytes=_size(d.get("memory_bytes")) or 0,
+        ObservedGpu(index=_count(d.get("index")) or 0, name=str_or_none(d.get("name")),
+                    uuid=str_or_none(d.get("uuid")), memory_bytes=_size(d.get("memory_bytes")) or 0,
                     used_bytes=_size(d.get("used_bytes")) or 0,
                     total_bytes=_size(d.get("total_bytes")) or 0)
         for d in devices if isinstance(d, dict)]
     return Observed(
         seq=seq, t=t, node=node[:255], interval_s=_finite(data.get("interval_s")) or 2.0,
-        status=(as_str(data.get("status")) or "")[:32] or None,
+        status=(str_or_none(data.get("status")) or "")[:32] or None,
         num_procs=_count(data.get("num_procs")) or 0,
         num_threads=_count(data.get("num_threads")) or 0,
         cpu_time_s=_finite(data.get("cpu_time_s")) or 0.0,
@@ -116,23 +112,23 @@ def parse_observed(line: bytes) -> Observed | None:
         disk_free_bytes=_size(data.get("disk_free_bytes")),
         disk_total_bytes=_size(data.get("disk_total_bytes")),
         disk_device=_size(data.get("disk_device")), final=data.get("final") is True,
-        error=(as_str(data.get("error")) or "")[:300] or None)
+        error=(str_or_none(data.get("error")) or "")[:300] or None)
 
 
 def _count(value: Any) -> int | None:
     """A count the job's node wrote: an int in [0, 2**31), else None (a database int4)."""
-    whole = as_int(value)
+    whole = int_or_none(value)
     return whole if whole is not None and 0 <= whole < 2**31 else None
 
 
 def _size(value: Any) -> int | None:
     """A byte figure or id the job's node wrote: an int in [0, 2**63), else None."""
-    whole = as_int(value)
+    whole = int_or_none(value)
     return whole if whole is not None and 0 <= whole < 2**63 else None
 
 
 def _finite(value: Any) -> float | None:
     """A time or duration the job's node wrote: a finite number >= 0, else None (NaN
     would be NULL in a NOT NULL column and fail the tick's whole insert)."""
-    number = as_float(value)
+    number = float_or_none(value)
     return number if number is not None and math.isfinite(number) and number >= 0 else None

@@ -1,5 +1,5 @@
 """The shim's readings of its own job, published for a daemon that cannot take them: a
-thread in the shim appends one `files.Observed` line to the attempt's `observed.jsonl`
+thread in the shim appends one `observed.Observed` line to the attempt's `observed.jsonl`
 every `Observe.interval_s` while the worker runs (`launch.json`'s `observe` asks for it).
 
 Why the attempt directory and not HTTP to the daemon: the directory already carries the
@@ -14,8 +14,8 @@ flushes). The file is bounded: at `Observe.max_bytes` it is renamed to
 `observed.jsonl.1` (the one before is dropped) and a new one is started.
 
 Stdlib only at import time, like the rest of the shim. The readings reuse the daemon's
-stdlib-only readers, imported when the first reading is taken: `observe.sampler` (one
-/proc pass), `observe.outputs` (the incremental output scan) and `observe.gpu` (NVML,
+stdlib-only readers, imported when the first reading is taken: `runtime.sampler` (one
+/proc pass), `runtime.outputs` (the incremental output scan) and `runtime.gpu` (NVML,
 which imports `pynvml` only then and reads None where it is absent or fails).
 `tests/test_layout.py` holds them to the standard library.
 """
@@ -32,13 +32,13 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, cast
 
-from supervisor.runtime import files
+from supervisor.runtime import files, observed
 from supervisor.runtime.fileio import PRIVATE_MODE
 
 if TYPE_CHECKING:
-    from supervisor.observe.gpu import GpuReader
-    from supervisor.observe.outputs import OutputScanner
-    from supervisor.observe.sampler import ProcessScan
+    from supervisor.runtime.gpu import GpuReader
+    from supervisor.runtime.outputs import OutputScanner
+    from supervisor.runtime.sampler import ProcessScan
 
 FINAL_READING_WAIT_S = 5.0
 """How long the shim waits, once the worker ended, for the last reading (the final output
@@ -100,7 +100,7 @@ class Publisher:
         except Exception as exc:  # noqa: BLE001 - a bug here must not end the readings
             self._warn(f"a reading failed: {exc!r}")  # once while it repeats
 
-    def publish(self, *, final: bool) -> files.Observed:
+    def publish(self, *, final: bool) -> observed.Observed:
         """Take one reading and append it; returns it."""
         self.seq += 1
         reading = self.reading(final=final)
@@ -126,7 +126,7 @@ class Publisher:
         except OSError as exc:  # a full disk: this reading is lost, the job goes on
             self._warn(f"cannot write {self.path.name} ({exc})")
 
-    def reading(self, *, final: bool) -> files.Observed:
+    def reading(self, *, final: bool) -> observed.Observed:
         errors: list[str] = []
         tree = self._tree(errors)
         scan = self._scan(final, errors)
@@ -148,13 +148,13 @@ class Publisher:
             seq=self.seq, t=time.time(), node=self.node, interval_s=self.observe["interval_s"],
             **tree, **scan, disk_free_bytes=free_bytes, disk_total_bytes=total_bytes,
             disk_device=device, final=final, error="; ".join(errors)[:300] or None)
-        return cast(files.Observed, reading)
+        return cast(observed.Observed, reading)
 
     def _tree(self, errors: list[str]) -> dict[str, Any]:
         """The shim's descendants in one /proc pass (the daemon's `ProcessScan`: the node's
         other processes are read once, not every interval)."""
-        from supervisor.observe.sampler import STATUS_NAMES, ProcessScan
         from supervisor.runtime.procfs import CLOCK_TICKS, PAGE_SIZE
+        from supervisor.runtime.sampler import STATUS_NAMES, ProcessScan
 
         tree: dict[str, Any] = dict(status=None, num_procs=0, num_threads=0, cpu_time_s=0.0,
                                     rss_bytes=0, read_bytes=0, write_bytes=0,
@@ -197,7 +197,7 @@ class Publisher:
         return times.children_user + times.children_system
 
     def _gpu_memory(self, pids: set[int]) -> dict[str, Any]:
-        from supervisor.observe.gpu import GpuReader
+        from supervisor.runtime.gpu import GpuReader
 
         if self._gpu is None:
             self._gpu = GpuReader()
@@ -208,7 +208,7 @@ class Publisher:
         for pid in pids:
             for index, memory in self._gpu.device_memory_by_pid.get(pid, {}).items():
                 by_index[index] = by_index.get(index, 0) + memory
-        devices = [files.ObservedGpu(
+        devices = [observed.ObservedGpu(
             index=index, name=self._gpu.devices[index].name, uuid=self._gpu.devices[index].uuid,
             memory_bytes=memory, used_bytes=self._gpu.devices[index].used_bytes,
             total_bytes=self._gpu.devices[index].total_bytes)
@@ -222,7 +222,7 @@ class Publisher:
             return {"files": None, "bytes_written": None, "waiting": 0}
         try:
             if self._scanner is None:
-                from supervisor.observe.outputs import OutputScanner
+                from supervisor.runtime.outputs import OutputScanner
 
                 self._scanner = OutputScanner(output_dir, self.observe["pattern"])
             # file mtimes are the file server's wall clock: the scan compares with that

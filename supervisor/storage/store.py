@@ -19,6 +19,7 @@ from sqlalchemy.orm import Session
 from sqlalchemy.sql.compiler import SQLCompiler
 from sqlalchemy.sql.functions import FunctionElement
 
+from supervisor.backends.base import Attempt
 from supervisor.errors import (
     AmbiguousJob,
     Conflict,
@@ -28,7 +29,6 @@ from supervisor.errors import (
 )
 from supervisor.runtime.fileio import atomic_write_json
 from supervisor.runtime.files import WorkerInfo
-from supervisor.runtime.launcher import Attempt
 from supervisor.spec import ENDED_STATES, AlertState, ExitReason, JobSpec, JobState, stored_spec
 from supervisor.storage.database import UNCOMMITTED_JOB_RECORDS
 from supervisor.storage.tables import Alert, Job, JobEvent, Sample, SampleRecord

@@ -1,8 +1,7 @@
 """The local backend: shims started as children of the daemon on this machine
 (`LocalBackend`), stopped with SIGTERM -> grace -> SIGKILL and re-adopted after a daemon
 restart, and the `ExitWatcher` thread whose pidfds wake the engine when one exits. The
-abstract `Backend` it implements, the attempt's paths and `launch.json` are
-`launcher.py`'s.
+`Backend` it implements is `base.py`'s; the attempt's `launch.json`, `launch.py`'s.
 """
 
 from __future__ import annotations
@@ -17,22 +16,18 @@ import sys
 import threading
 from collections.abc import Callable
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-from supervisor.runtime import files
-from supervisor.runtime.fileio import create_json_exclusive
-from supervisor.runtime.files import ExitStatus, WorkerInfo
-from supervisor.runtime.launcher import (
-    Attempt,
-    Backend,
-    LaunchFate,
-    ShimState,
-    attempt_dir,
+from supervisor.backends.base import Attempt, Backend, LaunchFate, ShimState
+from supervisor.backends.launch import (
     observe_request,
     package_root_on_path,
     scrubbed_env,
-    worker_group_alive,
     write_launch,
 )
+from supervisor.runtime import files
+from supervisor.runtime.fileio import create_json_exclusive
+from supervisor.runtime.files import ExitStatus, WorkerInfo
 from supervisor.runtime.procfs import (
     StatReader,
     all_stats,
@@ -44,7 +39,26 @@ from supervisor.runtime.procfs import (
 )
 from supervisor.spec import JobSpec
 
+if TYPE_CHECKING:
+    from supervisor.config import Settings
+
 log = logging.getLogger(__name__)
+
+
+def worker_group_alive(worker: WorkerInfo) -> bool:
+    """True while the worker's process group holds a live process of this job: the worker
+    itself or, once it has ended with no shim left to clean up, what it left in its group.
+
+    The group's id is the worker's pid, and the kernel keeps a pid number reserved while
+    any process still has it as its group id. So the group is still the worker's unless
+    another process now holds that pid (then the group, if any, is that stranger's)."""
+    if is_same_process(worker.pid, worker.create_time, worker.start_ticks):
+        return True
+    holder = read_stat(worker.pid)  # our worker as a zombie, or a stranger
+    if holder is not None and not is_started_at(holder, worker.start_ticks, worker.create_time):
+        return False
+    return any(stat.pgid == worker.pid and stat.state not in ("Z", "X")
+               for stat in all_stats())
 
 
 class LocalBackend(Backend):
@@ -58,6 +72,12 @@ class LocalBackend(Backend):
         self.publish_interval_s = publish_interval_s
         self._children: dict[int, subprocess.Popen[bytes]] = {}
         self._watcher = ExitWatcher(on_exit)
+
+    @classmethod
+    def from_settings(cls, settings: Settings, *, on_exit: Callable[[], None]) -> LocalBackend:
+        """Its shims publish their readings only under `JOBSUP_OBSERVE=shim`."""
+        return cls(settings.jobs_dir, on_exit, publish_interval_s=(
+            settings.sample_interval if settings.observe == "shim" else None))
 
     def start(self, job_id: str, number: int, spec: JobSpec, *, cwd: str,
               stop_grace_s: float) -> Attempt:
@@ -90,7 +110,7 @@ class LocalBackend(Backend):
                 shim_create_time: float | None, shim_start_ticks: int | None) -> Attempt:
         """The attempt of a stored job; the shim's identity from its own `shim.json` when
         the daemon died before recording it."""
-        adir = attempt_dir(self.jobs_dir, job_id, number)
+        adir = files.attempt_dir(self.jobs_dir, job_id, number)
         if shim_pid is None:
             shim = files.read_shim(adir)
             if shim is not None:
@@ -124,9 +144,6 @@ class LocalBackend(Backend):
 
     def worker_running(self, worker: WorkerInfo) -> bool:
         return is_same_process(worker.pid, worker.create_time, worker.start_ticks)
-
-    def read_worker(self, attempt: Attempt) -> WorkerInfo | None:
-        return files.read_worker(attempt.dir)
 
     def read_exit(self, attempt: Attempt) -> ExitStatus | None:
         return files.read_exit(attempt.dir)

@@ -2,7 +2,7 @@
 directory, with `*`, `?`, `[...]` classes and `**` for any depth, matched without regexes
 in time polynomial in the lengths (a pattern with many `*` against a long name cannot
 freeze the daemon), and checked when a job is submitted (`check_pattern`: an invalid one
-is refused naming the field). Used by the output scanner (observe/outputs.py)."""
+is refused naming the field). Used by the output scanner (runtime/outputs.py)."""
 
 from __future__ import annotations
 

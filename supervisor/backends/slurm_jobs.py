@@ -8,8 +8,8 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
+from supervisor.backends.base import SchedulerEnd
 from supervisor.runtime import files, rank
-from supervisor.runtime.launcher import SchedulerEnd
 from supervisor.spec import ExitReason, JobSpec
 
 BATCH_SCRIPT = "slurm-batch.sh"

@@ -14,9 +14,10 @@ import subprocess
 import time
 from pathlib import Path
 
+from supervisor.backends.base import Attempt
+from supervisor.backends.launch import scrubbed_env
+from supervisor.backends.slurm_jobs import SlurmJob, job_name, parse_exit_code
 from supervisor.runtime.fileio import read_json
-from supervisor.runtime.launcher import Attempt, scrubbed_env
-from supervisor.runtime.slurm_jobs import SlurmJob, job_name, parse_exit_code
 
 log = logging.getLogger(__name__)
 

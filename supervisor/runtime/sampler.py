@@ -15,7 +15,7 @@ import weakref
 from collections.abc import Collection, Iterable, Sequence
 from dataclasses import dataclass, field
 
-from supervisor.observe.gpu import GpuDevice, GpuReader
+from supervisor.runtime.gpu import GpuDevice, GpuReader
 from supervisor.runtime.procfs import (
     CLOCK_TICKS,
     PAGE_SIZE,

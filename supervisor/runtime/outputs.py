@@ -68,8 +68,8 @@ import os
 import stat
 from collections.abc import Iterable
 
-from supervisor.observe.dirwatch import Changes, DirWatcher, still_open
-from supervisor.observe.outputs_state import (
+from supervisor.runtime.dirwatch import Changes, DirWatcher, still_open
+from supervisor.runtime.outputs_state import (
     TEMP_SUFFIXES,
     DirState,
     FileState,
@@ -77,7 +77,7 @@ from supervisor.observe.outputs_state import (
     ScanResult,
     is_temp_name,
 )
-from supervisor.observe.patterns import DEFAULT_PATTERN, GlobMatcher
+from supervisor.runtime.patterns import DEFAULT_PATTERN, GlobMatcher
 
 __all__ = ["TEMP_SUFFIXES", "OutputScanner", "ScanResult", "is_temp_name"]
 

@@ -1,6 +1,6 @@
 """Backend `slurm`: the shim runs inside a SLURM allocation (docs/scale-out.md).
 
-Start: `launch.json` is written as for a local job (`launcher.write_launch`), then
+Start: `launch.json` is written as for a local job (`launch.write_launch`), then
 `sbatch --parsable` submits a batch script that execs the shim on the allocation's
 first node. The shim writes its files into the attempt directory, which must be on a
 filesystem the daemon and the nodes share, so the exit code, the log and the claim
@@ -32,28 +32,24 @@ from __future__ import annotations
 import logging
 import os
 import shlex
+import shutil
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-from supervisor.runtime import files
-from supervisor.runtime.fileio import atomic_write_json, create_json_exclusive
-from supervisor.runtime.files import ExitStatus, WorkerInfo
-from supervisor.runtime.launcher import (
+from supervisor.backends.base import (
     Attempt,
     Backend,
     LaunchDeferred,
     LaunchFate,
     SchedulerEnd,
     ShimState,
-    attempt_dir,
-    observe_request,
-    package_root_on_path,
-    write_launch,
 )
-from supervisor.runtime.procfs import StatReader
-from supervisor.runtime.slurm_jobs import (
+from supervisor.backends.launch import observe_request, package_root_on_path, write_launch
+from supervisor.backends.slurm_jobs import (
     BATCH_SCRIPT,
     PENDING_REASONS,
     SlurmJob,
@@ -62,18 +58,16 @@ from supervisor.runtime.slurm_jobs import (
     sbatch_argv,
     worker_argv,
 )
-from supervisor.runtime.slurm_query import (
-    COMMAND_TIMEOUT_S,
-    QUERY_TTL_S,
-    SLURM_FILE,
-    UNREACHABLE_RETRY_S,
-    SlurmQueries,
-    SlurmUnreachable,
-)
+from supervisor.backends.slurm_query import SLURM_FILE, SlurmQueries, SlurmUnreachable
+from supervisor.errors import InvalidSpec
+from supervisor.runtime import files
+from supervisor.runtime.fileio import atomic_write_json, create_json_exclusive
+from supervisor.runtime.files import ExitStatus, WorkerInfo
+from supervisor.runtime.procfs import StatReader
 from supervisor.spec import JobSpec
 
-__all__ = ["COMMAND_TIMEOUT_S", "QUERY_TTL_S", "SLURM_FILE", "STOP_FILE", "TRANSIENT_ERRORS",
-           "UNREACHABLE_RETRY_S", "SlurmBackend", "SlurmUnreachable"]
+if TYPE_CHECKING:
+    from supervisor.config import Settings
 
 log = logging.getLogger(__name__)
 
@@ -110,6 +104,22 @@ class SlurmBackend(SlurmQueries, Backend):
         SLURM does not answer)."""
         self._running_since: dict[Path, float] = {}
         """Per attempt dir that left the queue, when it began running (`running_since`)."""
+
+    @classmethod
+    def from_settings(cls, settings: Settings, *, on_exit: Callable[[], None]) -> SlurmBackend:
+        """Its shims publish their readings every tick interval; an exit is found by the
+        tick's squeue (no pidfd reaches another node: `on_exit` is not called)."""
+        return cls(settings.jobs_dir, publish_interval_s=settings.sample_interval)
+
+    @classmethod
+    def check_usable(cls) -> None:
+        """sbatch must be on the daemon's PATH."""
+        if shutil.which("sbatch") is None:
+            raise InvalidSpec("backend: `slurm`, but sbatch is not on the daemon's PATH",
+                              hint="run the daemon on a machine that can submit SLURM "
+                                   "jobs (docs/scale-out.md), or submit with backend "
+                                   "`local`",
+                              field="backend")
 
     # -- Backend ----------------------------------------------------------------------
     def queued(self, attempt: Attempt) -> bool:
@@ -183,7 +193,7 @@ class SlurmBackend(SlurmQueries, Backend):
 
     def attempt(self, job_id: str, number: int, shim_pid: int | None,
                 shim_create_time: float | None, shim_start_ticks: int | None) -> Attempt:
-        return Attempt(job_id, number, attempt_dir(self.jobs_dir, job_id, number))
+        return Attempt(job_id, number, files.attempt_dir(self.jobs_dir, job_id, number))
 
     def shim_state(self, attempt: Attempt, stat_of: StatReader | None = None) -> ShimState:
         """RUNNING while SLURM lists the job as pending, running, completing or
@@ -216,9 +226,6 @@ class SlurmBackend(SlurmQueries, Backend):
             return f"running in SLURM (job {job.id}) on {job.nodes}"
         return f"SLURM job {job.id} {job.state.lower()}" + (
             f" ({job.reason})" if job.reason not in ("", "None") else "")
-
-    def read_worker(self, attempt: Attempt) -> WorkerInfo | None:
-        return files.read_worker(attempt.dir)
 
     def worker_alive(self, worker: WorkerInfo) -> bool:
         """Asked only once SLURM lists the job ended: its allocation, and every process
@@ -292,12 +299,6 @@ class SlurmBackend(SlurmQueries, Backend):
             return LaunchFate.ABANDONED
         return LaunchFate.DEAD
 
-    def resume_shim(self, attempt: Attempt) -> None:
-        """A suspended SLURM job is the scheduler's business (scontrol resume)."""
-
-    def watch(self, attempt: Attempt, worker: WorkerInfo | None) -> None:
-        """No pidfd for a process on another machine: each tick asks squeue."""
-
     def forget(self, attempt: Attempt) -> None:
         self._ids.pop(attempt.dir, None)
         self._queued.pop(attempt.dir, None)
@@ -306,6 +307,3 @@ class SlurmBackend(SlurmQueries, Backend):
     def reap(self) -> None:
         """A new tick: ask squeue afresh."""
         self._listing = None
-
-    def close(self) -> None:
-        pass
