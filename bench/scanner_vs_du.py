@@ -33,7 +33,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from machine import describe  # noqa: E402
 
 from supervisor.runtime.dirwatch import DirWatcher  # noqa: E402
-from supervisor.runtime.outputs import OutputScanner, ScanResult  # noqa: E402
+from supervisor.runtime.outputs import OutputScanner  # noqa: E402
+from supervisor.runtime.outputs_state import ScanResult  # noqa: E402
 
 MARKER = ".bench_tree.json"  # a dotfile: never an item, never counted by the scanner
 PATTERN = "rows_*/*.bin"

@@ -24,6 +24,7 @@ from sqlalchemy import func, select, text
 from supervisor.api.submission import submit_job
 from supervisor.config import Settings
 from supervisor.daemon import recovery
+from supervisor.daemon.rebuild import rebuild
 from supervisor.errors import DatabaseDamaged, DatabaseUnavailable, JobRecordUnwritable
 from supervisor.runtime.fileio import atomic_write_json
 from supervisor.runtime.procfs import create_time, is_same_process, start_ticks_of
@@ -238,7 +239,7 @@ def test_rebuild_classifies_each_job_from_its_newest_attempt(tmp_path: Path,
     (jobs_dir / "b0000002").mkdir()  # nothing to rebuild from: skipped
 
     with sessions() as session:
-        summary = recovery.rebuild(session, jobs_dir, now=3000.0,
+        summary = rebuild(session, jobs_dir, now=3000.0,
                                    settings=Settings(data_dir=tmp_path))
         session.commit()
     assert summary.rebuilt == 11 and summary.running == 3 and summary.skipped == ["b0000002"]
@@ -284,7 +285,7 @@ def test_rebuild_restarts_a_failure_with_restarts_left(tmp_path: Path, sessions:
     write_job(jobs_dir, "c0000001", spec)
     write_attempt(jobs_dir, "c0000001", 1, status=status(exit_code=1))
     with sessions() as session:
-        recovery.rebuild(session, jobs_dir, now=3000.0,
+        rebuild(session, jobs_dir, now=3000.0,
                          settings=Settings(data_dir=tmp_path))
         session.commit()
         job = session.get(Job, "c0000001")
@@ -519,7 +520,7 @@ def test_rebuild_honours_a_stop_the_engine_had_not_acted_on(tmp_path: Path,
     for job_id in ("d0000001", "d0000002"):
         atomic_write_json(jobs_dir / job_id / "stop.json", {"requested_at": 1.0})
     with sessions() as session:
-        recovery.rebuild(session, jobs_dir, now=3000.0,
+        rebuild(session, jobs_dir, now=3000.0,
                          settings=Settings(data_dir=tmp_path))
         session.commit()
         waiting, running = session.get(Job, "d0000001"), session.get(Job, "d0000002")

@@ -14,7 +14,8 @@ from pathlib import Path
 import pytest
 
 from supervisor.runtime.dirwatch import DirWatcher, local_devices
-from supervisor.runtime.outputs import OutputScanner, ScanResult
+from supervisor.runtime.outputs import OutputScanner
+from supervisor.runtime.outputs_state import ScanResult
 from tests.helpers import LATER, make_shards, write
 
 

@@ -32,7 +32,8 @@ from supervisor.observe.observer import Observer
 from supervisor.observe.readings import ObservedJob
 from supervisor.observe.threads import FilePool
 from supervisor.runtime.files import progress_path
-from supervisor.runtime.outputs import OutputScanner, ScanResult
+from supervisor.runtime.outputs import OutputScanner
+from supervisor.runtime.outputs_state import ScanResult
 from supervisor.spec import JobSpec
 from supervisor.storage import store
 from tests.helpers import REPO, Daemon, in_process_engine, job_module, python_job, wait_for

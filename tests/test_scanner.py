@@ -12,7 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from supervisor.runtime.outputs import OutputScanner, ScanResult
+from supervisor.runtime.outputs import OutputScanner
+from supervisor.runtime.outputs_state import ScanResult
 from supervisor.runtime.patterns import MAX_PATTERN_CHARS, GlobMatcher, check_pattern
 from tests.helpers import LATER, make_shards, write
 

@@ -14,8 +14,8 @@ from dataclasses import replace
 
 from supervisor.observe import forecast, rates
 from supervisor.observe.jobstate import KeptJobState, describe_error
-from supervisor.observe.readings import FileReading, ObservedJob, items_from
-from supervisor.observe.remote import ShimReading, backlog_samples
+from supervisor.observe.readings import FileReading, ObservedJob, ShimReading, items_from
+from supervisor.observe.remote import backlog_samples
 from supervisor.observe.view import GpuShare, JobView, ProgressRecord, ResourceRecord
 from supervisor.runtime.sampler import TreeGpuMemory, TreeReading
 from supervisor.storage.tables import SampleRecord

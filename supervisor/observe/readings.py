@@ -15,7 +15,8 @@ from supervisor.observe import progress_file
 from supervisor.observe.view import disk_free
 from supervisor.runtime.dirwatch import DirWatcher
 from supervisor.runtime.files import log_path, progress_path
-from supervisor.runtime.outputs import OutputScanner, ScanResult
+from supervisor.runtime.outputs import OutputScanner
+from supervisor.runtime.outputs_state import ScanResult
 from supervisor.runtime.sampler import TreeReading
 from supervisor.spec import JobSpec
 

@@ -70,7 +70,6 @@ from collections.abc import Iterable
 
 from supervisor.runtime.dirwatch import Changes, DirWatcher, still_open
 from supervisor.runtime.outputs_state import (
-    TEMP_SUFFIXES,
     DirState,
     FileState,
     ScanCost,
@@ -79,7 +78,7 @@ from supervisor.runtime.outputs_state import (
 )
 from supervisor.runtime.patterns import DEFAULT_PATTERN, GlobMatcher
 
-__all__ = ["TEMP_SUFFIXES", "OutputScanner", "ScanResult", "is_temp_name"]
+__all__ = ["OutputScanner"]
 
 logger = logging.getLogger(__name__)
 
