@@ -72,6 +72,10 @@ class EngineBase:
         self._depends_on: dict[str, tuple[str, ...]] = {}
         """The `depends_on` of each pending job, kept while it is pending: read from its
         spec once, not each tick (`JobChecks._check_pending_jobs`)."""
+        self._pending_unchanged: tuple[object, ...] | None = None
+        """What the pending jobs' last pass that acted on none saw (`store.pending_summary`
+        and the running jobs' states), and when its first restart backoff ends: while
+        both hold, the next pass would act on none either, and is skipped (#30)."""
         # a tick waits for the jobs' file readings at most 1 s, less with short ticks
         self.observer = Observer(settings.jobs_dir,
                                  scan_budget_s=min(SCAN_BUDGET_S, settings.sample_interval / 2),
