@@ -7,6 +7,7 @@ loaded, not times (the machine is shared)."""
 
 from __future__ import annotations
 
+import os
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -207,3 +208,29 @@ def test_a_tick_where_no_pending_job_changed_does_not_read_them_again(
     finally:
         event.remove(bind, "before_cursor_execute", note)
     assert states(sessions) == {"stopped": 1, "failed": WAITING + 2, "running": 1}
+
+
+def test_jobs_sharing_a_directory_read_its_free_space_once_a_tick(tmp_path: Path) -> None:
+    """Jobs without an output directory are read on their cwd, which a sweep's jobs
+    share: its free space is read once per tick time for all of them (`DisksOfTick`;
+    #30: a statvfs and a stat per job per tick before), and again at the next tick."""
+    from supervisor.observe.readings import DisksOfTick, FileSide, ObservedJob, output_scanner
+
+    jobs_dir, cwd = tmp_path / "jobs", tmp_path / "work"
+    jobs_dir.mkdir()
+    cwd.mkdir()
+    disks = DisksOfTick()
+    sides = [FileSide(jobs_dir, output_scanner, disks=disks) for _ in range(2)]
+    jobs = [ObservedJob(f"j{index}", JobSpec(name=f"j{index}", command=["true"], cwd=str(cwd)),
+                        1, -1, None, None) for index in range(2)]
+    now = time.time()
+    first = sides[0].read(jobs[0], now)
+    with (cwd / "filler").open("wb") as filler:  # the disk's free space moves meanwhile
+        filler.write(b"\0" * (16 << 20))
+        filler.flush()
+        os.fsync(filler.fileno())
+    second = sides[1].read(jobs[1], now)
+    assert (second.free_bytes, second.device) == (first.free_bytes, first.device)
+    later = sides[1].read(jobs[1], now + 2)
+    assert later.free_bytes is not None and first.free_bytes is not None
+    assert later.free_bytes <= first.free_bytes - (16 << 20)

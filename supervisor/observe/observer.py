@@ -41,6 +41,7 @@ from supervisor.observe.building import JobViewBuilder
 from supervisor.observe.dirwatch import DirWatcher
 from supervisor.observe.jobstate import _describe, _Ending, _Inflight, _JobState
 from supervisor.observe.readings import (
+    DisksOfTick,
     FileReading,
     FileSide,
     LogsDisk,
@@ -111,6 +112,8 @@ class Observer(JobViewBuilder):
         self.jobs_dir = jobs_dir
         self.logs_disk = LogsDisk(jobs_dir)
         """The free space under the jobs' logs, read once a tick for all (`disk_low`)."""
+        self.disks = DisksOfTick()
+        """The free space of the jobs' output dirs and cwds, each read once a tick."""
         self.sampler = sampler or Sampler()
         self.scan_budget_s = scan_budget_s
         self.clock = clock
@@ -347,7 +350,7 @@ class Observer(JobViewBuilder):
             return ShimFileSide(self.jobs_dir, self.make_scanner,
                                 attempt_dir(self.jobs_dir, job.job_id, job.attempt),
                                 self.clock)
-        return FileSide(self.jobs_dir, self.make_scanner, self.logs_disk)
+        return FileSide(self.jobs_dir, self.make_scanner, self.logs_disk, self.disks)
 
     @staticmethod
     def _shim_tree(state: _JobState) -> TreeReading:
