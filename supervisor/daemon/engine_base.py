@@ -72,6 +72,8 @@ class EngineBase:
         self._depends_on: dict[str, tuple[str, ...]] = {}
         """The `depends_on` of each pending job, kept while it is pending: read from its
         spec once, not each tick (`JobChecks._check_pending_jobs`)."""
+        self._tick_began = time.monotonic()
+        """When the current (or last) tick began (`time.monotonic()`)."""
         self._pending_unchanged: tuple[object, ...] | None = None
         """What the pending jobs' last pass that acted on none saw (`store.pending_summary`
         and the running jobs' states), and when its first restart backoff ends: while

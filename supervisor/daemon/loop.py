@@ -206,6 +206,7 @@ class Engine(JobChecks):
             self.steps.tick_ended()
 
     def _tick(self, now: float) -> None:
+        self._tick_began = time.monotonic()
         for backend in list(self.backends.values()):
             backend.reap()
         self._shims_seen_alive = {}
