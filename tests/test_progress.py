@@ -21,6 +21,7 @@ import json
 import math
 import random
 import sys
+import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -29,6 +30,7 @@ import pytest
 from supervisor.observe.progress_file import (
     LOG_TAIL_BYTES,
     LogReader,
+    ProgressFileReader,
     Reported,
     from_log,
     from_progress_file,
@@ -363,6 +365,25 @@ def test_a_log_unchanged_since_the_last_read_is_not_opened_again(tmp_path: Path)
     replaced.replace(path)
     assert opens_of(path, lambda: reader.read(path)) == (Reported(9, 10), 1)
     assert opens_of(path, lambda: reader.read(path)) == (Reported(9, 10), 0)
+    path.unlink()
+    assert opens_of(path, lambda: reader.read(path)) == (None, 0)
+
+
+def test_a_progress_file_unchanged_since_the_last_read_is_not_opened_again(
+        tmp_path: Path) -> None:
+    """As the log: the progress file is opened only when it changed (a worker replaces
+    it: a new file), and a missing one is looked at, not opened (#30)."""
+    path = tmp_path / "progress.json"
+    reader = ProgressFileReader()
+    assert opens_of(path, lambda: reader.read(path)) == (None, 0)
+    atomic_write_json(path, {"done": 3, "total": 10, "unit": "items", "metrics": {}})
+    assert opens_of(path, lambda: reader.read(path)) == (Reported(3, 10, "items"), 1)
+    assert opens_of(path, lambda: reader.read(path)) == (Reported(3, 10, "items"), 0)
+    atomic_write_json(path, {"done": 4, "total": 10, "unit": "items", "metrics": {}})
+    assert opens_of(path, lambda: reader.read(path)) == (Reported(4, 10, "items"), 1)
+    time.sleep(0.02)  # (past the kernel's coarse file times: same size, another mtime)
+    path.write_text('{"done": 5, "total": 10, "unit": "items", "metrics": {}}')  # in place
+    assert opens_of(path, lambda: reader.read(path)) == (Reported(5, 10, "items"), 1)
     path.unlink()
     assert opens_of(path, lambda: reader.read(path)) == (None, 0)
 

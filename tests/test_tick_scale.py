@@ -7,7 +7,6 @@ loaded, not times (the machine is shared)."""
 
 from __future__ import annotations
 
-import os
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -21,7 +20,7 @@ from supervisor.daemon.checks import PENDING_BATCH
 from supervisor.spec import JobSpec, JobState
 from supervisor.storage import store
 from supervisor.storage.tables import Job
-from tests.helpers import in_process_engine, wait_for
+from tests.helpers import in_process_engine, tmpfs, wait_for
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -216,21 +215,19 @@ def test_jobs_sharing_a_directory_read_its_free_space_once_a_tick(tmp_path: Path
     #30: a statvfs and a stat per job per tick before), and again at the next tick."""
     from supervisor.observe.readings import DisksOfTick, FileSide, ObservedJob, output_scanner
 
-    jobs_dir, cwd = tmp_path / "jobs", tmp_path / "work"
+    jobs_dir = tmp_path / "jobs"
     jobs_dir.mkdir()
-    cwd.mkdir()
-    disks = DisksOfTick()
-    sides = [FileSide(jobs_dir, output_scanner, disks=disks) for _ in range(2)]
-    jobs = [ObservedJob(f"j{index}", JobSpec(name=f"j{index}", command=["true"], cwd=str(cwd)),
-                        1, -1, None, None) for index in range(2)]
-    now = time.time()
-    first = sides[0].read(jobs[0], now)
-    with (cwd / "filler").open("wb") as filler:  # the disk's free space moves meanwhile
-        filler.write(b"\0" * (16 << 20))
-        filler.flush()
-        os.fsync(filler.fileno())
-    second = sides[1].read(jobs[1], now)
-    assert (second.free_bytes, second.device) == (first.free_bytes, first.device)
-    later = sides[1].read(jobs[1], now + 2)
-    assert later.free_bytes is not None and first.free_bytes is not None
-    assert later.free_bytes <= first.free_bytes - (16 << 20)
+    with tmpfs(tmp_path / "work", "32m") as cwd:  # a disk no one else writes to
+        disks = DisksOfTick()
+        sides = [FileSide(jobs_dir, output_scanner, disks=disks) for _ in range(2)]
+        jobs = [ObservedJob(f"j{index}", JobSpec(name=f"j{index}", command=["true"],
+                                                 cwd=str(cwd)), 1, -1, None, None)
+                for index in range(2)]
+        now = time.time()
+        first = sides[0].read(jobs[0], now)
+        (cwd / "filler").write_bytes(b"\0" * (16 << 20))  # its free space moves meanwhile
+        second = sides[1].read(jobs[1], now)
+        assert (second.free_bytes, second.device) == (first.free_bytes, first.device)
+        later = sides[1].read(jobs[1], now + 2)
+        assert later.free_bytes is not None and first.free_bytes is not None
+        assert later.free_bytes == first.free_bytes - (16 << 20)

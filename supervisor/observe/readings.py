@@ -152,6 +152,7 @@ class FileSide:
         self.make_scanner = make_scanner
         self.scanner: Scanner | None = None
         self.log = progress_file.LogReader()  # the log's progress, read as it grows
+        self.progress_file = progress_file.ProgressFileReader()
 
     def read(self, job: ObservedJob, now: float, *, final: bool = False) -> FileReading:
         """`final`: the job has ended; every output file still settling is statted."""
@@ -188,7 +189,7 @@ class FileSide:
 
     def progress(self, job: ObservedJob) -> tuple[progress_file.Reported | None, str | None]:
         """(what the job reports, "progress_file" or "log"), (None, None) if nothing."""
-        reported = progress_file.from_progress_file(progress_path(self.jobs_dir, job.job_id))
+        reported = self.progress_file.read(progress_path(self.jobs_dir, job.job_id))
         if reported is not None:
             return reported, "progress_file"
         reported = self.log.read(log_path(self.jobs_dir, job.job_id, job.attempt))
