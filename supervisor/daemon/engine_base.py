@@ -76,8 +76,9 @@ class EngineBase:
         """When the current (or last) tick began (`time.monotonic()`)."""
         self._pending_unchanged: tuple[object, ...] | None = None
         """What the pending jobs' last pass that acted on none saw (`store.pending_summary`
-        and the running jobs' states), and when its first restart backoff ends: while
-        both hold, the next pass would act on none either, and is skipped (#30)."""
+        and the running jobs' states): while a tick sees the same and no restart is due
+        (the summary's `first_start_at`), its pass would act on none either, and is
+        skipped (#30)."""
         # a tick waits for the jobs' file readings at most 1 s, less with short ticks
         self.observer = Observer(settings.jobs_dir,
                                  scan_budget_s=min(SCAN_BUDGET_S, settings.sample_interval / 2),
