@@ -158,27 +158,35 @@ WAITING_SCRIPT = r"""
 import sys, time
 from pathlib import Path
 from supervisor.config import Settings
+from supervisor.runtime.fileio import atomic_write_json
 from supervisor.spec import JobSpec
 from supervisor.storage import store
 from supervisor.storage.database import make_engine, make_sessionmaker, upgrade
 data_dir, count = Path(sys.argv[1]), int(sys.argv[2])
-engine = make_engine(Settings(data_dir=data_dir).resolved_database_url)
+settings = Settings(data_dir=data_dir)
+engine = make_engine(settings.resolved_database_url)
 upgrade(engine)
 now = time.time()
 with make_sessionmaker(engine)() as session:
     dependency = store.create_job(session, spec=JobSpec(
         name="dependency", command=["sleep", "86400"], stop_grace_s=5), now=now)
-    session.flush()
+    jobs = [dependency]
     for i in range(count):
-        store.create_job(session, spec=JobSpec(
+        jobs.append(store.create_job(session, spec=JobSpec(
             name=f"waiting-{i:05d}", command=["true"], depends_on=[dependency.id],
-            labels={"bench": "waiting", "sweep": str(i % 10)}), now=now + 1e-4 * (i + 1))
+            labels={"bench": "waiting", "sweep": str(i % 10)}), now=now + 1e-4 * (i + 1)))
+    session.flush()
+    for job in jobs:  # the directory and record a submit gives a job (not fsynced here)
+        (settings.jobs_dir / job.id).mkdir(parents=True)
+        atomic_write_json(settings.jobs_dir / job.id / store.JOB_RECORD,
+                          store.job_record(job), fsync=False)
     session.commit()
     print(dependency.id)
 """
 """Adds `--waiting` jobs, each pending behind one dependency (a `sleep` the daemon starts),
 to a new data dir's database through the store, as submits would have (a sweep queued
-behind its data step); prints the dependency's id."""
+behind its data step), each with the directory and `job.json` a submit writes (their end
+is recorded there too); prints the dependency's id."""
 
 
 class Daemon:

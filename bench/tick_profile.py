@@ -25,6 +25,7 @@ import io
 import os
 import pstats
 import signal
+import subprocess
 import sys
 import tempfile
 import threading
@@ -61,6 +62,12 @@ def main() -> None:
                         help="ticks before measuring (the jobs' first readings: walks)")
     parser.add_argument("--interval", type=float, default=2.0, help="seconds between ticks")
     parser.add_argument("--profile", action="store_true", help="also print a cProfile")
+    parser.add_argument("--sleep", action="store_true",
+                        help="the jobs are `sleep`s (a shim and a process each, no output), "
+                             "as `load.py --sleep`'s")
+    parser.add_argument("--waiting", type=int, default=0, metavar="N",
+                        help="N more jobs pending behind one running dependency, as "
+                             "`load.py --waiting`'s (#30)")
     parser.add_argument("--no-parts", action="store_true",
                         help="time no part of the tick (under a sampling profiler: py-spy)")
     parser.add_argument("--part", action="append", default=[], metavar="MODULE:CALLABLE",
@@ -111,7 +118,18 @@ def main() -> None:
     except ImportError:
         build_engine = Engine
     engine = build_engine(settings, sessions)
+    if args.waiting:  # load.py's: records and directories as submits make, faster
+        subprocess.run([sys.executable, "-c", load.WAITING_SCRIPT, str(data),
+                        str(args.waiting)], env={**os.environ, "PYTHONPATH": str(source)},
+                       check=True, capture_output=True)
     for index in range(args.jobs):
+        if args.sleep:
+            with sessions() as session:
+                submit_job(session, JobSpec(name=f"sleep-{index:04d}", stop_grace_s=5,
+                                            command=["sleep", "86400"]),
+                           default_cwd=str(data), views={}, jobs_dir=settings.jobs_dir)
+                session.commit()
+            continue
         kind = load.PROGRESS_KINDS[index % len(load.PROGRESS_KINDS)]
         out = data / "outputs" / f"job{index:03d}"
         out.mkdir(parents=True)
@@ -126,12 +144,15 @@ def main() -> None:
     try:
         heap = _settle_heap()  # as `serve` does before the daemon's first tick
         _run(engine, args.warmup, args.interval, None)
+        while _running(sessions) < args.jobs + (1 if args.waiting else 0):
+            _run(engine, args.interval, args.interval, None)  # launches take some ticks
         spent.clear()
         calls.clear()
         gc_spent = _GcTimer()
         before_process, before_others = os.times(), _other_threads_cpu()
         profile = cProfile.Profile(time.thread_time) if args.profile else None
-        tick_cpu, ticks = _run(engine, args.seconds, args.interval, profile)
+        walls: list[float] = []
+        tick_cpu, ticks = _run(engine, args.seconds, args.interval, profile, walls)
         after_process, after_others = os.times(), _other_threads_cpu()
         gc_spent.stop()
     finally:
@@ -143,6 +164,8 @@ def main() -> None:
     per_job = 1000 / ticks / max(args.jobs, 1)  # --jobs 0: per tick
     print(f"source {source}: {args.jobs} jobs, {ticks} ticks {args.interval:g} s apart; "
           f"heap as the daemon's: {heap}")
+    print(f"tick wall: mean {1000 * sum(walls) / len(walls):.0f} ms, "
+          f"max {1000 * max(walls):.0f} ms")
     print(f"| what | ms per {'job per ' if args.jobs else ''}tick | calls per tick |")
     print("| --- | ---: | ---: |")
     print(f"| process | {process * per_job:.3f} | |")
@@ -224,21 +247,33 @@ def _time_part(module_name: str, path: str, spent: collections.Counter[str],
 
 
 def _run(engine: Any, seconds: float, interval: float,
-         profile: cProfile.Profile | None) -> tuple[float, int]:
-    """Tick every `interval` for `seconds`: (the ticks' thread CPU seconds, ticks)."""
+         profile: cProfile.Profile | None,
+         walls: list[float] | None = None) -> tuple[float, int]:
+    """Tick every `interval` for `seconds`: (the ticks' thread CPU seconds, ticks); each
+    tick's wall seconds appended to `walls`."""
     end = time.monotonic() + seconds
     cpu, ticks = 0.0, 0
     while time.monotonic() < end:
-        started = time.thread_time()
+        started, began = time.thread_time(), time.monotonic()
         if profile is not None:
             profile.enable()
         engine.tick()
         if profile is not None:
             profile.disable()
         cpu += time.thread_time() - started
+        if walls is not None:
+            walls.append(time.monotonic() - began)
         ticks += 1
         time.sleep(interval)
     return cpu, ticks
+
+
+def _running(sessions: Any) -> int:
+    """How many jobs run (all of them launched: the measured ticks launch none)."""
+    from supervisor.spec import JobState
+    from supervisor.storage import store
+    with sessions() as session:
+        return store.count_by_state(session).get(JobState.RUNNING.value, 0)
 
 
 def _other_threads_cpu() -> float:

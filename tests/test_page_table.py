@@ -155,3 +155,15 @@ def test_the_table_pages_through_many_jobs(daemon: Daemon, tab: Tab) -> None:
     page.click("#page-newer")
     page.wait_for_function("() => document.querySelectorAll('#jobs tbody tr').length === 100")
     assert tab.errors == []
+
+
+def test_a_pipeline_submitted_after_a_view_is_listed_at_the_next(daemon: Daemon) -> None:
+    """The pipelines' names are kept between views of `/` while no job is added (#30: a
+    search of every stored spec each view); a job that is added shows its pipeline."""
+    blocker = daemon.submit(["sleep", "60"], name="blocker")["id"]
+    first = daemon.http.get("/")
+    assert first.status_code == 200 and "/pipelines/" not in first.text
+    daemon.submit(["true"], name="sweep-generate", depends_on=[blocker],
+                  labels={"pipeline": "eagle3", "pipeline_name": "sweep", "step": "generate"})
+    for route in ("/", "/fragments/jobs"):
+        assert 'href="/pipelines/sweep"' in daemon.http.get(route).text, route

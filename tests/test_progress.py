@@ -20,6 +20,9 @@ from __future__ import annotations
 import json
 import math
 import random
+import sys
+import time
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -27,6 +30,7 @@ import pytest
 from supervisor.observe.progress_file import (
     LOG_TAIL_BYTES,
     LogReader,
+    ProgressFileReader,
     Reported,
     from_log,
     from_progress_file,
@@ -318,6 +322,70 @@ def test_window_starting_at_a_line_start_keeps_that_line(tmp_path: Path) -> None
     data = b"head\n" + line + (b"x" * 63 + b"\n") * (body_len // 64) + b"z" * (body_len % 64)
     assert len(data) - LOG_TAIL_BYTES == len(b"head\n")
     assert from_log(write_log(tmp_path / "log", data)) == Reported(4500, 5000)
+
+
+OPENED: list[str] = []
+"""Paths `os.open`ed while a test listens (`opens_of`): Python's audit events, real."""
+_LISTENING: list[bool] = []
+
+
+def _audit(event: str, args: tuple[object, ...]) -> None:
+    if _LISTENING and event == "open" and isinstance(args[0], str | Path):
+        OPENED.append(str(args[0]))
+
+
+sys.addaudithook(_audit)  # (a hook cannot be removed: it records only while listening)
+
+
+def opens_of(path: Path, read: Callable[[], object]) -> tuple[object, int]:
+    """What `read()` answers, and how many times it opened `path`."""
+    OPENED.clear()
+    _LISTENING.append(True)
+    try:
+        answer = read()
+    finally:
+        _LISTENING.clear()
+    return answer, OPENED.count(str(path))
+
+
+def test_a_log_unchanged_since_the_last_read_is_not_opened_again(tmp_path: Path) -> None:
+    """Most jobs' logs do not change from one tick to the next: `LogReader` answers from
+    its last read after one stat (#30: an open, two fstats, a read and a close per job
+    per tick before); any change (an append, a rewrite, a replacement) is read."""
+    path = tmp_path / "output.log"
+    path.write_bytes(b"step 3/10\n")
+    reader = LogReader()
+    assert opens_of(path, lambda: reader.read(path)) == (Reported(3, 10), 1)
+    assert opens_of(path, lambda: reader.read(path)) == (Reported(3, 10), 0)
+    with path.open("ab") as handle:
+        handle.write(b"step 4/10\n")
+    assert opens_of(path, lambda: reader.read(path)) == (Reported(4, 10), 1)
+    replaced = tmp_path / "new.log"
+    replaced.write_bytes(b"step 9/10\n")  # same size, another file
+    replaced.replace(path)
+    assert opens_of(path, lambda: reader.read(path)) == (Reported(9, 10), 1)
+    assert opens_of(path, lambda: reader.read(path)) == (Reported(9, 10), 0)
+    path.unlink()
+    assert opens_of(path, lambda: reader.read(path)) == (None, 0)
+
+
+def test_a_progress_file_unchanged_since_the_last_read_is_not_opened_again(
+        tmp_path: Path) -> None:
+    """As the log: the progress file is opened only when it changed (a worker replaces
+    it: a new file), and a missing one is looked at, not opened (#30)."""
+    path = tmp_path / "progress.json"
+    reader = ProgressFileReader()
+    assert opens_of(path, lambda: reader.read(path)) == (None, 0)
+    atomic_write_json(path, {"done": 3, "total": 10, "unit": "items", "metrics": {}})
+    assert opens_of(path, lambda: reader.read(path)) == (Reported(3, 10, "items"), 1)
+    assert opens_of(path, lambda: reader.read(path)) == (Reported(3, 10, "items"), 0)
+    atomic_write_json(path, {"done": 4, "total": 10, "unit": "items", "metrics": {}})
+    assert opens_of(path, lambda: reader.read(path)) == (Reported(4, 10, "items"), 1)
+    time.sleep(0.02)  # (past the kernel's coarse file times: same size, another mtime)
+    path.write_text('{"done": 5, "total": 10, "unit": "items", "metrics": {}}')  # in place
+    assert opens_of(path, lambda: reader.read(path)) == (Reported(5, 10, "items"), 1)
+    path.unlink()
+    assert opens_of(path, lambda: reader.read(path)) == (None, 0)
 
 
 def test_a_log_followed_tick_after_tick_reads_as_a_fresh_look(tmp_path: Path) -> None:

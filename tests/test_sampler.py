@@ -19,7 +19,7 @@ import pytest
 
 from supervisor.runtime import procfs
 from supervisor.runtime.gpu import GpuReader
-from supervisor.runtime.sampler import Sampler, TreeReading, TreeTarget, read_io_bytes
+from supervisor.runtime.sampler import JUST_READ_S, Sampler, TreeReading, TreeTarget, read_io_bytes
 from tests.helpers import PY, wait_for
 
 pytestmark = pytest.mark.timeout(30)
@@ -576,3 +576,23 @@ def test_io_bytes_are_the_storage_fields_of_proc_io(tmp_path: Path) -> None:
     assert read_io_bytes(8, str(tmp_path)) is None  # gone
     counters = psutil.Process().io_counters()
     assert read_io_bytes(os.getpid()) == (counters.read_bytes, counters.write_bytes)
+
+
+def test_a_stat_the_tick_just_read_is_not_read_again_by_its_pass(
+        make_tree: Callable[..., JobTree]) -> None:
+    """The tick reads each running job's shim (`current_stat`, its liveness) just before
+    the pass over /proc: the pass takes that stat, not a second read of the same file
+    (#30: 1,000 shims, 1,000 reads a tick); one older than JUST_READ_S is read again."""
+    tree = make_tree()
+    target = tree.target()
+    sampler = Sampler()
+    for _ in range(2):  # from the second pass the tree's files are kept open
+        sampler.sample([target], time.time())
+    assert tree.root in sampler.processes.kept
+    checked = sampler.processes.current_stat(tree.root)
+    assert checked is not None
+    table = sampler.processes.read([tree.root])
+    assert table.procs[tree.root] is checked  # before: read and parsed again
+    old = sampler.processes.current_stat(tree.root)
+    time.sleep(JUST_READ_S + 0.1)
+    assert sampler.processes.read([tree.root]).procs[tree.root] is not old

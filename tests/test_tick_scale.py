@@ -20,7 +20,7 @@ from supervisor.daemon.checks import PENDING_BATCH
 from supervisor.spec import JobSpec, JobState
 from supervisor.storage import store
 from supervisor.storage.tables import Job
-from tests.helpers import in_process_engine, wait_for
+from tests.helpers import in_process_engine, tmpfs, wait_for
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -85,6 +85,13 @@ def waiting_sweep(tmp_path: Path) -> Iterator[tuple[Any, sessionmaker[Session], 
         engine.tick()  # launches the dependency
         with sessions() as session:
             assert store.get_job(session, dependency_id).state == JobState.RUNNING
+
+        def worker_recorded() -> bool:  # its worker's pid written: nothing left to record
+            engine.tick()
+            with sessions() as session:
+                return store.get_job(session, dependency_id).pid is not None
+        wait_for(worker_recorded, timeout=30)
+        engine.tick()  # a tick after the one that recorded it
         yield engine, sessions, dependency_id, chain
 
 
@@ -142,3 +149,93 @@ def test_a_failed_dependency_fails_its_dependents_in_a_few_commits_and_once(
         assert counts.job_rows == 0, counts.job_rows
     finally:
         counts.close()
+
+
+PENDING_SCAN = "SELECT jobs.id, jobs.name, jobs.stop_requested_at, jobs.next_start_at"
+"""What the statement that reads every pending job selects (`store.pending_jobs`)."""
+
+
+def test_a_tick_where_no_pending_job_changed_does_not_read_them_again(
+        waiting_sweep: tuple[Any, sessionmaker[Session], str, list[str]]) -> None:
+    """Once a pass over the pending jobs acted on none, the next reads them again only
+    when something they wait on changed: a submit, a stop, a restart, a running job's
+    end (#30: reading and checking 10,000 of them cost ~80 ms a tick). Each change is
+    still acted on in the next tick."""
+    engine, sessions, dependency, chain = waiting_sweep
+    scans: list[str] = []
+
+    def note(_conn: Any, _cursor: Any, statement: str, *_args: Any) -> None:
+        if statement.startswith(PENDING_SCAN):
+            scans.append(statement)
+
+    bind = sessions.kw["bind"]
+    event.listen(bind, "before_cursor_execute", note)
+    try:
+        engine.tick()
+        scans.clear()
+        engine.tick()
+        engine.tick()
+        assert scans == []  # before: every tick read all of them
+
+        with sessions() as session:  # a stop asked for one of them
+            store.request_stop(session, chain[2], now=engine.clock())
+            session.commit()
+        engine.tick()
+        assert len(scans) == 1
+        with sessions() as session:
+            assert store.get_job(session, chain[2]).state == JobState.STOPPED
+
+        with sessions() as session:  # a submit that waits on nothing
+            free = store.create_job(session, spec=JobSpec(name="free", command=["sleep", "30"]),
+                                    now=engine.clock())
+            session.commit()
+            free_id = free.id
+        engine.tick()
+        with sessions() as session:
+            assert store.get_job(session, free_id).state == JobState.RUNNING
+        engine.tick()  # (the launch is a change: one more look, that acts on none)
+        scans.clear()
+        engine.tick()
+        assert scans == []
+
+        with sessions() as session:  # a restart of the stopped job: pending again
+            store.requeue(session, chain[2], now=engine.clock())
+            session.commit()
+        engine.tick()
+        assert len(scans) == 1
+        with sessions() as session:  # it waits for its dependency again
+            assert store.get_job(session, chain[2]).state == JobState.PENDING
+
+        with sessions() as session:  # the dependency's end fails its dependents
+            store.request_stop(session, dependency, now=engine.clock())
+            session.commit()
+        wait_for(lambda: (engine.tick(), states(sessions).get("pending", 0) == 0)[1], 60,
+                 interval=0.2, what="the dependents failed")
+    finally:
+        event.remove(bind, "before_cursor_execute", note)
+    assert states(sessions) == {"stopped": 1, "failed": WAITING + 2, "running": 1}
+
+
+def test_jobs_sharing_a_directory_read_its_free_space_once_a_tick(tmp_path: Path) -> None:
+    """Jobs without an output directory are read on their cwd, which a sweep's jobs
+    share: its free space is read once per tick time for all of them (`DisksOfTick`;
+    #30: a statvfs and a stat per job per tick before), and again at the next tick."""
+    from supervisor.observe.readings import DisksOfTick, FileSide, ObservedJob, output_scanner
+
+    jobs_dir = tmp_path / "jobs"
+    jobs_dir.mkdir()
+    with tmpfs(tmp_path / "work", "32m") as cwd:  # a disk no one else writes to
+        disks = DisksOfTick()
+        sides = [FileSide(jobs_dir, output_scanner, disks=disks) for _ in range(2)]
+        jobs = [ObservedJob(job_id=f"j{index}", spec=JobSpec(name=f"j{index}", command=["true"],
+                                                             cwd=str(cwd)),
+                            attempt=1, root_pid=-1, root_create_time=None, worker_pid=None)
+                for index in range(2)]
+        now = time.time()
+        first = sides[0].read(jobs[0], now)
+        (cwd / "filler").write_bytes(b"\0" * (16 << 20))  # its free space moves meanwhile
+        second = sides[1].read(jobs[1], now)
+        assert (second.free_bytes, second.device) == (first.free_bytes, first.device)
+        later = sides[1].read(jobs[1], now + 2)
+        assert later.free_bytes is not None and first.free_bytes is not None
+        assert later.free_bytes == first.free_bytes - (16 << 20)

@@ -92,12 +92,15 @@ def page_of_jobs(session: Session, wanted: JobFilter, *, limit: int,
         return _checked_page(session, wanted, conditions, order, shown_states, limit=limit,
                              after=after, descending=descending, offset=offset)
     total = session.scalar(select(func.count()).select_from(Job).where(*conditions)) or 0
-    query = select(Job).where(*conditions).order_by(*order)
+    # the page's ids first, then their rows: sorting whole rows to pick 100 of 10,000
+    # took SQLite ~40 ms (its sorter carries every column), the ids ~6 ms (#30)
+    query = select(Job.id).where(*conditions).order_by(*order)
     if after is not None:
         query = query.where(_after(after, descending))
-    rows = list(session.scalars(query.offset(offset).limit(limit + 1)))
-    more = len(rows) > limit
-    rows = rows[:limit]
+    ids = list(session.scalars(query.offset(offset).limit(limit + 1)))
+    more = len(ids) > limit
+    found = store.jobs_with_ids(session, ids[:limit])
+    rows = [found[job_id] for job_id in ids[:limit] if job_id in found]
     return JobPage(rows, total, encode_cursor(rows[-1]) if more and rows else None)
 
 

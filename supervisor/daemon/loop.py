@@ -273,9 +273,9 @@ class Engine:
             self.steps.tick_ended()
 
     def _tick(self, now: float) -> None:
+        self.checks.begin_tick()  # the tick's start: the pending step's deadline counts from it
         for backend in self.backends.all():
             backend.reap()
-        self.checks.begin_tick()
         with self.sessions() as session:
             # one query for the running and lately ended jobs (#15); the pending ones
             # are read after the running ones' checks (`check_pending_jobs`)

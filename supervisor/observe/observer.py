@@ -40,6 +40,7 @@ from supervisor.observe import forecast, rates
 from supervisor.observe.building import JobViewBuilder
 from supervisor.observe.jobstate import EndingReading, InflightReading, KeptJobState, describe_error
 from supervisor.observe.readings import (
+    DisksOfTick,
     FileReading,
     FileSide,
     LogsDisk,
@@ -115,6 +116,8 @@ class Observer:
         self.jobs_dir = jobs_dir
         self.logs_disk = LogsDisk(jobs_dir)
         """The free space under the jobs' logs, read once a tick for all (`disk_low`)."""
+        self.disks = DisksOfTick()
+        """The free space of the jobs' output dirs and cwds, each read once a tick."""
         self.sampler = sampler or Sampler()
         self.scan_budget_s = scan_budget_s
         self.clock = clock
@@ -354,7 +357,7 @@ class Observer:
             return ShimFileSide(self.jobs_dir, self.make_scanner,
                                 attempt_dir(self.jobs_dir, job.job_id, job.attempt),
                                 self.clock)
-        return FileSide(self.jobs_dir, self.make_scanner, self.logs_disk)
+        return FileSide(self.jobs_dir, self.make_scanner, self.logs_disk, self.disks)
 
     @staticmethod
     def _shim_tree(state: KeptJobState) -> TreeReading:

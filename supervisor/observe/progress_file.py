@@ -11,6 +11,7 @@ from __future__ import annotations
 import math
 import os
 import re
+import stat
 from dataclasses import dataclass, field
 
 from supervisor.runtime.fileio import open_regular, read_at, read_json
@@ -90,6 +91,31 @@ def from_progress_file(path: str | os.PathLike[str]) -> Reported | None:
     return Reported(done, total, unit, metrics)
 
 
+class ProgressFileReader:
+    """`from_progress_file` for one job's progress file, read again every tick: a file
+    unchanged since the last read (its device, inode, size, mtime and ctime: a worker
+    replaces it with a new file) gives the last answer without being opened, and a
+    missing one costs one stat (#30: most jobs have none, or one that changes every few
+    seconds, and the tick reads each one's every 2 s)."""
+
+    def __init__(self) -> None:
+        self._seen: tuple[int, int, int, int, int] | None = None
+        self._answer: Reported | None = None
+
+    def read(self, path: str | os.PathLike[str]) -> Reported | None:
+        try:
+            info = os.stat(path)
+        except OSError:
+            return None
+        seen = (info.st_dev, info.st_ino, info.st_size, info.st_mtime_ns, info.st_ctime_ns)
+        if seen == self._seen:
+            return self._answer
+        answer = from_progress_file(path)
+        self._seen = seen if stat.S_ISREG(info.st_mode) else None
+        self._answer = answer
+        return answer
+
+
 def from_log(path: str | os.PathLike[str]) -> Reported | None:
     """The last tqdm bar in the log's tail (a finished one only if no counted line
     follows it), else the last bare `n/total` that names a counter (`step 40/100`;
@@ -111,6 +137,11 @@ class LogReader:
 
     def __init__(self) -> None:
         self._reset(None)
+        self._seen: tuple[int, int, int, int, int] | None = None
+        """The log's (device, inode, size, mtime, ctime) when `_answer` was read from it:
+        a log that has not changed since gives the same answer without being opened
+        (#30: most jobs' logs, most ticks)."""
+        self._answer: Reported | None = None
 
     def _reset(self, inode: int | None) -> None:
         self._inode = inode
@@ -122,6 +153,20 @@ class LogReader:
         self._plain_at = -1
 
     def read(self, path: str | os.PathLike[str]) -> Reported | None:
+        try:
+            info = os.stat(path)
+        except OSError:
+            return None
+        seen = (info.st_dev, info.st_ino, info.st_size, info.st_mtime_ns, info.st_ctime_ns)
+        if seen == self._seen:
+            return self._answer
+        self._seen = None
+        answer = self._read(path)
+        if stat.S_ISREG(info.st_mode):
+            self._seen, self._answer = seen, answer
+        return answer
+
+    def _read(self, path: str | os.PathLike[str]) -> Reported | None:
         try:
             with open_regular(path) as (fd, size):  # never a FIFO, device, or past `size`
                 inode = os.fstat(fd).st_ino

@@ -270,6 +270,30 @@ def pending_jobs(session: Session) -> list[PendingJob]:
     return [PendingJob(*row) for row in session.execute(_PENDING_JOBS)]
 
 
+class PendingSummary(NamedTuple):
+    """What tells whether the pending jobs changed since an earlier look, in one row
+    (~5 ms for 10,000 pending jobs, where reading them took ~50 ms; #30). Only the engine
+    takes a job out of `pending` (its launch, stop or failure: it knows when it did);
+    anyone else's change is a submit or restart (`jobs` and `newest` grow: a restarted
+    job is old, but it is one more) or a stop asked (`stops` grows)."""
+
+    jobs: int
+    newest: float | None
+    stops: int
+    first_start_at: float | None
+    """The earliest `next_start_at` (a restart's backoff): a pending job may start then."""
+
+
+_PENDING_SUMMARY = select(func.count(), func.max(Job.created_at),
+                          func.count(Job.stop_requested_at), func.min(Job.next_start_at)
+                          ).where(Job.state == JobState.PENDING.value)
+
+
+def pending_summary(session: Session) -> PendingSummary:
+    count, newest, stops, first_start_at = session.execute(_PENDING_SUMMARY).one()
+    return PendingSummary(count or 0, newest, stops or 0, first_start_at)
+
+
 IN_CHUNK = 500
 """Ids per `IN (...)` list: far below SQLite's and PostgreSQL's bound parameter limits."""
 
