@@ -20,8 +20,8 @@ from supervisor.alerting.rules import LOG_TAIL_LINES
 from supervisor.backends.base import Attempt, Backend, LaunchDeferred, LaunchFate, ShimState
 from supervisor.config import Settings
 from supervisor.daemon import lifecycle
-from supervisor.daemon.engine_base import Backends, Waker
 from supervisor.daemon.lifecycle import WorkerSeen
+from supervisor.daemon.shared import Backends, Waker
 from supervisor.runtime.fileio import tail_lines
 from supervisor.runtime.files import ExitStatus, log_path
 from supervisor.runtime.procfs import StatReader, start_ticks_of

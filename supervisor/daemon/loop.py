@@ -1,7 +1,7 @@
 """The loop that ties one tick together: exits -> stops -> starts (then, as they land:
 sample -> store -> forecast -> alert -> notify). No logic of its own beyond ordering
 and the job lifecycle rules that decide which state comes next. The per-job checks the
-tick runs are `checks.py`'s (`JobChecks`), the backends and wake-ups `engine_base.py`'s,
+tick runs are `checks.py`'s (`JobChecks`), the backends and wake-ups `shared.py`'s,
 and `wiring.build_engine` makes the parts and hands them to the `Engine`; here: the
 loop's thread, the stops before the daemon exits, re-adoption at start, and the tick with
 its samples and alerts."""
@@ -21,7 +21,7 @@ from supervisor.alerting.recorder import AlertRecorder
 from supervisor.backends.base import Attempt, Backend
 from supervisor.config import Settings
 from supervisor.daemon.checks import STOP_BACKSTOP_S, JobChecks, stop_grace_s
-from supervisor.daemon.engine_base import Backends, Waker
+from supervisor.daemon.shared import Backends, Waker
 from supervisor.observe.observer import Observer
 from supervisor.observe.readings import ObservedJob
 from supervisor.observe.view import JobEnd, JobView, progress_json, stored_progress

@@ -27,8 +27,8 @@ from supervisor.backends.base import Backend
 from supervisor.clock import SteadyClock
 from supervisor.config import Settings
 from supervisor.daemon.checks import JobChecks
-from supervisor.daemon.engine_base import Backends, Waker
 from supervisor.daemon.loop import Engine
+from supervisor.daemon.shared import Backends, Waker
 from supervisor.observe.observer import SCAN_BUDGET_S, Observer
 from supervisor.storage.transactions import TickSteps, watch_writes
 from supervisor.storage.writability import Writability
