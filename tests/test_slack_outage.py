@@ -1,4 +1,6 @@
-"""Slack down for 2 minutes, then back: every alert arrives, in order, at most 1/s."""
+"""Slack down for a minute (six times the backoff cap), then back: every alert arrives, in
+order, at most 1/s. (Two minutes until 2026-12-02: a minute shows the same retries and
+saves one in the suite.)"""
 
 from __future__ import annotations
 
@@ -10,11 +12,11 @@ from tests.helpers import Daemon, Receiver, python_job, wait_for
 
 pytestmark = pytest.mark.slow
 
-OUTAGE_S = 120.0
+OUTAGE_S = 60.0
 
 
 @pytest.mark.timeout(240)
-def test_alerts_survive_a_two_minute_outage(make_daemon, receiver: Receiver) -> None:
+def test_alerts_survive_a_one_minute_outage(make_daemon, receiver: Receiver) -> None:
     receiver.down_until = time.time() + OUTAGE_S
     # the backoff cap bounds how long after the outage the first retry comes
     daemon: Daemon = make_daemon(env={"JOBSUP_SLACK_WEBHOOK_URL": receiver.url,
@@ -24,7 +26,7 @@ def test_alerts_survive_a_two_minute_outage(make_daemon, receiver: Receiver) -> 
     for name in names:  # crashes spread over the outage
         job = daemon.submit(python_job("import sys; sys.exit(1)"), name=name)
         daemon.wait_state(job["id"], "failed")
-        time.sleep(8)
+        time.sleep(4)
     assert receiver.posts == [] and len(receiver.attempts) >= 3  # tried, refused
     wait_for(lambda: len(receiver.posts) == len(names), OUTAGE_S + 60, interval=0.5,
              what="every alert after the outage")
