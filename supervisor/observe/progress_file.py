@@ -12,6 +12,7 @@ import math
 import os
 import re
 import stat
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from supervisor.runtime.fileio import open_regular, read_at, read_json
@@ -99,10 +100,23 @@ class ProgressFileReader:
     seconds, and the tick reads each one's every 2 s)."""
 
     def __init__(self) -> None:
+        self._last = LastAnswer()
+
+    def read(self, path: str | os.PathLike[str]) -> Reported | None:
+        return self._last.read(path, from_progress_file)
+
+
+class LastAnswer:
+    """A reader's last answer from a regular file, given again while the file's
+    (device, inode, size, mtime, ctime) are unchanged, so the file is not opened; a
+    missing file costs one stat and answers None."""
+
+    def __init__(self) -> None:
         self._seen: tuple[int, int, int, int, int] | None = None
         self._answer: Reported | None = None
 
-    def read(self, path: str | os.PathLike[str]) -> Reported | None:
+    def read(self, path: str | os.PathLike[str],
+             read: Callable[[str | os.PathLike[str]], Reported | None]) -> Reported | None:
         try:
             info = os.stat(path)
         except OSError:
@@ -110,7 +124,7 @@ class ProgressFileReader:
         seen = (info.st_dev, info.st_ino, info.st_size, info.st_mtime_ns, info.st_ctime_ns)
         if seen == self._seen:
             return self._answer
-        answer = from_progress_file(path)
+        answer = read(path)
         self._seen = seen if stat.S_ISREG(info.st_mode) else None
         self._answer = answer
         return answer
@@ -137,11 +151,9 @@ class LogReader:
 
     def __init__(self) -> None:
         self._reset(None)
-        self._seen: tuple[int, int, int, int, int] | None = None
-        """The log's (device, inode, size, mtime, ctime) when `_answer` was read from it:
-        a log that has not changed since gives the same answer without being opened
-        (#30: most jobs' logs, most ticks)."""
-        self._answer: Reported | None = None
+        self._last = LastAnswer()
+        """A log that has not changed since the last read gives the same answer without
+        being opened (#30: most jobs' logs, most ticks)."""
 
     def _reset(self, inode: int | None) -> None:
         self._inode = inode
@@ -153,18 +165,7 @@ class LogReader:
         self._plain_at = -1
 
     def read(self, path: str | os.PathLike[str]) -> Reported | None:
-        try:
-            info = os.stat(path)
-        except OSError:
-            return None
-        seen = (info.st_dev, info.st_ino, info.st_size, info.st_mtime_ns, info.st_ctime_ns)
-        if seen == self._seen:
-            return self._answer
-        self._seen = None
-        answer = self._read(path)
-        if stat.S_ISREG(info.st_mode):
-            self._seen, self._answer = seen, answer
-        return answer
+        return self._last.read(path, self._read)
 
     def _read(self, path: str | os.PathLike[str]) -> Reported | None:
         try:
