@@ -58,11 +58,17 @@ LLAMA3_ROPE = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0,
                "original_max_position_embeddings": 8192}
 
 
-def draft_config(tiny: bool) -> DraftConfig:
+def draft_config(tiny: bool, name: str = "8b") -> DraftConfig:
     if tiny:
         return DraftConfig(hidden_size=64, intermediate_size=128, num_attention_heads=4,
                            num_key_value_heads=2, head_dim=16, vocab_size=384,
                            draft_vocab_size=64, aux_layer_ids=[2, 4, 5])
+    if name == "smollm2":  # SmolLM2-135M-Instruct's shapes, the 16k default draft vocab
+        return DraftConfig(hidden_size=576, intermediate_size=1536, num_attention_heads=9,
+                           num_key_value_heads=3, head_dim=64, vocab_size=49152,
+                           draft_vocab_size=16384, max_position_embeddings=8192,
+                           rope={"rope_type": "default", "rope_theta": 100000.0},
+                           aux_layer_ids=[1, 14, 27])
     return DraftConfig(hidden_size=4096, intermediate_size=14336, num_attention_heads=32,
                        num_key_value_heads=8, head_dim=128, vocab_size=128256,
                        draft_vocab_size=32000, max_position_embeddings=131072,
@@ -148,10 +154,132 @@ def matmul_ceiling(device: torch.device, size: int, dtype: torch.dtype) -> float
     return 2 * size ** 3 / timed(lambda: torch.matmul(a, b), 10, device)
 
 
+def write_extraction(root: Path, config: DraftConfig, samples: int, store: str,
+                     seed: int = 0) -> None:
+    """`samples` files in the layout `workers.extract` writes (manifest.jsonl,
+    extract_config.json, one safetensors file per sample), random features of `config`'s
+    width, lengths uniform in [64, 512) (SmolLM2's conversations average ~265 tokens),
+    the first fifth of each a prompt (loss_mask 0); `store` bf16 or fp8 as `--store`."""
+    from safetensors.torch import save_file
+
+    from workers.eagle3.extraction.fp8_features import encode, scale_name
+
+    root.mkdir(parents=True, exist_ok=True)
+    generator = torch.Generator().manual_seed(seed)
+    width = config.hidden_size
+    with open(root / "manifest.jsonl", "w", encoding="utf-8") as manifest:
+        for index in range(samples):
+            length = int(torch.randint(64, 512, (1,), generator=generator))
+            mask = torch.ones(length, dtype=torch.int64)
+            mask[:length // 5] = 0
+            tensors = {"input_ids": torch.randint(0, config.vocab_size, (length,),
+                                                  generator=generator),
+                       "loss_mask": mask}
+            for name, layers in (("aux_hidden_states", 3), ("hidden_state", 1)):
+                x = torch.randn(length, layers * width, generator=generator)
+                if store == "fp8":
+                    tensors[name], tensors[scale_name(name)] = encode(x, layers)
+                else:
+                    tensors[name] = x.to(torch.bfloat16)
+            file = f"rows/{index // 1000:04d}/data_{index}.safetensors"
+            (root / file).parent.mkdir(parents=True, exist_ok=True)
+            save_file(tensors, str(root / file))
+            manifest.write(json.dumps({"index": index, "file": file, "seq_len": length}) + "\n")
+    (root / "extract_config.json").write_text(json.dumps({
+        "hidden_size": width, "vocab_size": config.vocab_size, "store": store,
+        "dtype": "bf16", "aux_layer_ids": config.aux_layer_ids}))
+
+
+def disk_breakdown(config: DraftConfig, root: Path, batch_tokens: int, batches: int,
+                   ttt_steps: int, device: torch.device) -> list[tuple[str, float]]:
+    """Tokens/s of the parts of `workers.train`'s loop over an extraction on disk, each
+    over the same first `batches` batches of epoch 0's plan: the reader alone (as the
+    trainer calls it: pinned on a GPU, cast to the compute dtype), the read-ahead
+    reader, the host-to-device copy of resident batches, the step alone on one resident
+    batch, and the loop as `workers.train` runs it (read ahead, copy, step), its
+    batches read ahead on one thread and in 2 processes (`--read-processes`)."""
+    from workers.eagle3.training.train_data import (
+        ExtractedData,
+        load_batch,
+        prefetched,
+        read_ahead,
+    )
+    from workers.train import compute_dtype
+
+    data = ExtractedData(root)
+    plan = data.plan_epoch(0, 0, batch_tokens)[:batches]
+    dtype = compute_dtype(device)
+    pin = device.type == "cuda"
+
+    def load(samples: list) -> Batch:  # noqa: ANN001
+        return load_batch(root, samples, config.hidden_size, batch_tokens, pin=pin,
+                          dtype=dtype)
+
+    def rate(fn) -> float:  # noqa: ANN001 - tokens/s of fn(), which returns tokens
+        sync(device)
+        began = time.perf_counter()
+        tokens = fn()
+        sync(device)
+        return tokens / (time.perf_counter() - began)
+
+    rows: list[tuple[str, float]] = []
+    load(plan[0])  # the page cache and the allocator warm
+    rows.append(("read (load_batch, one thread)", rate(lambda: sum(load(b).tokens
+                                                                 for b in plan))))
+    rows.append(("read, unpinned", rate(lambda: sum(
+        load_batch(root, b, config.hidden_size, batch_tokens, pin=False, dtype=dtype).tokens
+        for b in plan))))
+    rows.append(("read ahead (prefetched)", rate(lambda: sum(b.tokens for b in
+                                                           prefetched(load, plan)))))
+    resident = [load(b) for b in plan[:min(len(plan), 8)]]
+    rows.append(("copy to the device (8 batches)", rate(lambda: sum(
+        b.to(device).tokens for b in resident))))
+    model, head = build(config, device, dtype)
+    optimizer = build_optimizer(model, 1e-3)
+    scheduler = build_scheduler(optimizer, 0, 10 * batches + 20)
+    first = resident[0].to(device)
+
+    def steps_resident() -> int:
+        for _ in range(batches):
+            train_step(model, head, first, optimizer, scheduler, ttt_steps=ttt_steps)
+        return first.tokens * batches
+
+    train_step(model, head, first, optimizer, scheduler, ttt_steps=ttt_steps)  # warm-up
+    rows.append(("train_step on one resident batch", rate(steps_resident)))
+
+    def whole_loop(processes: int) -> int:
+        tokens = 0
+
+        def unpinned(samples: list) -> Batch:  # noqa: ANN001 - pinned by the loader
+            return load_batch(root, samples, config.hidden_size, batch_tokens, dtype=dtype)
+
+        batches = read_ahead(unpinned if processes else load, plan, processes=processes,
+                             pin=pin)
+        for batch in batches:
+            train_step(model, head, batch.to(device), optimizer, scheduler,
+                       ttt_steps=ttt_steps)
+            tokens += batch.tokens
+        return tokens
+
+    for processes in (0, 2, 0, 2):  # twice each, alternating
+        rows.append((f"the loop (read ahead in {processes or 'a thread, no'} processes "
+                     "+ copy + step)", rate(lambda n=processes: whole_loop(n))))
+    return rows
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--tiny", action="store_true", help="a small config on the CPU")
+    parser.add_argument("--config", choices=("8b", "smollm2"), default="8b",
+                        help="the target's shapes: an 8B Llama (default) or SmolLM2-135M")
+    parser.add_argument("--disk", type=Path, default=None, metavar="DIR",
+                        help="instead: write --disk-samples random samples as an extraction "
+                             "in DIR (kept if there) and print the tokens/s of each part of "
+                             "workers.train's loop over them (read, copy, step, the loop)")
+    parser.add_argument("--disk-samples", type=int, default=2000)
+    parser.add_argument("--store", choices=("bf16", "fp8"), default="bf16",
+                        help="--disk: the features' store")
     parser.add_argument("--seq-len", type=int, default=None, help="default 2048 (tiny: 128)")
     parser.add_argument("--batch-tokens", type=int, default=None,
                         help="default 16384 (tiny: 512)")
@@ -171,7 +299,18 @@ def main() -> None:
     warmup, steps = args.warmup or (2 if tiny else 10), args.steps or (5 if tiny else 30)
     dtype = torch.float32 if tiny else torch.bfloat16
 
-    config = draft_config(tiny)
+    config = draft_config(tiny, args.config)
+    if args.disk is not None:
+        if not (args.disk / "manifest.jsonl").exists():
+            write_extraction(args.disk, config, args.disk_samples, args.store)
+        rows = disk_breakdown(config, args.disk, args.batch_tokens or (512 if tiny else 32768),
+                              args.steps or (5 if tiny else 20), args.ttt_steps, device)
+        print(f"| part of the loop ({args.config}, {args.store}, "
+              f"{args.batch_tokens or (512 if tiny else 32768)} tokens a batch) | tokens/s |")
+        print("| --- | ---: |")
+        for name, value in rows:
+            print(f"| {name} | {value:,.0f} |")
+        return
     model, head = build(config, device, dtype)
     batch = synthetic_batch(config, batch_tokens, seq_len, device, dtype)
     optimizer = build_optimizer(model, 1e-4)

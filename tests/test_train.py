@@ -353,17 +353,21 @@ def test_kill_minus_9_then_resume_matches_an_uninterrupted_run(
 
 
 @pytest.mark.slow
-def test_sigterm_saves_a_checkpoint_and_exits_143(tiny: dict[str, Path],
-                                                  tmp_path: Path) -> None:
+@pytest.mark.parametrize("readers", ["0", "2"])
+def test_sigterm_saves_a_checkpoint_and_exits_143(tiny: dict[str, Path], tmp_path: Path,
+                                                  readers: str) -> None:
+    """SIGTERM to the job's whole process group, as the shim sends it: with reader
+    processes too (`--read-processes 2`, the GPU default), the trainer saves and exits
+    143, not a reader's death raised in the loop."""
     out, trace = tmp_path / "out", tmp_path / "trace"
     process = subprocess.Popen(
         train_cli(tiny, out, "--batch-tokens", "512", "--epochs", "3", "--ttt-steps", "2",
-                  "--trace-data", str(trace)), cwd=REPO, env=ENV, stdout=subprocess.DEVNULL,
-        stderr=subprocess.PIPE, text=True)
+                  "--trace-data", str(trace), "--read-processes", readers), cwd=REPO, env=ENV,
+        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, start_new_session=True)
     try:
         wait_for(lambda: trace.exists() and len(trace.read_text().splitlines()) >= 2, 90,
                  interval=0.01, what="two steps")
-        process.send_signal(signal.SIGTERM)
+        os.killpg(process.pid, signal.SIGTERM)
         _, stderr = process.communicate(timeout=60)
     finally:
         if process.poll() is None:
@@ -375,6 +379,26 @@ def test_sigterm_saves_a_checkpoint_and_exits_143(tiny: dict[str, Path],
                        .read_text())  # --save-every is 1000: only SIGTERM saved it
     assert state["step"] == done < 27 and not (out / "draft").exists()
     assert "checkpoint saved; rerun to resume" in stderr
+
+
+def test_reader_processes_train_the_same_draft_as_a_reader_thread(
+        tiny: dict[str, Path], tmp_path: Path) -> None:
+    """`--read-processes 2` (a GPU's default) reads the same batches in the same order as
+    one thread (a CPU's): the same trace and, bit for bit, the same draft."""
+    args = ["--batch-tokens", "768", "--epochs", "1", "--ttt-steps", "2", "--seed", "3",
+            "--draft-dtype", "fp32", "--heldout-samples", "8"]
+    runs = {}
+    for readers in ("0", "2"):
+        out = tmp_path / f"readers-{readers}"
+        result = subprocess.run(train_cli(tiny, out, *args, "--read-processes", readers,
+                                          "--trace-data", str(out) + ".trace"),
+                                cwd=REPO, env=ENV, capture_output=True, text=True, timeout=300)
+        assert result.returncode == 0, result.stderr[-2000:]
+        runs[readers] = out
+    assert read_trace(Path(str(runs["0"]) + ".trace")) == read_trace(
+        Path(str(runs["2"]) + ".trace"))
+    assert (runs["0"] / "draft" / "model.safetensors").read_bytes() == (
+        runs["2"] / "draft" / "model.safetensors").read_bytes()
 
 
 # -- 4. --init, and what is refused -----------------------------------------------------

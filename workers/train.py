@@ -57,7 +57,7 @@ import shutil
 import signal
 import sys
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -103,7 +103,7 @@ from workers.eagle3.training.train_data import (
     Sample,
     TrainError,
     load_batch,
-    prefetched,
+    read_ahead,
 )
 from workers.eagle3.training.train_heldout import (
     HeldoutMeasure,
@@ -204,6 +204,14 @@ def choose_vocab(args: argparse.Namespace) -> tuple[torch.Tensor, torch.Tensor]:
                 f"{str(args.init)!r}: the draft's lm_head rows belong to its own mapping. "
                 "Drop --vocab (the draft's mapping is used) or pass the draft's own")
     return d2t, t2d
+
+
+def read_processes(args: argparse.Namespace, device: torch.device) -> int:
+    """`--read-processes`, default 2 on a GPU and 0 (one thread) on a CPU, where the step
+    is slower than any reader and a process would only cost its start."""
+    if args.read_processes is not None:
+        return int(args.read_processes)
+    return 2 if device.type == "cuda" else 0
 
 
 def compute_dtype(device: torch.device) -> torch.dtype:
@@ -341,9 +349,15 @@ def train(args: argparse.Namespace, progress: ProgressReporter,
             for k, samples in enumerate(plans[e]) if e > epoch or k >= batch_in_epoch]
     todo = todo[:max(total - step, 0)]
 
-    def load(samples: list[Sample]) -> Batch:
+    processes = read_processes(args, device)
+    pin = device.type == "cuda"
+
+    def load(samples: list[Sample]) -> Batch:  # pinned here, or by the readers' loader
         return load_batch(data.root, samples, model.config.hidden_size, args.batch_tokens,
-                          pin=device.type == "cuda", dtype=compute_dtype(device))
+                          pin=pin and not processes, dtype=compute_dtype(device))
+
+    def read(batches: list[list[Sample]]) -> Iterator[Batch]:
+        return read_ahead(load, batches, processes=processes, pin=pin)
 
     def state(next_epoch: int, next_batch: int) -> dict[str, Any]:
         if next_batch == len(plans[next_epoch]):
@@ -366,7 +380,7 @@ def train(args: argparse.Namespace, progress: ProgressReporter,
         if args.trace_data:
             truncate_torn_line(args.trace_data)  # a kill in the middle of a line
             trace = stack.enter_context(open(args.trace_data, "a", encoding="utf-8"))
-        batches = prefetched(load, [samples for _, _, samples in todo])
+        batches = read([samples for _, _, samples in todo])
         for (epoch, k, _), batch in zip(todo, batches, strict=True):
             if stop():
                 break
@@ -392,7 +406,7 @@ def train(args: argparse.Namespace, progress: ProgressReporter,
                          shown.get("acc_0", math.nan), last, shown.get(f"acc_{last}", math.nan),
                          shown["lr"], shown["tokens_per_s"])
             if heldout_batches and (step % eval_every == 0 or step == total):
-                latest = measure_heldout(model, head, prefetched(load, heldout_batches),
+                latest = measure_heldout(model, head, read(heldout_batches),
                                          ttt_steps=args.ttt_steps, step=step, epoch=epoch)
                 if latest.beats(best, select_k):
                     best = latest
@@ -532,6 +546,10 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--save-every", type=int, default=1000,
                         help="checkpoint every N steps (default 1000) and at the end")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--read-processes", type=int, default=None, metavar="N",
+                        help="processes reading the batches ahead (default 2 on a GPU, 0 "
+                             "on a CPU: one thread); a thread in the trainer's own "
+                             "interpreter slows a small draft's step by ~4x on a GPU")
     parser.add_argument("--log-every", type=int, default=10)
     parser.add_argument("--draft-dtype", choices=sorted(DTYPES), default="bf16",
                         help="dtype of out/draft/model.safetensors (default bf16)")
@@ -559,6 +577,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     for flag in ("eval_every", "select_k"):
         if getattr(args, flag) is not None and getattr(args, flag) < 1:
             parser.error(f"--{flag.replace('_', '-')} must be >= 1")
+    if args.read_processes is not None and args.read_processes < 0:
+        parser.error("--read-processes must be >= 0")
     try:
         heldout_count(args.heldout_samples, 1)
     except ValueError as exc:
