@@ -15,7 +15,7 @@ import pytest
 
 from supervisor.api.guard import SESSION_COOKIE
 from tests import test_page
-from tests.helpers import Daemon, python_job, wait_for
+from tests.helpers import Daemon, job_module, python_job, wait_for
 from tests.test_page import TOKEN, Tab
 
 pytestmark = pytest.mark.slow
@@ -113,19 +113,26 @@ def test_the_summary_counts_firing_alerts(daemon: Daemon, tab: Tab) -> None:
 
 
 def test_a_chart_of_one_sample_spans_minutes_not_years(make_daemon: Callable[..., Daemon],
-                                                       tab: Tab) -> None:
-    # a sample a minute: a job of 4 s is sampled once (1.5 s went unsampled under load:
-    # it could end before the first tick saw it)
+                                                       tab: Tab, tmp_path: Path) -> None:
+    # a sample a minute, and a job that runs on: one sample, taken by the tick a submit
+    # wakes (a job waiting on it, so no exit wakes another). A job of 4 s, sampled only by
+    # the tick its exit woke, had none when that tick found its processes gone (load)
     daemon = make_daemon(env={"JOBSUP_SAMPLE_INTERVAL": "60"})
-    job = daemon.submit(python_job("import time; time.sleep(4)"), name="brief")
-    daemon.wait_state(job["id"], "succeeded", timeout=30)
-    assert len(daemon.http.get(f"/api/v1/jobs/{job['id']}/samples").json()) == 1
+    job = daemon.submit(job_module("waits_for_file", tmp_path / "never"), name="brief")
+    daemon.wait_state(job["id"], "running")
+    daemon.submit(python_job("pass"), name="after", depends_on=[job["id"]])
+
+    def samples() -> list[dict] | None:
+        return daemon.http.get(f"/api/v1/jobs/{job['id']}/samples").json() or None
+
+    assert len(wait_for(samples, 75, what="the job's sample")) == 1
     page = tab.page
     page.goto(f"{daemon.url}/jobs/{job['id']}")
     page.wait_for_function("() => (window.jobsup?.samples?.length ?? 0) === 1", timeout=10000)
     span_s = page.evaluate("(() => { const x = window.jobsup.charts.items.scales.x;"
                            " return x.max - x.min; })()")
     assert 0 < span_s <= 3600, span_s  # was 2027-2029 around a sample of today
+    daemon.http.post(f"/api/v1/jobs/{job['id']}/stop")
 
 
 def test_docs_open_with_the_logins_cookie(make_daemon: Callable[..., Daemon],
