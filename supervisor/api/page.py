@@ -62,7 +62,10 @@ LOGIN_HEADERS = {**NO_STORE, "WWW-Authenticate": "Bearer"}
 
 _templates = Environment(loader=PackageLoader("supervisor.api", "templates"),
                          autoescape=select_autoescape(["html"]), trim_blocks=True,
-                         lstrip_blocks=True)
+                         lstrip_blocks=True, auto_reload=False)
+"""`auto_reload=False`: the templates are the package's files, which do not change
+while the daemon runs; with it on, the table's `{% include %}` per row statted its file
+twice (~6 % of `/`'s time at 100 rows, #30)."""
 _templates.filters.update(bytes=format_bytes, duration=format_duration)
 
 

@@ -24,6 +24,8 @@ done (tokens). 64 bits everywhere: PostgreSQL's `bigint`; SQLite's INTEGER alrea
 
 class Job(Base):
     __tablename__ = "jobs"
+    __table_args__ = (Index("ix_jobs_created_at_id", "created_at", "id"),)
+    """The pages' order, newest first (migration 0009)."""
 
     id: Mapped[str] = mapped_column(String(32), primary_key=True)
     name: Mapped[str] = mapped_column(String(128), index=True)
