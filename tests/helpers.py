@@ -12,7 +12,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable, Iterator, Sequence
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from pathlib import Path
 from typing import Any, NamedTuple
 
@@ -208,14 +208,48 @@ class Daemon:
 
 
 def kill_jobs_of(data_dir: Path) -> None:
-    for kind, pid in files.live_processes(data_dir / "jobs"):
-        try:
+    """SIGKILL every shim and worker of the data dir's jobs: those their attempts'
+    files record, and those not recorded yet. A daemon that launched an attempt just
+    before the test ended (a second daemon's first ticks relaunching a job) leaves a
+    shim that has not written its `shim.json`, or has not yet started its worker or
+    written its `worker.json`: found by its command line (it names its attempt's
+    directory), frozen (SIGSTOP: it starts and records nothing more), and killed with
+    every process under it (its worker, and what the subreaper adopted)."""
+    jobs_dir = data_dir / "jobs"
+    shims = shims_under(jobs_dir)
+    for shim in shims:
+        with suppress(psutil.Error):
+            shim.suspend()
+    under = []
+    for shim in shims:
+        with suppress(psutil.Error):
+            under.extend(shim.children(recursive=True))
+    for kind, pid in files.live_processes(jobs_dir):
+        with suppress(OSError):
             if kind == files.WORKER:
                 os.killpg(pid, signal.SIGKILL)
             else:
                 os.kill(pid, signal.SIGKILL)
-        except OSError:
-            pass
+    for proc in under:  # a worker leads its group: what it forks since is in it
+        with suppress(OSError):
+            if os.getpgid(proc.pid) == proc.pid:
+                os.killpg(proc.pid, signal.SIGKILL)
+    for proc in [*under, *shims]:
+        with suppress(psutil.Error):
+            proc.kill()
+
+
+def shims_under(jobs_dir: Path) -> list[psutil.Process]:
+    """The live shims of attempts under `jobs_dir` (`python -m supervisor.runtime.shim
+    ADIR`), whether or not they have recorded themselves."""
+    roots = {jobs_dir.absolute(), jobs_dir.resolve()}
+    found = []
+    for proc in psutil.process_iter(["cmdline"]):
+        argv = proc.info["cmdline"] or []
+        if "supervisor.runtime.shim" in argv[:-1] and argv[-1] \
+                and Path(argv[-1]).parent.parent in roots:
+            found.append(proc)
+    return found
 
 
 def python_job(code: str) -> list[str]:
