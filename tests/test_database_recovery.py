@@ -136,7 +136,7 @@ def start_with(daemon: Daemon, *args: str) -> None:
     with open(daemon.log_path, "wb") as log:
         daemon.proc = subprocess.Popen(serve_command(daemon, *args), stdout=log,
                                        stderr=subprocess.STDOUT, env=daemon.env, cwd=REPO)
-    wait_for(daemon._healthy, 30, what=f"daemon on {daemon.url}; log:\n{daemon.log()}")
+    daemon.wait_started()
 
 
 @pytest.mark.slow
