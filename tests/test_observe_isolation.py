@@ -442,10 +442,11 @@ def test_a_watched_local_job_is_read_in_the_tick_thread(
     watched whole on a local disk is read in the tick thread, with the same figures; with
     the watches off (`JOBSUP_OUTPUT_WATCH=list`) every reading is a thread's."""
     require_local_watches(tmp_path)
+    _unhurried(monkeypatch)
     where = _reading_threads(monkeypatch)
     jobs_dir, out = tmp_path / "jobs", tmp_path / "out"
     (out / "shard").mkdir(parents=True)
-    observer = Observer(jobs_dir, watch_outputs=watch)
+    observer = Observer(jobs_dir, watch_outputs=watch, scan_budget_s=UNHURRIED_S)
     job = observed("w", JobSpec(name="w", command=["true"], output_dir=str(out),
                                 pattern="**/*.bin"))
     try:
