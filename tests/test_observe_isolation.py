@@ -405,6 +405,21 @@ def require_local_watches(path: Path) -> None:
         watcher.close()
 
 
+UNHURRIED_S = 60.0
+"""A scan budget and inline limits (s) that no reading on a loaded machine reaches."""
+
+
+def _unhurried(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The observer's wall-clock limits out of reach, for a test of where readings run or
+    what a failing one costs, not of their timing: a first reading that a loaded machine
+    stretched past INLINE_MAX_S (53 ms seen) sends the job's next one to the threads, and
+    one not done within the scan budget leaves the next tick without it. The observer is
+    built with `scan_budget_s=UNHURRIED_S`: its tick waits for its threads' readings until
+    they are done, no longer."""
+    monkeypatch.setattr(observer_module, "INLINE_MAX_S", UNHURRIED_S)
+    monkeypatch.setattr(observer_module, "INLINE_TICK_MAX_S", UNHURRIED_S)
+
+
 def _reading_threads(monkeypatch: pytest.MonkeyPatch) -> list[str]:
     """Where each file reading runs from now on: "tick" (this, the observing thread) or
     "pool". A pass-through wrapper of the real `FileSide.read`."""
@@ -427,10 +442,11 @@ def test_a_watched_local_job_is_read_in_the_tick_thread(
     watched whole on a local disk is read in the tick thread, with the same figures; with
     the watches off (`JOBSUP_OUTPUT_WATCH=list`) every reading is a thread's."""
     require_local_watches(tmp_path)
+    _unhurried(monkeypatch)
     where = _reading_threads(monkeypatch)
     jobs_dir, out = tmp_path / "jobs", tmp_path / "out"
     (out / "shard").mkdir(parents=True)
-    observer = Observer(jobs_dir, watch_outputs=watch)
+    observer = Observer(jobs_dir, watch_outputs=watch, scan_budget_s=UNHURRIED_S)
     job = observed("w", JobSpec(name="w", command=["true"], output_dir=str(out),
                                 pattern="**/*.bin"))
     try:
@@ -518,6 +534,7 @@ def test_a_reading_that_fails_in_the_tick_thread_costs_only_its_job(
     """A reading taken in the tick thread that raises leaves its job its last figures
     and the error, as a thread's would, and the other job is read as usual."""
     require_local_watches(tmp_path)
+    _unhurried(monkeypatch)  # b's second reading is the tick thread's, however slow its first
     where = _reading_threads(monkeypatch)
     real = readings_module.FileSide.read
     broken = {"b"}
@@ -535,7 +552,7 @@ def test_a_reading_that_fails_in_the_tick_thread_costs_only_its_job(
         (tmp_path / name).mkdir()
         jobs.append(observed(name, JobSpec(name=name, command=["true"],
                                            output_dir=str(tmp_path / name))))
-    observer = Observer(jobs_dir)
+    observer = Observer(jobs_dir, scan_budget_s=UNHURRIED_S)
     try:
         observer.observe(jobs, time.time())  # first readings: the threads'
         for name in ("a", "b"):

@@ -293,25 +293,30 @@ def test_command_name_with_parenthesis_and_spaces(make_tree: Callable[..., JobTr
 def test_reaped_children_cpu_time_stays_in_the_tree(tmp_path: Path) -> None:
     """A child that burnt CPU and was reaped moves into its parent's cutime: the tree's
     cumulative CPU time does not fall back when it exits."""
-    busy = "import time\nwhile time.process_time() < 0.4: pass"  # 0.4 s of CPU, not of wall
-    script = ('touch "$0/ready"; while [ ! -e "$0/go" ]; do sleep 0.01; done; '
-              '"$1" -c "$2"; touch "$0/done"; exec sleep 60')
+    # the child burns 0.4 s of CPU (not of wall), says so and lives on until told: the
+    # reading during its life is taken while it lives, however late a loaded machine
+    # runs this test (a timed 0.2 s wait saw it gone). The shell writes its files with a
+    # redirection, no `touch`, so once `done` is there its only child is reaped
+    busy = ("import pathlib, sys, time\n"
+            "while time.process_time() < 0.4: pass\n"
+            "ctl = pathlib.Path(sys.argv[1])\n"
+            "(ctl / 'burnt').touch()\n"
+            "while not (ctl / 'end').exists(): time.sleep(0.01)")
+    script = '"$1" -c "$2" "$0"; : > "$0/done"; exec sleep 60'
     popen = subprocess.Popen(["sh", "-c", script, str(tmp_path), PY, busy],
                              start_new_session=True)
     try:
-        wait_for(lambda: (tmp_path / "ready").exists(), 5, what="shell ready")
         sampler = Sampler()
         target = TreeTarget("job", popen.pid, procfs.create_time(popen.pid), None)
-        (tmp_path / "go").touch()
-        wait_for(lambda: len(psutil.Process(popen.pid).children()) == 1, 5, what="child")
-        time.sleep(0.2)
+        wait_for(lambda: (tmp_path / "burnt").exists(), 20, what="child's CPU burnt")
         during = sampler.sample([target], now=time.time())["job"]
         assert during.num_procs == 2
-        wait_for(lambda: (tmp_path / "done").exists(), 20, what="child done")  # 0.4 s of CPU
+        assert during.cpu_time_s >= 0.35
+        (tmp_path / "end").touch()
+        wait_for(lambda: (tmp_path / "done").exists(), 20, what="child reaped")
         after = sampler.sample([target], now=time.time())["job"]
         assert after.num_procs == 1
         assert after.cpu_time_s >= during.cpu_time_s
-        assert after.cpu_time_s >= 0.35
     finally:
         procfs.signal_group(popen.pid, signal.SIGKILL)
         popen.wait(5)
