@@ -263,8 +263,8 @@ def kill_jobs_of(data_dir: Path) -> None:
             else:
                 os.kill(pid, signal.SIGKILL)
     for proc in under:  # a worker leads its group: what it forks since is in it
-        with suppress(OSError):
-            if os.getpgid(proc.pid) == proc.pid:
+        with suppress(OSError, psutil.Error):
+            if proc.is_running() and os.getpgid(proc.pid) == proc.pid:
                 os.killpg(proc.pid, signal.SIGKILL)
     for proc in [*under, *shims]:
         with suppress(psutil.Error):
