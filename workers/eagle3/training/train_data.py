@@ -1,6 +1,6 @@
 """The trainer's input side: the samples of a `workers.extract` output (manifest.jsonl,
 extract_config.json, one safetensors file per sample), each epoch's batch plan, and the
-batches themselves, read as memory-mapped slices with one batch read ahead on a thread.
+batches themselves, read as memory-mapped slices and read ahead (`read_ahead`).
 Kept apart from `workers.train` so the training loop reads as optimizer steps alone;
 the plan is a pure function of (samples, epoch, seed, batch_tokens), which is what lets
 a resumed run land on the same batch boundaries.
