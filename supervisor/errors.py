@@ -64,6 +64,12 @@ class DatabaseTaken(JobsupError):
     another daemon holds it now: this one stops, its jobs are the other's."""
 
 
+class JobsElsewhere(JobsupError):
+    """Jobs of the database run from another data dir (`Job.jobs_dir`): their shims, logs
+    and exit records are there, so a daemon here cannot watch them and would take them
+    for launches cut short (and run them again)."""
+
+
 class UnsafeBind(JobsupError):
     """A non-loopback bind without a token."""
 

@@ -75,3 +75,36 @@ def test_a_daemon_whose_deleted_lock_another_took_stops(make_daemon: Callable[..
         assert second.wait_state(job["id"], "succeeded", "failed", "lost")["state"] == "succeeded"
     finally:
         second.shut_down()
+
+
+def test_a_daemon_on_another_data_dir_does_not_run_a_running_job_again(
+        make_daemon: Callable[..., Daemon], tmp_path: Path) -> None:
+    """One database, one daemon at a time, but the second on another data dir: the first
+    killed while its job runs, a daemon started on the same database with another data
+    dir. The job's shim, log and exit record are in the first data dir; the second sees
+    none of them. It judged the job's launch cut short and ran it again (twice, for a job
+    that had done its work); now it refuses to start, naming the job and the data dir it
+    needs, and a daemon on the first data dir takes the job back."""
+    database = tmp_path / "shared" / "jobs.db"
+    database.parent.mkdir()
+    url = {"JOBSUP_DATABASE_URL": f"sqlite:///{database}"}
+    runs, flag = tmp_path / "runs.txt", tmp_path / "go"
+    first = make_daemon(env=url, data_dir=tmp_path / "one")
+    job = first.submit([*python_job(
+        "import pathlib, sys, time\n"
+        "with open(sys.argv[1], 'a') as f: f.write('ran\\n')\n"
+        "while not pathlib.Path(sys.argv[2]).exists(): time.sleep(0.05)\n"),
+        str(runs), str(flag)], name="once")
+    wait_for(lambda: first.job(job["id"])["pid"], 15, what="the worker started")
+    first.kill()  # SIGKILL: the job runs on under its shim
+
+    result = serve(tmp_path / "two", {**first.env, **url})
+    assert result.returncode == 1, result.stderr
+    assert (f"error: job {job['id']} (once) is running from another data dir: "
+            f"{tmp_path / 'one' / 'jobs'} holds its files, not {tmp_path / 'two' / 'jobs'}"
+            ) in result.stderr, result.stderr
+    assert "hint:" in result.stderr and "Traceback" not in result.stderr
+    flag.touch()
+    again = make_daemon(env=url, data_dir=tmp_path / "one")
+    assert again.wait_state(job["id"], "succeeded", "failed", "lost")["state"] == "succeeded"
+    assert runs.read_text() == "ran\n"

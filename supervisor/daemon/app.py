@@ -29,9 +29,9 @@ from supervisor.daemon.connections import (
     raise_open_file_limit,
 )
 from supervisor.daemon.loop import Engine
-from supervisor.daemon.recovery import open_database
+from supervisor.daemon.recovery import open_database, refuse_jobs_elsewhere
 from supervisor.daemon.wiring import build_engine
-from supervisor.errors import DatabaseTaken, UnsafeBind
+from supervisor.errors import DatabaseTaken, JobsElsewhere, UnsafeBind
 from supervisor.storage.database import DatabaseLock, database_lock, make_sessionmaker
 from supervisor.storage.filelock import FileLock
 
@@ -134,6 +134,11 @@ def build_app(settings: Settings, guard: LockGuard | None = None, *,
     database lock the engine's ticks need (None: none, for a caller that holds none);
     `on_started`: called in the server's event loop once the engine has started."""
     db_engine = open_database(settings)  # checked, upgraded, rebuilt if it was lost
+    try:
+        refuse_jobs_elsewhere(db_engine, settings)
+    except JobsElsewhere:
+        db_engine.dispose()
+        raise
     sessions = make_sessionmaker(db_engine, jobs_dir=settings.jobs_dir)
     engine = build_engine(settings, sessions)
     if guard is not None:

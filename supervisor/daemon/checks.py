@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import errno
 import logging
+import os
 import time
 from collections.abc import Sequence
 
@@ -102,6 +103,8 @@ class JobChecks:
         state was checked: their reading is rooted at the shim without a second look."""
         self._exiting = False
         """Set by `stop_starting`: no pending job starts."""
+        self._jobs_dir = os.path.realpath(settings.jobs_dir)
+        """Recorded with each attempt it launches (`Job.jobs_dir`)."""
         self._stopped_for_exit: set[str] = set()
         """Jobs the daemon's exit asked to stop (not those a user had stopped already)."""
         self._depends_on: dict[str, tuple[str, ...]] = {}
@@ -399,7 +402,7 @@ class JobChecks:
     def _launch(self, session: Session, job: Job, spec: JobSpec, now: float) -> None:
         """Record the attempt first, then start it: a daemon crash between the two
         leaves a `running` row the next daemon can settle, never a job started twice."""
-        store.start_attempt(session, job, now=now)
+        store.start_attempt(session, job, now=now, jobs_dir=self._jobs_dir)
         session.commit()
         try:
             attempt = self.backends.backend_for(job).start(job.id, job.attempt, spec,

@@ -162,7 +162,8 @@ def _rebuild_job(jobs_dir: Path, jdir: Path, now: float,
         source = "launch.json: no job.json, so its name, output and restart policy are unknown"
 
     job = Job(id=jdir.name, name=spec.name, spec_json=spec.model_dump_json(),
-              state=JobState.PENDING.value, created_at=created_at, attempt=0, restarts=0)
+              state=JobState.PENDING.value, created_at=created_at, attempt=0, restarts=0,
+              jobs_dir=os.path.realpath(jobs_dir))
     if numbers:
         state, reason = _from_attempt(jobs_dir, job, spec, numbers[-1], now, settings)
     else:

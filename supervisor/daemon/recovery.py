@@ -35,7 +35,8 @@ from sqlalchemy.exc import DBAPIError, OperationalError
 
 from supervisor.config import Settings
 from supervisor.daemon.rebuild import job_dirs, rebuild
-from supervisor.errors import DatabaseDamaged, DatabaseUnavailable
+from supervisor.errors import DatabaseDamaged, DatabaseUnavailable, JobsElsewhere
+from supervisor.spec import JobState
 from supervisor.storage.database import (
     make_engine,
     make_sessionmaker,
@@ -275,6 +276,31 @@ def open_server_database(settings: Settings, url: str, now: float) -> Engine:
     if not known:
         rebuild_if_lost(engine, settings, shown, "had no jobs", now)
     return engine
+
+
+def refuse_jobs_elsewhere(engine: Engine, settings: Settings) -> None:
+    """Raise `JobsElsewhere` when a running job was launched from another data dir: a
+    daemon with another `--data-dir` on the same database (`JOBSUP_DATABASE_URL`) sees
+    none of its files, judged its launch cut short and ran it a second time (#30, item
+    7). Jobs that ran there and ended, and pending ones, are this daemon's to show and
+    to launch."""
+    here = os.path.realpath(settings.jobs_dir)
+    with engine.connect() as conn:
+        rows = conn.execute(
+            select(Job.id, Job.name, Job.jobs_dir)
+            .where(Job.state == JobState.RUNNING.value, Job.jobs_dir.is_not(None),
+                   Job.jobs_dir != here)
+            .order_by(Job.created_at, Job.id)).all()
+    if not rows:
+        return
+    job_id, name, there = rows[0][0], rows[0][1], str(rows[0][2])
+    more = f" (and {len(rows) - 1} more running jobs)" if len(rows) > 1 else ""
+    raise JobsElsewhere(
+        f"job {job_id} ({name}) is running from another data dir: {there} holds its "
+        f"files, not {here}{more}; a daemon here cannot watch it and would run it again",
+        hint=f"start the daemon with the data dir those jobs ran from (--data-dir "
+             f"{os.path.dirname(there)}, or JOBSUP_DATA_DIR) until they have ended; or "
+             f"give this data dir a database of its own")
 
 
 INSUFFICIENT_PRIVILEGE = "42501"
