@@ -114,6 +114,8 @@ def main() -> int:
     add("--eval-handwritten", type=int, default=80, help="hand-written questions (0: none)")
     add("--max-tokens", type=int, default=256, help="per generated answer")
     add("--prompt-max-tokens", type=int, default=128, help="per self-written prompt")
+    add("--prompt-openers", help="self:N: workers.generate --prompt-openers (default its)")
+    add("--prompt-top-p", type=float, help="self:N: workers.generate --prompt-top-p")
     add("--eval-tokens", type=int, default=96, help="per evaluated prompt")
     add("--batch-size", type=int, default=64, help="generation batch")
     add("--store", choices=("dtype", "fp8"), default="dtype", help="extracted features")
@@ -144,7 +146,10 @@ def main() -> int:
     if "prompts" in steps:
         make_prompts(work, count if kind == "synthetic" else 0, args.eval_prompts, args.seed)
     source = (["--self-prompts", str(count), "--seed", str(args.seed),
-               "--prompt-max-tokens", str(args.prompt_max_tokens)] if kind == "self"
+               "--prompt-max-tokens", str(args.prompt_max_tokens),
+               *(["--prompt-openers", args.prompt_openers] if args.prompt_openers else []),
+               *(["--prompt-top-p", str(args.prompt_top_p)] if args.prompt_top_p else [])]
+              if kind == "self"
               else ["--prompts", str(train_prompts)])
     train_flags = [f"--{name.replace('_', '-')}={value}" for name in
                    ("epochs", "lr", "batch_tokens", "head_init")

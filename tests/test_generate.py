@@ -460,6 +460,66 @@ def test_distinct_n_and_the_summary_fields() -> None:
     assert summary["target"] == 2
 
 
+def test_openers_are_drawn_per_seed_with_the_free_share() -> None:
+    from workers.eagle3.generation.openers import BUILTIN
+    from workers.eagle3.generation.self_prompts import SamplingSettings, pick_openers
+
+    settings = SamplingSettings(openers=BUILTIN, free_share=0.25)
+    drawn = pick_openers(4000, 7, settings)
+    assert drawn == pick_openers(4000, 7, settings) != pick_openers(4000, 8, settings)
+    assert 0.22 < drawn.count("") / 4000 < 0.28  # the free share, within ~4 sigma
+    used = [opener for opener in drawn if opener]
+    assert set(used) <= set(BUILTIN) and len(set(used)) > 0.95 * len(set(BUILTIN))
+    assert pick_openers(5, 7, SamplingSettings()) == [""] * 5  # no openers: all free
+    assert "" not in pick_openers(50, 1, SamplingSettings(openers=("Solve",), free_share=0))
+
+
+def test_read_openers_builtin_none_and_a_file(tmp_path: Path) -> None:
+    from workers.eagle3.generation.openers import BUILTIN, read_openers
+
+    assert read_openers("builtin") == BUILTIN and read_openers("none") == ()
+    assert len(set(BUILTIN)) == len(BUILTIN) and all(o == o.strip() and o for o in BUILTIN)
+    file = tmp_path / "openers.txt"
+    file.write_text("# requests for a maths tutor\nSolve\n\n  Prove that  \n")
+    assert read_openers(str(file)) == ("Solve", "Prove that")
+    file.write_text("# nothing\n\n")
+    with pytest.raises(ValueError, match="no opener in the file"):
+        read_openers(str(file))
+    with pytest.raises(ValueError, match="No such file"):
+        read_openers(str(tmp_path / "missing.txt"))
+
+
+def test_openers_of_different_lengths_batch_as_they_sample_alone(tiny: Path) -> None:
+    """Samples of different openers are left-padded into one batch: greedy, each comes
+    out as it does in a batch of its own (the padding is masked, positions start at 0),
+    and each text starts with its opener."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from workers.eagle3.generation.self_prompts import (
+        SamplingSettings,
+        pick_openers,
+        pre_query_template,
+        transformers_sampler,
+    )
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny)
+    model = AutoModelForCausalLM.from_pretrained(tiny, dtype=torch.float32)
+    template = pre_query_template(tokenizer)
+    openers = ("Solve", "Write a Python function that sorts", "Pretend you are a")
+    settings = SamplingSettings(temperature=0, max_new_tokens=6, openers=openers,
+                                free_share=0.25)
+    batch = transformers_sampler(model, tokenizer, template, settings, "cpu")(12, 3)
+    chosen = pick_openers(12, 3, settings)
+    assert {opener for opener in chosen} == {"", *openers}  # every length in one batch
+    for opener, sample in zip(chosen, batch, strict=True):
+        alone = SamplingSettings(temperature=0, max_new_tokens=6, openers=(opener,) if opener
+                                 else (), free_share=0.0 if opener else 1.0)
+        [single] = transformers_sampler(model, tokenizer, template, alone, "cpu")(1, 3)
+        assert sample == single
+        assert sample.text.startswith(opener) or not sample.text.strip()  # nothing added
+
+
 def word_sampler(calls: list[int], crash_after: int | None = None) -> Any:
     """A stand-in target: per seed, the same mix of usable prompts, repeats, debris,
     truncated and short ones."""
@@ -576,6 +636,8 @@ def test_self_prompts_end_to_end_and_rerun(word_writer: Path, tmp_path: Path) ->
             r for r in written if r["id"] == record["id"])["messages"][0]
     summary = json.loads(summary_file.read_text())
     assert summary["accepted"] == 6 and summary["settings"]["pre_query"] == "<|user|>\n"
+    assert summary["settings"]["openers"] == "none"  # the default: the bare template
+    assert summary["settings"]["free_share"] == 1.0
     assert summary["sampled"] == 6 + sum(summary["rejected"].values())
     assert 0 < summary["distinct_1"] <= summary["distinct_2"] <= 1
     assert "self prompts: 6 accepted of" in first.stderr
@@ -591,11 +653,39 @@ def test_self_prompts_end_to_end_and_rerun(word_writer: Path, tmp_path: Path) ->
     assert "4 already in" in second.stderr
 
 
+def test_self_prompts_from_openers_of_a_file(word_writer: Path, tmp_path: Path) -> None:
+    """`--prompt-openers FILE --free-prompt-share 0`: every prompt starts with one of
+    the file's openers and goes on in the target's words; the summary says so."""
+    openers = tmp_path / "openers.txt"
+    openers.write_text("Solve\nWrite a Python function\n")
+    out = tmp_path / "conv.jsonl"
+    result = generate("--self-prompts", "8", "--limit", "1", "--backend", "transformers",
+                      "--model", word_writer, "--out", out, "--device", "cpu",
+                      "--max-tokens", "2", "--batch-size", "8", "--prompt-openers", openers,
+                      "--free-prompt-share", "0", timeout=240)
+    assert result.returncode == 0, result.stderr
+    texts = [r["messages"][0]["content"] for r in records(tmp_path / "conv.self_prompts.jsonl")]
+    assert len(texts) == 8
+    for text in texts:
+        opener = next(o for o in ("Solve", "Write a Python function") if text.startswith(o))
+        rest = text[len(opener):].split()  # the writer's lower-case words
+        assert rest and all(w.isalpha() and w.islower() for w in rest), text
+    assert {t.split()[0] for t in texts} == {"Solve", "Write"}
+    summary = json.loads((tmp_path / "conv.self_prompts.summary.json").read_text())
+    assert summary["settings"]["openers"] == str(openers)
+    assert (summary["settings"]["opener_count"], summary["settings"]["free_share"]) == (2, 0)
+
+
 def test_self_prompts_usage_errors_and_a_model_that_writes_nothing_usable(
         tiny: Path, tmp_path: Path) -> None:
     both = generate("--self-prompts", "5", "--prompts", tmp_path / "p.jsonl",
                     "--out", tmp_path / "o.jsonl")
     assert both.returncode == 2 and "not allowed with argument" in both.stderr
+    for flags, message in [(("--prompt-openers", tmp_path / "none.txt"), "No such file"),
+                           (("--free-prompt-share", "1.5"), "must be in [0, 1]")]:
+        bad = generate("--self-prompts", "5", "--out", tmp_path / "o.jsonl", "--backend",
+                       "transformers", "--model", tiny, *flags)
+        assert bad.returncode == 2 and message in bad.stderr, bad.stderr
     openai = generate("--self-prompts", "5", "--out", tmp_path / "o.jsonl")
     assert openai.returncode == 2 and "--self-prompts needs --backend transformers" \
         in openai.stderr

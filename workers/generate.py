@@ -38,7 +38,7 @@ from workers.common import (
     require_file,
     setup_logging,
 )
-from workers.eagle3.generation import self_prompts
+from workers.eagle3.generation import openers, self_prompts
 from workers.eagle3.generation.generate_output import (
     Answer,
     OutputFile,
@@ -274,6 +274,15 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     self_prompts.add_argument("--max-rounds", type=positive(int), default=8,
                               help="sampling rounds (each sized by the acceptance so far) "
                                    "before giving up with exit 1")
+    self_prompts.add_argument("--prompt-openers", default="none", metavar="none|builtin|FILE",
+                              help="first words of the user turn the target goes on from, "
+                                   "one drawn per prompt: none (the bare template, Magpie's "
+                                   "way), builtin (requests of every kind: code, sums, "
+                                   "stories, role-play, extraction, ...; "
+                                   "workers/eagle3/generation/openers.py), or a file of one "
+                                   "per line")
+    self_prompts.add_argument("--free-prompt-share", type=float, default=0.25, metavar="S",
+                              help="with openers: the share of prompts written with none")
     self_prompts.add_argument("--seed", type=int, default=0,
                               help="seed of the prompt sampling (reproducible runs)")
     add("-v", "--verbose", action="store_true")
@@ -285,6 +294,14 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                      "cannot yet have a server continue a raw chat template)")
     if args.prompt_temperature < 0 or not 0 < args.prompt_top_p <= 1:
         parser.error("--prompt-temperature must be >= 0 and --prompt-top-p in (0, 1]")
+    if not 0 <= args.free_prompt_share <= 1:
+        parser.error("--free-prompt-share must be in [0, 1]")
+    try:
+        args.openers = openers.read_openers(args.prompt_openers)
+    except ValueError as exc:
+        parser.error(str(exc))
+    if not args.openers:
+        args.free_prompt_share = 1.0
     return args
 
 
@@ -297,7 +314,8 @@ def write_self_prompts(args: argparse.Namespace, target: LocalTarget) -> dict[st
         raise RunError(f"--self-prompts: {exc}", 2) from None
     log.info("self prompts: continuing %r until %r", template.text, template.end_of_turn)
     sampling = self_prompts.SamplingSettings(args.prompt_temperature, args.prompt_top_p,
-                                             args.prompt_max_tokens)
+                                             args.prompt_max_tokens, args.openers,
+                                             args.free_prompt_share)
     sampler = self_prompts.transformers_sampler(target.model, tokenizer, template, sampling,
                                                 target.device)
     filters = self_prompts.FilterSettings(
@@ -307,7 +325,9 @@ def write_self_prompts(args: argparse.Namespace, target: LocalTarget) -> dict[st
                                             args.max_rounds, filters)
     context = {"pre_query": template.text, "end_of_turn": template.end_of_turn,
                "temperature": sampling.temperature, "top_p": sampling.top_p,
-               "max_new_tokens": sampling.max_new_tokens, "seed": args.seed}
+               "max_new_tokens": sampling.max_new_tokens, "seed": args.seed,
+               "openers": args.prompt_openers, "opener_count": len(args.openers),
+               "free_share": sampling.free_share}
     summary = self_prompts.collect(args.out, sampler, settings,
                                    ProgressReporter(total=args.self_prompts, unit="self prompt"),
                                    context)

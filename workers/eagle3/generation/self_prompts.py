@@ -445,15 +445,32 @@ class SamplingSettings:
     temperature: float = 1.0
     top_p: float = 1.0
     max_new_tokens: int = 256
+    openers: tuple[str, ...] = ()
+    """First words of the user turn the target goes on from (`openers.read_openers`);
+    none: every turn from the bare pre-query template."""
+    free_share: float = 1.0
+    """The share of samples with no opener (1.0 where there are none)."""
+
+
+def pick_openers(count: int, seed: int, settings: SamplingSettings) -> list[str]:
+    """The opener of each of a batch's `count` samples ("" for none), drawn from the
+    batch's seed: a rerun draws the same."""
+    if not settings.openers:
+        return [""] * count
+    rng = np.random.default_rng(seed)
+    free = rng.random(count) < settings.free_share
+    chosen = rng.integers(len(settings.openers), size=count)
+    return ["" if f else settings.openers[i] for f, i in zip(free, chosen, strict=True)]
 
 
 def transformers_sampler(model: Any, tokenizer: Any, template: PreQueryTemplate,
                          settings: SamplingSettings, device: Any) -> Sampler:
-    """Continuations of the pre-query template by a loaded HF causal LM, decoded with
-    their special tokens (so the filters see template debris)."""
+    """Continuations of the pre-query template (and of each sample's opener) by a loaded
+    HF causal LM, decoded with their special tokens (so the filters see template debris);
+    a sample's text is its opener and the continuation (empty where the continuation is).
+    Samples of different openers are left-padded into one batch."""
     import torch
 
-    prompt = tokenizer(template.text, return_tensors="pt", add_special_tokens=False)
     eos = model.generation_config.eos_token_id
     eos = tokenizer.eos_token_id if eos is None else eos
     stop_ids = {template.end_of_turn_id} | (set(eos) if isinstance(eos, list) else {eos})
@@ -464,18 +481,31 @@ def transformers_sampler(model: Any, tokenizer: Any, template: PreQueryTemplate,
                                "do_sample": settings.temperature > 0}
     if settings.temperature > 0:
         options.update(temperature=settings.temperature, top_p=settings.top_p, top_k=0)
+    encoded: dict[str, list[int]] = {}
+
+    def tokens_of(opener: str) -> list[int]:
+        if opener not in encoded:
+            encoded[opener] = tokenizer(template.text + opener,
+                                        add_special_tokens=False)["input_ids"]
+        return encoded[opener]
 
     def sample(count: int, seed: int) -> list[Sample]:
+        openers = pick_openers(count, seed, settings)
+        rows = [tokens_of(opener) for opener in openers]
+        width = max(map(len, rows))
+        input_ids = torch.tensor([[pad] * (width - len(r)) + r for r in rows], device=device)
+        mask = torch.tensor([[0] * (width - len(r)) + [1] * len(r) for r in rows],
+                            device=device)
         torch.manual_seed(seed)
-        input_ids = prompt["input_ids"].repeat(count, 1).to(device)
-        with torch.inference_mode():  # one prompt repeated: no padding
-            out = model.generate(input_ids=input_ids, attention_mask=torch.ones_like(input_ids),
-                                 **options)
+        with torch.inference_mode():
+            out = model.generate(input_ids=input_ids, attention_mask=mask, **options)
         samples = []
-        for tokens in out[:, input_ids.shape[1]:].tolist():
+        for opener, tokens in zip(openers, out[:, width:].tolist(), strict=True):
             stop = next((i for i, t in enumerate(tokens) if t in stop_ids), None)
             kept = tokens if stop is None else tokens[:stop]
-            samples.append(Sample(tokenizer.decode(kept, skip_special_tokens=False),
+            written = tokenizer.decode(kept, skip_special_tokens=False)
+            # an opener the target added nothing to is no prompt of its: rejected as empty
+            samples.append(Sample(opener + written if written.strip() else written,
                                   stop is not None))
         return samples
 
