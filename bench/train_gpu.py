@@ -194,10 +194,12 @@ def disk_breakdown(config: DraftConfig, root: Path, batch_tokens: int, batches: 
                    ttt_steps: int, device: torch.device) -> list[tuple[str, float]]:
     """Tokens/s of the parts of `workers.train`'s loop over an extraction on disk, each
     over the same first `batches` batches of epoch 0's plan: the reader alone (as the
-    trainer calls it: pinned on a GPU, cast to the compute dtype), the read-ahead
-    reader, the host-to-device copy of resident batches, the step alone on one resident
-    batch, and the loop as `workers.train` runs it (read ahead, copy, step), its
-    batches read ahead on one thread and in 2 processes (`--read-processes`)."""
+    trainer calls it: pinned on a GPU, cast to the compute dtype, fp8 features kept as
+    stored there and decoded on the device), the reader decoding fp8 itself (as before),
+    the read-ahead reader, the host-to-device copy (and decode) of resident batches, the
+    step alone on one resident batch, and the loop as `workers.train` runs it (read
+    ahead, copy, decode, step), its batches read ahead on one thread and in 2 processes
+    (`--read-processes`)."""
     from workers.eagle3.training.train_data import (
         ExtractedData,
         load_batch,
@@ -213,7 +215,7 @@ def disk_breakdown(config: DraftConfig, root: Path, batch_tokens: int, batches: 
 
     def load(samples: list) -> Batch:  # noqa: ANN001
         return load_batch(root, samples, config.hidden_size, batch_tokens, pin=pin,
-                          dtype=dtype)
+                          dtype=dtype, fp8=device.type == "cuda")
 
     def rate(fn) -> float:  # noqa: ANN001 - tokens/s of fn(), which returns tokens
         sync(device)
@@ -227,17 +229,20 @@ def disk_breakdown(config: DraftConfig, root: Path, batch_tokens: int, batches: 
     rows.append(("read (load_batch, one thread)", rate(lambda: sum(load(b).tokens
                                                                  for b in plan))))
     rows.append(("read, unpinned", rate(lambda: sum(
-        load_batch(root, b, config.hidden_size, batch_tokens, pin=False, dtype=dtype).tokens
+        load_batch(root, b, config.hidden_size, batch_tokens, pin=False, dtype=dtype,
+                   fp8=device.type == "cuda").tokens for b in plan))))
+    rows.append(("read, fp8 decoded by the reader (before)", rate(lambda: sum(
+        load_batch(root, b, config.hidden_size, batch_tokens, pin=pin, dtype=dtype).tokens
         for b in plan))))
     rows.append(("read ahead (prefetched)", rate(lambda: sum(b.tokens for b in
                                                            prefetched(load, plan)))))
     resident = [load(b) for b in plan[:min(len(plan), 8)]]
-    rows.append(("copy to the device (8 batches)", rate(lambda: sum(
-        b.to(device).tokens for b in resident))))
+    rows.append(("copy to the device and decode (8 batches)", rate(lambda: sum(
+        b.to(device).decoded().tokens for b in resident))))
     model, head = build(config, device, dtype)
     optimizer = build_optimizer(model, 1e-3)
     scheduler = build_scheduler(optimizer, 0, 10 * batches + 20)
-    first = resident[0].to(device)
+    first = resident[0].to(device).decoded()
 
     def steps_resident() -> int:
         for _ in range(batches):
@@ -251,12 +256,13 @@ def disk_breakdown(config: DraftConfig, root: Path, batch_tokens: int, batches: 
         tokens = 0
 
         def unpinned(samples: list) -> Batch:  # noqa: ANN001 - pinned by the loader
-            return load_batch(root, samples, config.hidden_size, batch_tokens, dtype=dtype)
+            return load_batch(root, samples, config.hidden_size, batch_tokens, dtype=dtype,
+                              fp8=device.type == "cuda")
 
         batches = read_ahead(unpinned if processes else load, plan, processes=processes,
                              pin=pin)
         for batch in batches:
-            train_step(model, head, batch.to(device), optimizer, scheduler,
+            train_step(model, head, batch.to(device).decoded(), optimizer, scheduler,
                        ttt_steps=ttt_steps)
             tokens += batch.tokens
         return tokens

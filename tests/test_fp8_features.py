@@ -17,7 +17,7 @@ from safetensors.torch import load_file
 from tests.helpers import make_conversations, make_model
 from workers import export, extract, vocab
 from workers.eagle3.extraction.fp8_features import FP8_MAX, decode, encode, read_feature
-from workers.eagle3.training.train_data import ExtractedData, load_batch
+from workers.eagle3.training.train_data import Batch, ExtractedData, Sample, load_batch, read_ahead
 from workers.train import build_model, build_optimizer, build_scheduler, parse_args, train_step
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -236,6 +236,63 @@ def test_training_reads_an_fp8_extraction(extractions: dict[str, Path],
     losses = [train_step(model, head, batch, optimizer, scheduler, ttt_steps=2)["loss"]
               for _ in range(4)]
     assert all(math.isfinite(loss) for loss in losses) and losses[-1] < losses[0], losses
+
+
+@pytest.mark.slow
+def test_fp8_batches_kept_as_stored_decode_where_they_train_to_the_same_values(
+        extractions: dict[str, Path], tmp_path: Path) -> None:
+    """`load_batch(fp8=True)` (what the trainer reads on a GPU) keeps an fp8 extraction's
+    features as stored with their scales, half the bytes to copy; `Batch.decoded()` on
+    the device gives bit for bit the batch the reader's own decode gives. A batch whose
+    files are not all fp8 is decoded by the reader, in either order, and the batches
+    cross forked reader processes as they are."""
+    data = ExtractedData(extractions["fp8"])
+    samples = data.samples[:8]
+    for dtype in (None, torch.bfloat16, torch.float32):
+        kept = load_batch(data.root, samples, HIDDEN, 4096, dtype=dtype, fp8=True)
+        assert kept.aux.dtype == kept.hidden.dtype == torch.float8_e4m3fn
+        assert kept.aux_scale is not None and kept.hidden_scale is not None
+        assert kept.aux_scale.shape == (*kept.aux.shape[:2], 3)
+        assert kept.hidden_scale.shape == (*kept.hidden.shape[:2], 1)
+        assert kept.aux.nbytes * 2 == load_batch(data.root, samples, HIDDEN, 4096,
+                                                 dtype=torch.bfloat16).aux.nbytes
+        decoded = kept.to(torch.device("cpu")).decoded()
+        reader = load_batch(data.root, samples, HIDDEN, 4096, dtype=dtype)
+        assert decoded.aux_scale is None and decoded.decoded() is decoded
+        for got, want in ((decoded.aux, reader.aux), (decoded.hidden, reader.hidden),
+                          (decoded.input_ids, reader.input_ids),
+                          (decoded.loss_mask, reader.loss_mask)):
+            assert got.dtype == want.dtype and torch.equal(got, want)
+    # a store changed between runs of one extraction: bf16 files beside fp8 ones
+    mixed = tmp_path / "mixed"
+    shutil.copytree(extractions["fp8"], mixed)
+    bf16_files = files(extractions["bf16"])
+    for number, (sample_id, path) in enumerate(sorted(files(mixed).items())):
+        if number % 2:
+            shutil.copyfile(bf16_files[sample_id], path)
+    some = ExtractedData(mixed).samples[:4]
+    stores = []
+    for sample in some:
+        with safe_open(str(mixed / sample.file), framework="pt") as f:
+            stores.append(f.get_slice("aux_hidden_states").get_dtype())
+    # both stores, one first in each order: the reader decodes what it kept, or a row
+    assert len(set(stores)) == 2 and stores[0] != stores[-1], stores
+    for order in (some, some[::-1]):
+        kept = load_batch(mixed, order, HIDDEN, 4096, dtype=torch.float32, fp8=True)
+        assert kept.aux.dtype == torch.float32 and kept.aux_scale is None
+        assert torch.equal(kept.aux, load_batch(mixed, order, HIDDEN, 4096,
+                                                dtype=torch.float32).aux)
+    # through two forked readers, as the trainer reads on a GPU
+    plan = [samples[:4], samples[4:]]
+
+    def load(part: list[Sample]) -> Batch:
+        return load_batch(data.root, part, HIDDEN, 4096, dtype=torch.bfloat16, fp8=True)
+
+    for got, part in zip(read_ahead(load, plan, processes=2), plan, strict=True):
+        want = load_batch(data.root, part, HIDDEN, 4096, dtype=torch.bfloat16)
+        assert got.aux.dtype == torch.float8_e4m3fn
+        assert torch.equal(got.decoded().aux, want.aux)
+        assert torch.equal(got.decoded().hidden, want.hidden)
 
 
 @pytest.mark.slow

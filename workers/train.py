@@ -354,7 +354,8 @@ def train(args: argparse.Namespace, progress: ProgressReporter,
 
     def load(samples: list[Sample]) -> Batch:  # pinned here, or by the readers' loader
         return load_batch(data.root, samples, model.config.hidden_size, args.batch_tokens,
-                          pin=pin and not processes, dtype=compute_dtype(device))
+                          pin=pin and not processes, dtype=compute_dtype(device),
+                          fp8=device.type == "cuda")  # fp8 features decoded on the GPU
 
     def read(batches: list[list[Sample]]) -> Iterator[Batch]:
         return read_ahead(load, batches, processes=processes, pin=pin)
@@ -384,7 +385,7 @@ def train(args: argparse.Namespace, progress: ProgressReporter,
         for (epoch, k, _), batch in zip(todo, batches, strict=True):
             if stop():
                 break
-            metrics = train_step(model, head, batch.to(device), optimizer, scheduler,
+            metrics = train_step(model, head, batch.to(device).decoded(), optimizer, scheduler,
                                  ttt_steps=args.ttt_steps, grad_clip=args.grad_clip)
             step, position = step + 1, (epoch, k + 1)
             tokens_seen += batch.tokens

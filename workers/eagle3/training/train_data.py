@@ -25,7 +25,7 @@ import torch
 from safetensors import safe_open
 
 from workers.common import read_jsonl
-from workers.eagle3.extraction.fp8_features import is_encoded, read_feature
+from workers.eagle3.extraction.fp8_features import decode, is_encoded, read_feature, scale_name
 
 SORT_WINDOW = 1024
 """Samples of the epoch's permutation sorted by length together before packing."""
@@ -101,30 +101,58 @@ class Batch:
     loss_mask: torch.Tensor  # [B, L] bool, False on padding
     indices: list[int]
     tokens: int  # real (unpadded) tokens
+    aux_scale: torch.Tensor | None = None
+    """[B, L, 3] fp32 where `aux` is still fp8 as stored (`load_batch(fp8=True)`): the
+    batch is then decoded where it trains (`decoded`), not by its reader."""
+    hidden_scale: torch.Tensor | None = None  # [B, L, 1], as `aux_scale`
+    decode_to: torch.dtype | None = None
+    """What `decoded` decodes fp8 features to (`load_batch`'s `dtype`; None: fp32)."""
+
+    def _map(self, how: Callable[[torch.Tensor], torch.Tensor]) -> Batch:
+        aux_scale, hidden_scale = (None if t is None else how(t)
+                                   for t in (self.aux_scale, self.hidden_scale))
+        return Batch(how(self.aux), how(self.hidden), how(self.input_ids),
+                     how(self.loss_mask), self.indices, self.tokens, aux_scale, hidden_scale,
+                     self.decode_to)
 
     def pin_memory(self) -> Batch:
         """Page-locked copies (what `DataLoader(pin_memory=True)` calls on a batch)."""
-        pinned = [t.pin_memory() for t in (self.aux, self.hidden, self.input_ids,
-                                           self.loss_mask)]
-        return Batch(*pinned, indices=self.indices, tokens=self.tokens)
+        return self._map(lambda t: t.pin_memory())
 
     def to(self, device: torch.device) -> Batch:
-        moved = [t.to(device, non_blocking=True) for t in (self.aux, self.hidden,
-                                                           self.input_ids, self.loss_mask)]
-        return Batch(*moved, indices=self.indices, tokens=self.tokens)
+        return self._map(lambda t: t.to(device, non_blocking=True))
+
+    def decoded(self) -> Batch:
+        """The batch with its fp8 features decoded (to `decode_to`) on the device they are
+        on; itself when none is fp8. The same values as a reader's decode (`read_feature`)."""
+        if self.aux_scale is None and self.hidden_scale is None:
+            return self
+        aux, hidden = (t if scale is None else decode(t, scale, self.decode_to)
+                       for t, scale in ((self.aux, self.aux_scale),
+                                        (self.hidden, self.hidden_scale)))
+        return Batch(aux, hidden, self.input_ids, self.loss_mask, self.indices, self.tokens)
 
 
 def load_batch(root: Path, samples: Sequence[Sample], hidden_size: int, max_length: int,
-               pin: bool = False, dtype: torch.dtype | None = None) -> Batch:
+               pin: bool = False, dtype: torch.dtype | None = None,
+               fp8: bool = False) -> Batch:
     """Reads only the rows needed (memory-mapped slices), right-padded to a multiple of 8.
     The hidden states are cast to `dtype` (the trainer's compute dtype) as they are
     copied into the batch, so bf16 extractions train on CPU in fp32; None keeps the
     files' dtype. An fp8 extraction (`--store fp8`) is decoded with its per-token,
-    per-layer scales to `dtype` (None: fp32, the exact product)."""
+    per-layer scales to `dtype` (None: fp32, the exact product); with `fp8`, kept as
+    stored with its scales for the trainer to decode on its device (`Batch.decoded`):
+    half the bytes to copy and no decode in the reader (a batch whose files are not all
+    fp8 is decoded here)."""
     lengths = [min(s.seq_len, max_length) for s in samples]
     padded = -(-max(lengths) // 8) * 8
     out: dict[str, torch.Tensor] = {}
+    scales: dict[str, torch.Tensor] = {}  # of the features kept in fp8
     widths = {"aux_hidden_states": 3 * hidden_size, "hidden_state": hidden_size}
+
+    def buffer(shape: tuple[int, ...], kind: torch.dtype) -> torch.Tensor:
+        return torch.zeros((len(samples), padded, *shape), dtype=kind, pin_memory=pin)
+
     for row, (sample, length) in enumerate(zip(samples, lengths, strict=True)):
         path = root / sample.file
         try:
@@ -135,14 +163,22 @@ def load_batch(root: Path, samples: Sequence[Sample], hidden_size: int, max_leng
                     if name in widths and (len(shape) != 2 or shape[1] != widths[name]):
                         raise TrainError(f"{path}: {name} is {shape}, expected "
                                          f"[S, {widths[name]}]: extracted from another model?")
-                    if name in widths and is_encoded(f, name):  # --store fp8
-                        tensor = read_feature(f, name, length, dtype)
-                    else:
+                    encoded = name in widths and is_encoded(f, name)  # --store fp8
+                    if encoded and fp8 and (row == 0 or name in scales):
+                        scale = f.get_slice(scale_name(name))[:length]
+                        if row == 0:
+                            scales[name] = buffer(scale.shape[1:], torch.float32)
+                        scales[name][row, :length] = scale
                         tensor = part[:length]
+                    else:
+                        if name in scales:  # this batch mixes stores: decode it here
+                            out[name] = decode(out[name], scales.pop(name), dtype)
+                        tensor = (read_feature(f, name, length, dtype) if encoded
+                                  else part[:length])
                     if name not in out:
-                        cast = dtype if dtype is not None and name in widths else tensor.dtype
-                        out[name] = torch.zeros((len(samples), padded, *tensor.shape[1:]),
-                                                dtype=cast, pin_memory=pin)
+                        cast = (dtype if dtype is not None and name in widths
+                                and name not in scales else tensor.dtype)
+                        out[name] = buffer(tensor.shape[1:], cast)
                     out[name][row, :tensor.shape[0]] = tensor
         except TrainError:
             raise
@@ -150,7 +186,8 @@ def load_batch(root: Path, samples: Sequence[Sample], hidden_size: int, max_leng
             raise TrainError(f"{path}: unreadable sample: {exc}") from exc
     mask = out["loss_mask"].bool()
     return Batch(out["aux_hidden_states"], out["hidden_state"], out["input_ids"].long(), mask,
-                 [s.index for s in samples], sum(lengths))
+                 [s.index for s in samples], sum(lengths), scales.get("aux_hidden_states"),
+                 scales.get("hidden_state"), dtype)
 
 
 def read_ahead(load: Callable[[list[Sample]], Batch], batches: Sequence[list[Sample]], *,

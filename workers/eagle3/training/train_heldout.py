@@ -146,7 +146,7 @@ def measure_heldout(model: Eagle3Draft, head: TargetHead, batches: Iterable[Batc
     loss_total = torch.zeros(ttt_steps, dtype=torch.float64, device=device)
     try:
         for batch in batches:
-            moved = batch.to(device)
+            moved = batch.to(device).decoded()
             with torch.autocast(device.type, dtype=torch.bfloat16,
                                 enabled=device.type == "cuda"):
                 target_logits, valid = head(moved.hidden, moved.loss_mask)
