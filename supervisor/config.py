@@ -45,6 +45,11 @@ class Settings(BaseSettings):
     and the jobs are rebuilt from `<data_dir>/jobs`; without it, a damaged database
     stops the daemon. A sound database is left alone either way."""
 
+    abandon_jobs_elsewhere: bool = False
+    """At start, running jobs launched from another data dir whose files are not in this
+    one are recorded lost (left running, unwatched) instead of stopping the daemon
+    (`recovery.check_jobs_elsewhere`)."""
+
     token: str | None = None
     """Bearer token required on every route but /healthz when set."""
 

@@ -76,14 +76,23 @@ def wait_for(predicate: Callable[[], Any], timeout: float, interval: float = 0.0
 
 
 def cpu_wait_s(pid: int) -> float:
-    """Seconds the process's main thread has spent runnable but waiting for a CPU (the
-    second field of `/proc/PID/schedstat`); 0 where the kernel does not say, or the
-    process is gone."""
+    """Seconds the process's threads have spent runnable but waiting for a CPU, summed
+    over its threads (the second field of each `/proc/PID/task/TID/schedstat`: the
+    daemon's tick runs on a thread of its own, its HTTP server on the main one); 0 where
+    the kernel does not say, or the process is gone. Two threads waiting at once count
+    twice: an allowance, not a clock."""
+    waited = 0
     try:
-        with open(f"/proc/{pid}/schedstat") as f:
-            return int(f.read().split()[1]) / 1e9
-    except (OSError, ValueError, IndexError):
+        tasks = os.listdir(f"/proc/{pid}/task")
+    except OSError:
         return 0.0
+    for tid in tasks:
+        try:
+            with open(f"/proc/{pid}/task/{tid}/schedstat") as f:
+                waited += int(f.read().split()[1])
+        except (OSError, ValueError, IndexError):  # a thread gone meanwhile
+            continue
+    return waited / 1e9
 
 
 class Daemon:

@@ -65,7 +65,7 @@ def test_an_alert_opened_elsewhere_is_seen_by_the_next_tick(tmp_path: Path) -> N
     with in_process_engine(tmp_path / "data", clock=clock) as (engine, sessions):
         with sessions() as session:
             job = store.create_job(session, spec=JobSpec(name="j", command=["true"]), now=T0)
-            store.start_attempt(session, job, now=T0)
+            store.start_attempt(session, job, now=T0, launched_from=("a" * 32, "/data/jobs"))
             store.transition(session, job, JobState.SUCCEEDED, now=T0, reason="exit 0")
             session.commit()
             job_id = job.id

@@ -4,6 +4,7 @@ back by train, vocab and export, on the CPU."""
 
 from __future__ import annotations
 
+import copy
 import json
 import math
 import shutil
@@ -233,9 +234,17 @@ def test_training_reads_an_fp8_extraction(extractions: dict[str, Path],
     optimizer = build_optimizer(model, 3e-3)
     scheduler = build_scheduler(optimizer, 0, 100)
     batch = load_batch(data.root, samples, HIDDEN, 4096, dtype=torch.float32)
+    twin = copy.deepcopy(model)
+    twin_optimizer = build_optimizer(twin, 3e-3)
+    twin_scheduler = build_scheduler(twin_optimizer, 0, 100)
     losses = [train_step(model, head, batch, optimizer, scheduler, ttt_steps=2)["loss"]
               for _ in range(4)]
     assert all(math.isfinite(loss) for loss in losses) and losses[-1] < losses[0], losses
+    # a batch kept in fp8 (as the GPU's readers hand it over) is decoded by the step
+    kept = load_batch(data.root, samples, HIDDEN, 4096, dtype=torch.float32, fp8=True)
+    assert kept.aux.dtype == torch.float8_e4m3fn
+    assert [train_step(twin, head, kept, twin_optimizer, twin_scheduler, ttt_steps=2)["loss"]
+            for _ in range(4)] == losses
 
 
 @pytest.mark.slow
@@ -258,6 +267,10 @@ def test_fp8_batches_kept_as_stored_decode_where_they_train_to_the_same_values(
                                                  dtype=torch.bfloat16).aux.nbytes
         decoded = kept.to(torch.device("cpu")).decoded()
         reader = load_batch(data.root, samples, HIDDEN, 4096, dtype=dtype)
+        if torch.cuda.is_available():  # where the trainer decodes it
+            on_gpu = kept.to(torch.device("cuda")).decoded()
+            assert torch.equal(on_gpu.aux.cpu(), reader.aux)
+            assert torch.equal(on_gpu.hidden.cpu(), reader.hidden)
         assert decoded.aux_scale is None and decoded.decoded() is decoded
         for got, want in ((decoded.aux, reader.aux), (decoded.hidden, reader.hidden),
                           (decoded.input_ids, reader.input_ids),
@@ -278,10 +291,11 @@ def test_fp8_batches_kept_as_stored_decode_where_they_train_to_the_same_values(
     # both stores, one first in each order: the reader decodes what it kept, or a row
     assert len(set(stores)) == 2 and stores[0] != stores[-1], stores
     for order in (some, some[::-1]):
-        kept = load_batch(mixed, order, HIDDEN, 4096, dtype=torch.float32, fp8=True)
-        assert kept.aux.dtype == torch.float32 and kept.aux_scale is None
-        assert torch.equal(kept.aux, load_batch(mixed, order, HIDDEN, 4096,
-                                                dtype=torch.float32).aux)
+        for dtype in (torch.float32, torch.bfloat16):
+            kept = load_batch(mixed, order, HIDDEN, 4096, dtype=dtype, fp8=True)
+            assert kept.aux.dtype == dtype and kept.aux_scale is None
+            assert torch.equal(kept.aux, load_batch(mixed, order, HIDDEN, 4096,
+                                                    dtype=dtype).aux)
     # through two forked readers, as the trainer reads on a GPU
     plan = [samples[:4], samples[4:]]
 

@@ -4,6 +4,7 @@ local transformers backend."""
 
 from __future__ import annotations
 
+import hashlib
 import json
 import signal
 import subprocess
@@ -464,14 +465,14 @@ def test_openers_are_drawn_per_seed_with_the_free_share() -> None:
     from workers.eagle3.generation.openers import BUILTIN
     from workers.eagle3.generation.self_prompts import SamplingSettings, pick_openers
 
-    settings = SamplingSettings(openers=BUILTIN, free_share=0.25)
+    settings = SamplingSettings(openers=BUILTIN, free_prompt_share=0.25)
     drawn = pick_openers(4000, 7, settings)
     assert drawn == pick_openers(4000, 7, settings) != pick_openers(4000, 8, settings)
     assert 0.22 < drawn.count("") / 4000 < 0.28  # the free share, within ~4 sigma
     used = [opener for opener in drawn if opener]
     assert set(used) <= set(BUILTIN) and len(set(used)) > 0.95 * len(set(BUILTIN))
     assert pick_openers(5, 7, SamplingSettings()) == [""] * 5  # no openers: all free
-    assert "" not in pick_openers(50, 1, SamplingSettings(openers=("Solve",), free_share=0))
+    assert "" not in pick_openers(50, 1, SamplingSettings(openers=("Solve",), free_prompt_share=0))
 
 
 def test_read_openers_builtin_none_and_a_file(tmp_path: Path) -> None:
@@ -487,6 +488,30 @@ def test_read_openers_builtin_none_and_a_file(tmp_path: Path) -> None:
         read_openers(str(file))
     with pytest.raises(ValueError, match="No such file"):
         read_openers(str(tmp_path / "missing.txt"))
+
+
+def test_an_opener_keeps_the_space_a_sentencepiece_tokenizer_decodes_away() -> None:
+    """Decoded alone, a Metaspace (SentencePiece: Llama 2, Mistral) continuation loses
+    its first space: "Write a poem" + "about the sea". Decoded after its prefix and cut
+    from it, it keeps it; a byte-level BPE one (the tiny model's) is unchanged."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    from workers.eagle3.generation.self_prompts import written_text
+
+    words = ["<unk>", "<|user|>", "\u2581Write", "\u2581a", "\u2581poem", "\u2581about",
+             "\u2581the", "\u2581sea"]
+    raw = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="<unk>"))
+    raw.pre_tokenizer, raw.decoder = pre_tokenizers.Metaspace(), decoders.Metaspace()
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=raw, unk_token="<unk>")
+    tokenizer.add_special_tokens({"additional_special_tokens": ["<|user|>"]})
+    prefix = tokenizer("<|user|>Write a poem", add_special_tokens=False)["input_ids"]
+    continued = tokenizer(" about the sea", add_special_tokens=False)["input_ids"]
+    assert "Write a poem" + tokenizer.decode(continued) == "Write a poemabout the sea"
+    assert written_text(tokenizer, prefix, "Write a poem", continued) \
+        == "Write a poem about the sea"
+    assert written_text(tokenizer, prefix, "Write a poem", []) == ""  # nothing added
+    assert written_text(tokenizer, prefix[:1], "", continued) == "about the sea"
 
 
 def test_openers_of_different_lengths_batch_as_they_sample_alone(tiny: Path) -> None:
@@ -508,13 +533,13 @@ def test_openers_of_different_lengths_batch_as_they_sample_alone(tiny: Path) -> 
     template = pre_query_template(tokenizer)
     openers = ("Solve", "Write a Python function that sorts", "Pretend you are a")
     settings = SamplingSettings(temperature=0, max_new_tokens=6, openers=openers,
-                                free_share=0.25)
+                                free_prompt_share=0.25)
     batch = transformers_sampler(model, tokenizer, template, settings, "cpu")(12, 3)
     chosen = pick_openers(12, 3, settings)
     assert {opener for opener in chosen} == {"", *openers}  # every length in one batch
     for opener, sample in zip(chosen, batch, strict=True):
         alone = SamplingSettings(temperature=0, max_new_tokens=6, openers=(opener,) if opener
-                                 else (), free_share=0.0 if opener else 1.0)
+                                 else (), free_prompt_share=0.0 if opener else 1.0)
         [single] = transformers_sampler(model, tokenizer, template, alone, "cpu")(1, 3)
         assert sample == single
         assert sample.text.startswith(opener) or not sample.text.strip()  # nothing added
@@ -637,7 +662,7 @@ def test_self_prompts_end_to_end_and_rerun(word_writer: Path, tmp_path: Path) ->
     summary = json.loads(summary_file.read_text())
     assert summary["accepted"] == 6 and summary["settings"]["pre_query"] == "<|user|>\n"
     assert summary["settings"]["openers"] == "none"  # the default: the bare template
-    assert summary["settings"]["free_share"] == 1.0
+    assert summary["settings"]["free_prompt_share"] == 1.0
     assert summary["sampled"] == 6 + sum(summary["rejected"].values())
     assert 0 < summary["distinct_1"] <= summary["distinct_2"] <= 1
     assert "self prompts: 6 accepted of" in first.stderr
@@ -673,7 +698,9 @@ def test_self_prompts_from_openers_of_a_file(word_writer: Path, tmp_path: Path) 
     assert {t.split()[0] for t in texts} == {"Solve", "Write"}
     summary = json.loads((tmp_path / "conv.self_prompts.summary.json").read_text())
     assert summary["settings"]["openers"] == str(openers)
-    assert (summary["settings"]["opener_count"], summary["settings"]["free_share"]) == (2, 0)
+    assert (summary["settings"]["opener_count"], summary["settings"]["free_prompt_share"]) == (2, 0)
+    assert summary["settings"]["openers_sha256"] == hashlib.sha256(
+        b"Solve\nWrite a Python function").hexdigest()  # which openers, not just the file
 
 
 def test_self_prompts_usage_errors_and_a_model_that_writes_nothing_usable(

@@ -7,11 +7,13 @@ lock's tests are in `test_daemon_restart.py`."""
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import subprocess
 import sys
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 from tests.helpers import Daemon, python_job, wait_for
 
@@ -77,17 +79,10 @@ def test_a_daemon_whose_deleted_lock_another_took_stops(make_daemon: Callable[..
         second.shut_down()
 
 
-def test_a_daemon_on_another_data_dir_does_not_run_a_running_job_again(
-        make_daemon: Callable[..., Daemon], tmp_path: Path) -> None:
-    """One database, one daemon at a time, but the second on another data dir: the first
-    killed while its job runs, a daemon started on the same database with another data
-    dir. The job's shim, log and exit record are in the first data dir; the second sees
-    none of them. It judged the job's launch cut short and ran it again (twice, for a job
-    that had done its work); now it refuses to start, naming the job and the data dir it
-    needs, and a daemon on the first data dir takes the job back."""
-    database = tmp_path / "shared" / "jobs.db"
-    database.parent.mkdir()
-    url = {"JOBSUP_DATABASE_URL": f"sqlite:///{database}"}
+def _job_left_running(make_daemon: Callable[..., Daemon], tmp_path: Path,
+                      url: dict[str, str]) -> tuple[Daemon, dict[str, Any], Path, Path]:
+    """A daemon on data dir `one` whose job (it appends a line to `runs.txt`, then waits
+    for the file `go`) runs on after the daemon was killed (SIGKILL)."""
     runs, flag = tmp_path / "runs.txt", tmp_path / "go"
     first = make_daemon(env=url, data_dir=tmp_path / "one")
     job = first.submit([*python_job(
@@ -97,14 +92,81 @@ def test_a_daemon_on_another_data_dir_does_not_run_a_running_job_again(
         str(runs), str(flag)], name="once")
     wait_for(lambda: first.job(job["id"])["pid"], 15, what="the worker started")
     first.kill()  # SIGKILL: the job runs on under its shim
+    return first, job, runs, flag
 
+
+def _shared_database(tmp_path: Path) -> dict[str, str]:
+    database = tmp_path / "shared" / "jobs.db"
+    database.parent.mkdir()
+    return {"JOBSUP_DATABASE_URL": f"sqlite:///{database}"}
+
+
+def test_a_daemon_on_another_data_dir_does_not_run_a_running_job_again(
+        make_daemon: Callable[..., Daemon], tmp_path: Path) -> None:
+    """One database, one daemon at a time, but the second on another data dir: the first
+    killed while its job runs, a daemon started on the same database with another data
+    dir. The job's shim, log and exit record are in the first data dir; the second sees
+    none of them. It judged the job's launch cut short and ran it again (twice, for a job
+    that had done its work); now it refuses to start, naming the job and the data dir it
+    needs. A daemon on the first data dir, by another path to it, takes the job back;
+    once the job has ended, the other data dir's daemon starts and shows it."""
+    url = _shared_database(tmp_path)
+    first, job, runs, flag = _job_left_running(make_daemon, tmp_path, url)
     result = serve(tmp_path / "two", {**first.env, **url})
     assert result.returncode == 1, result.stderr
     assert (f"error: job {job['id']} (once) is running from another data dir: "
             f"{tmp_path / 'one' / 'jobs'} holds its files, not {tmp_path / 'two' / 'jobs'}"
             ) in result.stderr, result.stderr
-    assert "hint:" in result.stderr and "Traceback" not in result.stderr
+    assert "hint:" in result.stderr and "--abandon-jobs-elsewhere" in result.stderr
+    assert "Traceback" not in result.stderr
+    (tmp_path / "link").symlink_to(tmp_path / "one")
+    again = make_daemon(env=url, data_dir=tmp_path / "link")  # the same dir: its id
+    assert again.job(job["id"])["state"] == "running"
     flag.touch()
+    assert again.wait_state(job["id"], "succeeded", "failed", "lost")["state"] == "succeeded"
+    assert runs.read_text() == "ran\n"
+    again.stop()
+    other = make_daemon(env=url, data_dir=tmp_path / "two")
+    assert other.job(job["id"])["state"] == "succeeded"
+    assert runs.read_text() == "ran\n"
+
+
+def test_abandon_jobs_elsewhere_records_them_lost_and_starts(
+        make_daemon: Callable[..., Daemon], tmp_path: Path) -> None:
+    """The first data dir gone for good: `--abandon-jobs-elsewhere` (here through its
+    environment variable) records its running job lost, leaves its processes alone, and
+    the daemon starts and runs new jobs."""
+    url = _shared_database(tmp_path)
+    _, job, runs, flag = _job_left_running(make_daemon, tmp_path, url)
+    other = make_daemon(env={**url, "JOBSUP_ABANDON_JOBS_ELSEWHERE": "1"},
+                        data_dir=tmp_path / "two")
+    lost = other.job(job["id"])
+    assert (lost["state"], lost["exit_reason"]) == ("lost", "lost")
+    assert lost["reason"].startswith(
+        f"launched from another data dir ({tmp_path / 'one' / 'jobs'}); abandoned at start")
+    assert "recorded lost (--abandon-jobs-elsewhere)" in other.log()
+    flag.touch()
+    after = other.submit(python_job("print('here')"))
+    assert other.wait_state(after["id"], "succeeded", "failed", "lost")["state"] == "succeeded"
+    assert runs.read_text() == "ran\n" and other.job(job["id"])["state"] == "lost"
+
+
+def test_a_new_data_dir_at_the_old_path_is_another_data_dir(
+        make_daemon: Callable[..., Daemon], tmp_path: Path) -> None:
+    """The same path is not the same data dir: a fresh one made where the first was (as
+    on another host with the same home directory, sharing a PostgreSQL database) holds
+    none of the running job's files and is refused; the first, moved back, is not."""
+    url = _shared_database(tmp_path)
+    first, job, runs, flag = _job_left_running(make_daemon, tmp_path, url)
+    (tmp_path / "one").rename(tmp_path / "one-away")
+    result = serve(tmp_path / "one", {**first.env, **url})
+    assert result.returncode == 1, result.stderr
+    assert (f"error: job {job['id']} (once) is running from another data dir: one at the "
+            f"same path, {tmp_path / 'one' / 'jobs'}, on another host or since replaced, "
+            "holds its files, not this one") in result.stderr, result.stderr
+    shutil.rmtree(tmp_path / "one")
+    (tmp_path / "one-away").rename(tmp_path / "one")
     again = make_daemon(env=url, data_dir=tmp_path / "one")
+    flag.touch()
     assert again.wait_state(job["id"], "succeeded", "failed", "lost")["state"] == "succeeded"
     assert runs.read_text() == "ran\n"

@@ -29,7 +29,7 @@ def test_a_restart_the_tick_did_not_see_is_not_undone(
         api.commit()
     with sessions() as tick:
         (job,) = store.jobs_in_states(tick, JobState.PENDING)
-        store.start_attempt(tick, job, now=T0 + 1)
+        store.start_attempt(tick, job, now=T0 + 1, launched_from=("a" * 32, "/data/jobs"))
         job.stop_requested_at = T0 + 2
         store.transition(tick, job, JobState.STOPPED, now=T0 + 3, reason="stopped")
         tick.commit()

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import hashlib
 import logging
 import time
 from dataclasses import dataclass
@@ -327,7 +328,8 @@ def write_self_prompts(args: argparse.Namespace, target: LocalTarget) -> dict[st
                "temperature": sampling.temperature, "top_p": sampling.top_p,
                "max_new_tokens": sampling.max_new_tokens, "seed": args.seed,
                "openers": args.prompt_openers, "opener_count": len(args.openers),
-               "free_share": sampling.free_share}
+               "openers_sha256": hashlib.sha256("\n".join(args.openers).encode()).hexdigest(),
+               "free_prompt_share": sampling.free_prompt_share}
     summary = self_prompts.collect(args.out, sampler, settings,
                                    ProgressReporter(total=args.self_prompts, unit="self prompt"),
                                    context)

@@ -139,7 +139,10 @@ def train_step(model: Eagle3Draft, target_head: TargetHead, batch: Batch,
     """One optimizer step on a batch already on the model's device. bf16 autocast on
     CUDA. Returns lr, grad_norm and, for the TTT steps with valid positions, loss_i and
     acc_i (and loss when step 0 has some); a non-finite gradient skips the update and
-    returns `skipped` instead. Two host syncs (that check, the metrics)."""
+    returns `skipped` instead. Two host syncs (that check, the metrics). A batch whose
+    features are still fp8 as stored (`load_batch(fp8=True)`) is decoded here, on its
+    device."""
+    batch = batch.decoded()
     device = batch.input_ids.device
     model.train()
     with torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda"):
@@ -385,7 +388,7 @@ def train(args: argparse.Namespace, progress: ProgressReporter,
         for (epoch, k, _), batch in zip(todo, batches, strict=True):
             if stop():
                 break
-            metrics = train_step(model, head, batch.to(device).decoded(), optimizer, scheduler,
+            metrics = train_step(model, head, batch.to(device), optimizer, scheduler,
                                  ttt_steps=args.ttt_steps, grad_clip=args.grad_clip)
             step, position = step + 1, (epoch, k + 1)
             tokens_seen += batch.tokens

@@ -63,6 +63,11 @@ def serve(
         "--rebuild-db", envvar="JOBSUP_REBUILD_DB",
         help="If the database is damaged, move it aside (jobsup.db.damaged-<time>) and "
              "rebuild the jobs from DATA_DIR/jobs. A sound database is left alone.")] = False,
+    abandon_jobs_elsewhere: Annotated[bool, typer.Option(
+        "--abandon-jobs-elsewhere", envvar="JOBSUP_ABANDON_JOBS_ELSEWHERE",
+        help="Record running jobs launched from another data dir (whose files are not in "
+             "this one) lost, instead of refusing to start: for a data dir gone for "
+             "good. They are not stopped.")] = False,
     stop_jobs_on_exit: Annotated[bool, typer.Option(
         "--stop-jobs-on-exit", envvar="JOBSUP_STOP_JOBS_ON_EXIT",
         help="On SIGTERM, stop every running job (SIGTERM, grace, SIGKILL) and wait for "
@@ -72,6 +77,7 @@ def serve(
     from supervisor.daemon.app import serve as run_daemon
 
     overrides: dict[str, Any] = {"host": host, "port": port, "rebuild_db": rebuild_db,
+                                 "abandon_jobs_elsewhere": abandon_jobs_elsewhere,
                                  "stop_jobs_on_exit": stop_jobs_on_exit}
     if data_dir is not None:
         overrides["data_dir"] = data_dir

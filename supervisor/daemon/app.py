@@ -29,7 +29,7 @@ from supervisor.daemon.connections import (
     raise_open_file_limit,
 )
 from supervisor.daemon.loop import Engine
-from supervisor.daemon.recovery import open_database, refuse_jobs_elsewhere
+from supervisor.daemon.recovery import check_jobs_elsewhere, open_database
 from supervisor.daemon.wiring import build_engine
 from supervisor.errors import DatabaseTaken, JobsElsewhere, UnsafeBind
 from supervisor.storage.database import DatabaseLock, database_lock, make_sessionmaker
@@ -135,7 +135,7 @@ def build_app(settings: Settings, guard: LockGuard | None = None, *,
     `on_started`: called in the server's event loop once the engine has started."""
     db_engine = open_database(settings)  # checked, upgraded, rebuilt if it was lost
     try:
-        refuse_jobs_elsewhere(db_engine, settings)
+        check_jobs_elsewhere(db_engine, settings, time.time())
     except JobsElsewhere:
         db_engine.dispose()
         raise

@@ -24,7 +24,7 @@ from supervisor.daemon import lifecycle
 from supervisor.daemon.lifecycle import WorkerSeen
 from supervisor.daemon.shared import Backends, Waker
 from supervisor.runtime.fileio import tail_lines
-from supervisor.runtime.files import ExitStatus, log_path
+from supervisor.runtime.files import ExitStatus, data_dir_id, log_path
 from supervisor.runtime.procfs import StatReader, start_ticks_of
 from supervisor.spec import ExitReason, JobSpec, JobState, stored_spec
 from supervisor.storage import store
@@ -103,8 +103,9 @@ class JobChecks:
         state was checked: their reading is rooted at the shim without a second look."""
         self._exiting = False
         """Set by `stop_starting`: no pending job starts."""
-        self._jobs_dir = os.path.realpath(settings.jobs_dir)
-        """Recorded with each attempt it launches (`Job.jobs_dir`)."""
+        self._launched_from = (data_dir_id(settings.data_dir),
+                               os.path.realpath(settings.jobs_dir))
+        """Recorded with each attempt it launches (`Job.data_dir_id`, `Job.jobs_dir`)."""
         self._stopped_for_exit: set[str] = set()
         """Jobs the daemon's exit asked to stop (not those a user had stopped already)."""
         self._depends_on: dict[str, tuple[str, ...]] = {}
@@ -402,7 +403,7 @@ class JobChecks:
     def _launch(self, session: Session, job: Job, spec: JobSpec, now: float) -> None:
         """Record the attempt first, then start it: a daemon crash between the two
         leaves a `running` row the next daemon can settle, never a job started twice."""
-        store.start_attempt(session, job, now=now, jobs_dir=self._jobs_dir)
+        store.start_attempt(session, job, now=now, launched_from=self._launched_from)
         session.commit()
         try:
             attempt = self.backends.backend_for(job).start(job.id, job.attempt, spec,

@@ -45,7 +45,7 @@ from supervisor.observe.progress_file import from_progress_file
 from supervisor.observe.view import JobView, ProgressRecord, progress_json
 from supervisor.runtime import files
 from supervisor.runtime.fileio import read_json, tail_lines
-from supervisor.runtime.files import attempt_dir, log_path, progress_path
+from supervisor.runtime.files import attempt_dir, data_dir_id, log_path, progress_path
 from supervisor.runtime.procfs import is_same_process
 from supervisor.spec import (
     ExitReason,
@@ -114,6 +114,7 @@ def rebuild(session: Session, jobs_dir: Path, now: float, *,
     attempt's launch file is skipped with a warning."""
     summary = RebuildSummary()
     known = set(session.scalars(select(Job.id)))
+    here = (data_dir_id(settings.data_dir), os.path.realpath(jobs_dir))  # its files are here
     for jdir in job_dirs(jobs_dir):
         job_id = jdir.name
         if len(job_id) > 32 or job_id in known:
@@ -127,6 +128,7 @@ def rebuild(session: Session, jobs_dir: Path, now: float, *,
             summary.skipped.append(job_id)
             continue
         job, event_reason, from_launch, told = rebuilt
+        job.data_dir_id, job.jobs_dir = here
         store.restore_job(session, job, reason=event_reason, now=now)
         if told:
             session.flush()  # the job's row before its alerts' (a foreign key)
@@ -162,8 +164,7 @@ def _rebuild_job(jobs_dir: Path, jdir: Path, now: float,
         source = "launch.json: no job.json, so its name, output and restart policy are unknown"
 
     job = Job(id=jdir.name, name=spec.name, spec_json=spec.model_dump_json(),
-              state=JobState.PENDING.value, created_at=created_at, attempt=0, restarts=0,
-              jobs_dir=os.path.realpath(jobs_dir))
+              state=JobState.PENDING.value, created_at=created_at, attempt=0, restarts=0)
     if numbers:
         state, reason = _from_attempt(jobs_dir, job, spec, numbers[-1], now, settings)
     else:

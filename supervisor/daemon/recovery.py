@@ -36,7 +36,9 @@ from sqlalchemy.exc import DBAPIError, OperationalError
 from supervisor.config import Settings
 from supervisor.daemon.rebuild import job_dirs, rebuild
 from supervisor.errors import DatabaseDamaged, DatabaseUnavailable, JobsElsewhere
-from supervisor.spec import JobState
+from supervisor.runtime.files import attempt_dir, data_dir_id
+from supervisor.spec import ExitReason, JobState
+from supervisor.storage import store
 from supervisor.storage.database import (
     make_engine,
     make_sessionmaker,
@@ -278,29 +280,49 @@ def open_server_database(settings: Settings, url: str, now: float) -> Engine:
     return engine
 
 
-def refuse_jobs_elsewhere(engine: Engine, settings: Settings) -> None:
-    """Raise `JobsElsewhere` when a running job was launched from another data dir: a
-    daemon with another `--data-dir` on the same database (`JOBSUP_DATABASE_URL`) sees
-    none of its files, judged its launch cut short and ran it a second time (#30, item
-    7). Jobs that ran there and ended, and pending ones, are this daemon's to show and
-    to launch."""
+def check_jobs_elsewhere(engine: Engine, settings: Settings, now: float) -> None:
+    """Raise `JobsElsewhere` when a running job was launched from another data dir (its
+    `Job.data_dir_id`) whose files are not in this one: a daemon with another
+    `--data-dir` on the same database (`JOBSUP_DATABASE_URL`), or on another host, sees
+    none of them, took its launch for one cut short and ran it a second time (#30, item
+    7). A job whose current attempt's directory is here is this daemon's (a data dir
+    renamed, or its id file lost). With `settings.abandon_jobs_elsewhere` such jobs are
+    recorded lost instead (left running, unwatched) and the daemon starts. Jobs that
+    ran elsewhere and ended, and pending ones, are this daemon's to show and launch."""
+    ours = data_dir_id(settings.data_dir)
     here = os.path.realpath(settings.jobs_dir)
-    with engine.connect() as conn:
-        rows = conn.execute(
-            select(Job.id, Job.name, Job.jobs_dir)
-            .where(Job.state == JobState.RUNNING.value, Job.jobs_dir.is_not(None),
-                   Job.jobs_dir != here)
-            .order_by(Job.created_at, Job.id)).all()
-    if not rows:
-        return
-    job_id, name, there = rows[0][0], rows[0][1], str(rows[0][2])
-    more = f" (and {len(rows) - 1} more running jobs)" if len(rows) > 1 else ""
-    raise JobsElsewhere(
-        f"job {job_id} ({name}) is running from another data dir: {there} holds its "
-        f"files, not {here}{more}; a daemon here cannot watch it and would run it again",
-        hint=f"start the daemon with the data dir those jobs ran from (--data-dir "
-             f"{os.path.dirname(there)}, or JOBSUP_DATA_DIR) until they have ended; or "
-             f"give this data dir a database of its own")
+    sessions = make_sessionmaker(engine, jobs_dir=settings.jobs_dir)
+    with sessions() as session:
+        elsewhere = [job for job in session.scalars(
+            select(Job).where(Job.state == JobState.RUNNING.value, Job.data_dir_id.is_not(None),
+                              Job.data_dir_id != ours).order_by(Job.created_at, Job.id))
+            if not attempt_dir(settings.jobs_dir, job.id, job.attempt).is_dir()]
+        if not elsewhere:
+            return
+        if not settings.abandon_jobs_elsewhere:
+            first = elsewhere[0]
+            more = (f" (and {len(elsewhere) - 1} more running jobs)" if len(elsewhere) > 1
+                    else "")
+            where = (f"{first.jobs_dir} holds its files, not {here}" if first.jobs_dir != here
+                     else f"one at the same path, {here}, on another host or since replaced, "
+                          "holds its files, not this one")
+            raise JobsElsewhere(
+                f"job {first.id} ({first.name}) is running from another data dir: {where}"
+                f"{more}; a daemon here cannot watch it and would run it again",
+                hint=f"start the daemon with the data dir those jobs ran from (--data-dir "
+                     f"{os.path.dirname(first.jobs_dir or '') or '?'}, or JOBSUP_DATA_DIR) "
+                     "until they have ended, or give this data dir a database of its own; "
+                     "if that data dir is gone for good, `jobsup serve "
+                     "--abandon-jobs-elsewhere` records them lost (anything of them still "
+                     "running is left alone, unwatched)")
+        for job in elsewhere:
+            store.transition(session, job, JobState.LOST, now=now, exit_reason=ExitReason.LOST,
+                             reason=f"launched from another data dir ({job.jobs_dir}); "
+                                    "abandoned at start (--abandon-jobs-elsewhere): not "
+                                    "watched, not stopped, not run again")
+            log.warning("job %s: running from another data dir (%s); recorded lost "
+                        "(--abandon-jobs-elsewhere)", job.id, job.jobs_dir)
+        session.commit()
 
 
 INSUFFICIENT_PRIVILEGE = "42501"

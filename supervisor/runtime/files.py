@@ -36,7 +36,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal, NotRequired, TypedDict
 
-from supervisor.runtime.fileio import read_json
+from supervisor.runtime.fileio import create_json_exclusive, read_json
 from supervisor.runtime.observed import float_or_none, int_or_none, str_or_none
 from supervisor.runtime.procfs import is_same_process
 
@@ -62,6 +62,25 @@ OBSERVED_MIN_BYTES = 4096
 PATHS_CACHED = 4096
 """Paths kept built (immutable `Path`s): the tick asks for each running job's several
 times, and joining a `Path` costs ~3 us of Python each time (#15)."""
+
+
+DATA_DIR_ID = "data_dir.json"
+"""`DATA_DIR/data_dir.json`: {"id": a random hex id}, made by the first daemon on the data
+dir; it moves with the directory (renamed, symlinked, mounted elsewhere)."""
+
+
+def data_dir_id(data_dir: Path) -> str:
+    """The data dir's identity (`DATA_DIR_ID`), made on first use: a daemon on another
+    data dir, or on another host at the same path, has another one."""
+    path = data_dir / DATA_DIR_ID
+    for _ in range(2):
+        record = read_json(path)
+        if isinstance(record, dict) and isinstance(record.get("id"), str) and record["id"]:
+            return str(record["id"])
+        if path.exists():  # unreadable or foreign: replaced (a job's check falls back
+            path.unlink(missing_ok=True)  # to its files being here)
+        create_json_exclusive(path, {"id": os.urandom(16).hex()})
+    raise OSError(f"{path}: cannot make the data dir's id")
 
 
 @functools.lru_cache(maxsize=PATHS_CACHED)

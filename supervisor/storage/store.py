@@ -343,12 +343,12 @@ def existing_ids(session: Session, ids: Sequence[str]) -> set[str]:
     return set(session.scalars(select(Job.id).where(Job.id.in_(list(ids)))).all())
 
 
-def start_attempt(session: Session, job: Job, *, now: float, jobs_dir: str | None = None,
-                  ) -> None:
+def start_attempt(session: Session, job: Job, *, now: float,
+                  launched_from: tuple[str, str]) -> None:
     """A new attempt of a pending job: its number, no process or exit yet, running;
-    `jobs_dir`: the launching daemon's (`Job.jobs_dir`)."""
+    `launched_from`: the launching daemon's data dir id and jobs dir (`Job.jobs_dir`)."""
     job.attempt += 1
-    job.jobs_dir = jobs_dir
+    job.data_dir_id, job.jobs_dir = launched_from
     job.started_at, job.ended_at, job.next_start_at = now, None, None
     job.pid = job.pid_create_time = job.pid_start_ticks = None
     job.shim_pid = job.shim_create_time = job.shim_start_ticks = None

@@ -59,10 +59,12 @@ class Job(Base):
     """Earliest start of a pending job (restart backoff); None = as soon as ready."""
     progress_json: Mapped[str | None] = mapped_column(Text)
     """The latest progress view (JSON of `observe.view.StoredProgress`), kept for ended jobs."""
+    data_dir_id: Mapped[str | None] = mapped_column(String(32))
     jobs_dir: Mapped[str | None] = mapped_column(Text)
-    """The jobs dir (its real path) of the daemon that launched the current attempt: where
-    its shim, log and exit record are. A daemon on another data dir does not start while
-    such a job runs (`recovery.refuse_jobs_elsewhere`); None before migration 0010."""
+    """The data dir (`files.data_dir_id`) and jobs dir (its real path) of the daemon that
+    launched the current attempt: where its shim, log and exit record are. A daemon on
+    another data dir does not start while such a job runs, unless its files are in its
+    own jobs dir (`recovery.check_jobs_elsewhere`); None before migration 0010."""
 
 
 class JobEvent(Base):

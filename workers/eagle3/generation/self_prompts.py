@@ -448,7 +448,7 @@ class SamplingSettings:
     openers: tuple[str, ...] = ()
     """First words of the user turn the target goes on from (`openers.read_openers`);
     none: every turn from the bare pre-query template."""
-    free_share: float = 1.0
+    free_prompt_share: float = 1.0
     """The share of samples with no opener (1.0 where there are none)."""
 
 
@@ -458,9 +458,25 @@ def pick_openers(count: int, seed: int, settings: SamplingSettings) -> list[str]
     if not settings.openers:
         return [""] * count
     rng = np.random.default_rng(seed)
-    free = rng.random(count) < settings.free_share
+    free = rng.random(count) < settings.free_prompt_share
     chosen = rng.integers(len(settings.openers), size=count)
     return ["" if f else settings.openers[i] for f, i in zip(free, chosen, strict=True)]
+
+
+def written_text(tokenizer: Any, prefix: list[int], opener: str, continued: list[int]) -> str:
+    """The user turn of a sample: its opener and what the model wrote after it
+    (`continued`, the tokens after `prefix`, the template and opener's tokens), decoded
+    with special tokens. The continuation is decoded after its prefix and cut from it:
+    decoded alone, a SentencePiece (Metaspace) tokenizer drops the space it starts with
+    ("Write a poem" + "about the sea"). Empty when the model added nothing to the
+    opener: no prompt of its own."""
+    if not opener:
+        return str(tokenizer.decode(continued, skip_special_tokens=False))
+    before = tokenizer.decode(prefix, skip_special_tokens=False)
+    whole = tokenizer.decode(prefix + continued, skip_special_tokens=False)
+    written = (whole[len(before):] if whole.startswith(before)
+               else tokenizer.decode(continued, skip_special_tokens=False))
+    return opener + written if written.strip() else ""
 
 
 def transformers_sampler(model: Any, tokenizer: Any, template: PreQueryTemplate,
@@ -503,9 +519,7 @@ def transformers_sampler(model: Any, tokenizer: Any, template: PreQueryTemplate,
         for opener, tokens in zip(openers, out[:, width:].tolist(), strict=True):
             stop = next((i for i, t in enumerate(tokens) if t in stop_ids), None)
             kept = tokens if stop is None else tokens[:stop]
-            written = tokenizer.decode(kept, skip_special_tokens=False)
-            # an opener the target added nothing to is no prompt of its: rejected as empty
-            samples.append(Sample(opener + written if written.strip() else written,
+            samples.append(Sample(written_text(tokenizer, tokens_of(opener), opener, kept),
                                   stop is not None))
         return samples
 
