@@ -278,12 +278,18 @@ def test_self_prompts_spelling_writes_the_held_out_prompts_too(tiny_model: Path,
     generate = steps["generate"].command
     assert "--prompts" not in generate
     assert generate[generate.index("--self-prompts") + 1] == "48"
+    assert generate[generate.index("--prompt-openers") + 1] == "none"  # the default
     assert generate[generate.index("--limit") + 1] == "40"
     assert steps["generate"].expected_items == 40 == steps["extract"].expected_items
     evaluate = steps["evaluate"].command
     options = dict(zip(evaluate[3::2], evaluate[4::2], strict=True))
     assert options["--prompts"] == str(out / "generate" / "conversations.self_prompts.jsonl")
     assert (options["--skip"], options["--limit"]) == ("40", "8")
+
+    openers = Eagle3Pipeline.model_validate(body(tiny_model, out, prompts="self:40",
+                                                 prompt_openers="builtin"))
+    generate = next(eagle3_jobs(openers, resolve=step_id)).command
+    assert generate[generate.index("--prompt-openers") + 1] == "builtin"
 
     no_eval = Eagle3Pipeline.model_validate(body(tiny_model, out, prompts="self:5",
                                                  eval_prompts=0))
@@ -294,7 +300,10 @@ def test_self_prompts_spelling_writes_the_held_out_prompts_too(tiny_model: Path,
                                  ("self:abc", {}, "whole number of prompts > 0"),
                                  ("self:-3", {}, "whole number of prompts > 0"),
                                  ("self:", {}, "whole number of prompts > 0"),
-                                 ("self:10", {"serve": "stub"}, "transformers backend")]:
+                                 ("self:10", {"serve": "stub"}, "transformers backend"),
+                                 ("self:10", {"prompt_openers": "mine"}, "'none' or 'builtin'"),
+                                 (str(tmp_path / "p.jsonl"), {"prompt_openers": "builtin"},
+                                  "prompt_openers: the first words of prompts the target")]:
         with pytest.raises((ValueError, InvalidSpec)) as caught:
             Eagle3Pipeline.model_validate(body(tiny_model, out, prompts=prompts, **extra))
         assert word in str(caught.value), (prompts, str(caught.value))

@@ -34,6 +34,9 @@ def pipeline_run(
         help="Prompts JSONL, or self:N: the target writes N prompts itself (Magpie; "
              "transformers backend).")],
     out: Annotated[Path, typer.Option(help="Output directory of all steps.")],
+    prompt_openers: Annotated[str, typer.Option(
+        help="With self:N: none | builtin, the first words the target's user turns start "
+             "with (builtin: requests of every kind).")] = "none",
     name: Annotated[str, typer.Option(help="Prefix of the jobs' names.")] = "eagle3",
     serve: Annotated[str | None, typer.Option(
         help="Launch the target's server as a job: vllm | stub.")] = None,
@@ -82,7 +85,7 @@ def pipeline_run(
     if not prompts.startswith(SELF_PROMPTS_PREFIX):  # a file, as the daemon sees it
         prompts = str(Path(prompts).resolve())
     body: dict[str, Any] = {
-        "model": str(model.resolve()), "prompts": prompts,
+        "model": str(model.resolve()), "prompts": prompts, "prompt_openers": prompt_openers,
         "out": str(out.resolve()), "name": name, "serve": serve, "endpoint": endpoint,
         "port": port, "max_tokens": max_tokens, "draft_vocab_size": draft_vocab_size,
         "ttt_steps": ttt_steps, "epochs": epochs, "device": device, "dtype": dtype,
