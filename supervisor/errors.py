@@ -65,9 +65,9 @@ class DatabaseTaken(JobsupError):
 
 
 class JobsElsewhere(JobsupError):
-    """Jobs of the database run from another data dir (`Job.jobs_dir`): their shims, logs
-    and exit records are there, so a daemon here cannot watch them and would take them
-    for launches cut short (and run them again)."""
+    """Jobs of the database run from another data dir (`Job.data_dir_id`, `Job.jobs_dir`):
+    their shims, logs and exit records are there, so a daemon here cannot watch them and
+    would take them for launches cut short (and run them again)."""
 
 
 class UnsafeBind(JobsupError):

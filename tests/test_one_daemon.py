@@ -6,6 +6,7 @@ lock's tests are in `test_daemon_restart.py`."""
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import signal
@@ -170,3 +171,17 @@ def test_a_new_data_dir_at_the_old_path_is_another_data_dir(
     flag.touch()
     assert again.wait_state(job["id"], "succeeded", "failed", "lost")["state"] == "succeeded"
     assert runs.read_text() == "ran\n"
+
+
+def test_the_data_dir_id_is_made_once_and_kept(tmp_path: Path) -> None:
+    from supervisor.runtime.files import DATA_DIR_ID, data_dir_id
+
+    made = data_dir_id(tmp_path)
+    assert made is not None and len(made) == 32 and data_dir_id(tmp_path) == made
+    assert json.loads((tmp_path / DATA_DIR_ID).read_text()) == {"id": made}
+    (tmp_path / "moved").mkdir()
+    (tmp_path / DATA_DIR_ID).rename(tmp_path / "moved" / DATA_DIR_ID)
+    assert data_dir_id(tmp_path / "moved") == made  # it moves with the directory
+    (tmp_path / DATA_DIR_ID).write_text("[1, 2]")  # foreign: replaced by a new id
+    assert data_dir_id(tmp_path) not in (None, made)
+    assert data_dir_id(tmp_path / "missing") is None  # cannot be made: none, no error

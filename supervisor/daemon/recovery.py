@@ -36,7 +36,7 @@ from sqlalchemy.exc import DBAPIError, OperationalError
 from supervisor.config import Settings
 from supervisor.daemon.rebuild import job_dirs, rebuild
 from supervisor.errors import DatabaseDamaged, DatabaseUnavailable, JobsElsewhere
-from supervisor.runtime.files import attempt_dir, data_dir_id
+from supervisor.runtime.files import DATA_DIR_ID, attempt_dir, data_dir_id
 from supervisor.spec import ExitReason, JobState
 from supervisor.storage import store
 from supervisor.storage.database import (
@@ -291,6 +291,10 @@ def check_jobs_elsewhere(engine: Engine, settings: Settings, now: float) -> None
     ran elsewhere and ended, and pending ones, are this daemon's to show and launch."""
     ours = data_dir_id(settings.data_dir)
     here = os.path.realpath(settings.jobs_dir)
+    if ours is None:
+        log.warning("cannot read or make %s (a read-only or full data dir?): jobs launched "
+                    "from another data dir are not looked for", settings.data_dir / DATA_DIR_ID)
+        return
     sessions = make_sessionmaker(engine, jobs_dir=settings.jobs_dir)
     with sessions() as session:
         elsewhere = [job for job in session.scalars(

@@ -69,18 +69,22 @@ DATA_DIR_ID = "data_dir.json"
 dir; it moves with the directory (renamed, symlinked, mounted elsewhere)."""
 
 
-def data_dir_id(data_dir: Path) -> str:
+def data_dir_id(data_dir: Path) -> str | None:
     """The data dir's identity (`DATA_DIR_ID`), made on first use: a daemon on another
-    data dir, or on another host at the same path, has another one."""
+    data dir, or on another host at the same path, has another one. None when it can be
+    neither read nor made (a read-only or full data dir, where a daemon still starts)."""
     path = data_dir / DATA_DIR_ID
-    for _ in range(2):
-        record = read_json(path)
-        if isinstance(record, dict) and isinstance(record.get("id"), str) and record["id"]:
-            return str(record["id"])
-        if path.exists():  # unreadable or foreign: replaced (a job's check falls back
-            path.unlink(missing_ok=True)  # to its files being here)
-        create_json_exclusive(path, {"id": os.urandom(16).hex()})
-    raise OSError(f"{path}: cannot make the data dir's id")
+    try:
+        for _ in range(2):
+            record = read_json(path)
+            if isinstance(record, dict) and isinstance(record.get("id"), str) and record["id"]:
+                return str(record["id"])
+            if path.exists():  # unreadable or foreign: replaced (a job's check falls back
+                path.unlink(missing_ok=True)  # to its files being here)
+            create_json_exclusive(path, {"id": os.urandom(16).hex()})
+    except OSError:
+        return None
+    return None
 
 
 @functools.lru_cache(maxsize=PATHS_CACHED)

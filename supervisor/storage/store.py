@@ -344,7 +344,7 @@ def existing_ids(session: Session, ids: Sequence[str]) -> set[str]:
 
 
 def start_attempt(session: Session, job: Job, *, now: float,
-                  launched_from: tuple[str, str]) -> None:
+                  launched_from: tuple[str | None, str]) -> None:
     """A new attempt of a pending job: its number, no process or exit yet, running;
     `launched_from`: the launching daemon's data dir id and jobs dir (`Job.jobs_dir`)."""
     job.attempt += 1
