@@ -6,7 +6,8 @@ with the template's end-of-turn token. `workers.generate --self-prompts N` sampl
 requests, throws away what is unusable (`rejection_reason`) and what repeats
 (`Deduplicator`: exact after normalising case and whitespace, near through MinHash/LSH
 over character shingles), appends the accepted ones to a prompts file beside its output,
-and then answers them as it answers any prompts file.
+and then answers them as it answers any prompts file. With `--prompt-openers`, most
+turns start with a request's first words (`openers.py`) and the target writes the rest.
 
 The sampling is seeded per batch from `--seed` and the number of samples drawn before
 it (across runs: the summary file keeps the count), so a run is reproducible and a
