@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import errno
 import logging
-import os
 import time
 from collections.abc import Sequence
 
@@ -24,7 +23,7 @@ from supervisor.daemon import lifecycle
 from supervisor.daemon.lifecycle import WorkerSeen
 from supervisor.daemon.shared import Backends, Waker
 from supervisor.runtime.fileio import tail_lines
-from supervisor.runtime.files import ExitStatus, data_dir_id, log_path
+from supervisor.runtime.files import ExitStatus, launched_from, log_path
 from supervisor.runtime.procfs import StatReader, start_ticks_of
 from supervisor.spec import ExitReason, JobSpec, JobState, stored_spec
 from supervisor.storage import store
@@ -103,8 +102,7 @@ class JobChecks:
         state was checked: their reading is rooted at the shim without a second look."""
         self._exiting = False
         """Set by `stop_starting`: no pending job starts."""
-        self._launched_from = (data_dir_id(settings.data_dir),
-                               os.path.realpath(settings.jobs_dir))
+        self._launched_from = launched_from(settings.data_dir, settings.jobs_dir)
         """Recorded with each attempt it launches (`Job.data_dir_id`, `Job.jobs_dir`)."""
         self._stopped_for_exit: set[str] = set()
         """Jobs the daemon's exit asked to stop (not those a user had stopped already)."""

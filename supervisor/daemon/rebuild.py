@@ -45,7 +45,7 @@ from supervisor.observe.progress_file import from_progress_file
 from supervisor.observe.view import JobView, ProgressRecord, progress_json
 from supervisor.runtime import files
 from supervisor.runtime.fileio import read_json, tail_lines
-from supervisor.runtime.files import attempt_dir, data_dir_id, log_path, progress_path
+from supervisor.runtime.files import attempt_dir, launched_from, log_path, progress_path
 from supervisor.runtime.procfs import is_same_process
 from supervisor.spec import (
     ExitReason,
@@ -114,7 +114,7 @@ def rebuild(session: Session, jobs_dir: Path, now: float, *,
     attempt's launch file is skipped with a warning."""
     summary = RebuildSummary()
     known = set(session.scalars(select(Job.id)))
-    here = (data_dir_id(settings.data_dir), os.path.realpath(jobs_dir))  # its files are here
+    here = launched_from(settings.data_dir, jobs_dir)  # its files are here
     for jdir in job_dirs(jobs_dir):
         job_id = jdir.name
         if len(job_id) > 32 or job_id in known:

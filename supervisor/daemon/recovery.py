@@ -36,7 +36,7 @@ from sqlalchemy.exc import DBAPIError, OperationalError
 from supervisor.config import Settings
 from supervisor.daemon.rebuild import job_dirs, rebuild
 from supervisor.errors import DatabaseDamaged, DatabaseUnavailable, JobsElsewhere
-from supervisor.runtime.files import DATA_DIR_ID, attempt_dir, data_dir_id
+from supervisor.runtime.files import DATA_DIR_ID, attempt_dir, launched_from
 from supervisor.spec import ExitReason, JobState
 from supervisor.storage import store
 from supervisor.storage.database import (
@@ -289,8 +289,7 @@ def check_jobs_elsewhere(engine: Engine, settings: Settings, now: float) -> None
     renamed, or its id file lost). With `settings.abandon_jobs_elsewhere` such jobs are
     recorded lost instead (left running, unwatched) and the daemon starts. Jobs that
     ran elsewhere and ended, and pending ones, are this daemon's to show and launch."""
-    ours = data_dir_id(settings.data_dir)
-    here = os.path.realpath(settings.jobs_dir)
+    ours, here = launched_from(settings.data_dir, settings.jobs_dir)
     if ours is None:
         log.warning("cannot read or make %s (a read-only or full data dir?): jobs launched "
                     "from another data dir are not looked for", settings.data_dir / DATA_DIR_ID)

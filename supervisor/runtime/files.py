@@ -87,6 +87,12 @@ def data_dir_id(data_dir: Path) -> str | None:
     return None
 
 
+def launched_from(data_dir: Path, jobs_dir: Path) -> tuple[str | None, str]:
+    """What an attempt records of where it was launched (`Job.data_dir_id`,
+    `Job.jobs_dir`): the data dir's id and the real path of its jobs dir."""
+    return data_dir_id(data_dir), os.path.realpath(jobs_dir)
+
+
 @functools.lru_cache(maxsize=PATHS_CACHED)
 def attempt_dir(jobs_dir: Path, job_id: str, number: int) -> Path:
     """`DATA_DIR/jobs/ID/attempt-N/`: the files of attempt `number` of the job."""
