@@ -29,6 +29,10 @@ from pathlib import Path
 from typing import Any
 
 REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+from workers.eagle3.evaluation.heldout import read_prompts  # noqa: E402
+from workers.eagle3.generation.openers import BUILTIN, starts_with_opener  # noqa: E402
+
 HANDWRITTEN = REPO / "workers" / "eagle3" / "evaluation" / "data" / "heldout_handwritten.jsonl"
 
 
@@ -86,10 +90,32 @@ def finish(total: dict[str, Any]) -> dict[str, Any]:
                                                                       strict=True)]}
 
 
-def summarize(reports: list[Path]) -> dict[str, Any]:
+def opening_questions(path: Path) -> dict[str, str]:
+    """{prompt id: the builtin opener its first user turn starts with} for the prompts
+    that start with one (`workers.generate --prompt-openers builtin` wrote training
+    prompts from those words, so those questions are reported apart)."""
+    found = {}
+    for prompt in read_prompts(path):
+        text = next(m["content"] for m in prompt.messages if m["role"] == "user")
+        if (opener := starts_with_opener(text, BUILTIN)) is not None:
+            found[prompt.id] = opener
+    return found
+
+
+def group_taus(pairs_by_k: dict[str, list[tuple[int, float]]]) -> dict[str, float]:
+    """tau per k of a group of prompts: their tokens over their passes."""
+    return {k: sum(t for t, _ in pairs) / sum(p for _, p in pairs)
+            for k, pairs in pairs_by_k.items()}
+
+
+def summarize(reports: list[Path], opening: dict[str, str] | None = None) -> dict[str, Any]:
     runs: dict[str, dict[str, Any]] = defaultdict(dict)
     lossless = {"runs_compared": 0, "identical": 0, "failures": 0, "near_ties": 0}
-    categories: dict[str, dict[str, list[float]]] = defaultdict(lambda: defaultdict(list))
+    categories: dict[str, dict[str, list[tuple[int, float]]]] = \
+        defaultdict(lambda: defaultdict(list))
+    by_opener: dict[str, dict[str, list[tuple[int, float]]]] = \
+        defaultdict(lambda: defaultdict(list))
+    counts: dict[str, int] = defaultdict(int)
     prompts = 0
     for path in reports:
         report = json.loads(path.read_text())
@@ -108,17 +134,22 @@ def summarize(reports: list[Path]) -> dict[str, Any]:
             parts = str(row["id"]).split("-")  # hw-<category>-NN
             category = row.get("category") or (parts[1] if parts[0] == "hw" and len(parts) > 2
                                                else "all")
+            group = "starts with an opener" if str(row["id"]) in (opening or {}) else "other"
+            counts[group] += 1
             for key, value in row.items():
                 if key.startswith("acceptance_length_k") and value:
                     # tokens and passes of this prompt: emitted / tau = passes
-                    categories[category][key[len("acceptance_length_k"):]].append(
-                        (row["new_tokens"], row["new_tokens"] / value))
-    by_category = {
-        name: {k: sum(t for t, _ in pairs) / sum(p for _, p in pairs)
-               for k, pairs in ks.items()}
-        for name, ks in categories.items()}
-    return {"prompts": prompts, "runs": {k: finish(v) for k, v in runs.items()},
-            "lossless": lossless, "categories": by_category}
+                    pair = (row["new_tokens"], row["new_tokens"] / value)
+                    k = key[len("acceptance_length_k"):]
+                    categories[category][k].append(pair)
+                    by_opener[group][k].append(pair)
+    summary = {"prompts": prompts, "runs": {k: finish(v) for k, v in runs.items()},
+               "lossless": lossless,
+               "categories": {name: group_taus(ks) for name, ks in categories.items()}}
+    if opening is not None:
+        summary["by_opener"] = {name: {"prompts": counts[name], **group_taus(ks)}
+                                for name, ks in by_opener.items()}
+    return summary
 
 
 def print_summary(summary: dict[str, Any]) -> None:
@@ -137,6 +168,12 @@ def print_summary(summary: dict[str, Any]) -> None:
     for name, figures in summary["categories"].items():
         print(f"| {name} | " + " | ".join(
             f"{figures[k]:.3f}" if k in figures else "-" for k in ks) + " |")
+    if summary.get("by_opener"):
+        print("\n| questions | prompts | " + " | ".join(f"tau k={k}" for k in ks)
+              + " |\n| --- | ---: |" + " ---: |" * len(ks))
+        for name, figures in summary["by_opener"].items():
+            print(f"| {name} | {figures['prompts']} | " + " | ".join(
+                f"{figures[k]:.3f}" if k in figures else "-" for k in ks) + " |")
     check = summary["lossless"]
     print(f"\nlossless: {check['identical']} of {check['runs_compared']} decodes identical to "
           f"the target's own, {check['failures']} failures, {check['near_ties']} near ties")
@@ -164,7 +201,7 @@ def main() -> int:
         else run_shards(args, extra)
     if not reports:
         raise SystemExit(f"no shard reports in {args.out}")
-    summary = summarize(reports)
+    summary = summarize(reports, opening_questions(args.prompts))
     (args.out / "summary.json").write_text(json.dumps(summary, indent=1))
     print_summary(summary)
     return 0

@@ -478,3 +478,9 @@ def test_sharded_evaluation_sums_to_one_process(tiny: dict[str, Path], tmp_path:
             assert mine[key] == run[key], (name, key)
     assert summary["lossless"]["runs_compared"] == report["lossless"]["runs_compared"]
     assert "| k = 2 |" in done.stdout and "untrained baseline" in done.stdout
+    # "Explain binary search." and "Why is the sky blue?" start with builtin openers
+    groups = summary["by_opener"]
+    assert {name: g["prompts"] for name, g in groups.items()} == \
+        {"starts with an opener": 2, "other": 1}
+    assert set(groups["other"]) == {"prompts", "2", "3"}
+    assert "| starts with an opener | 2 |" in done.stdout

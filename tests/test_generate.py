@@ -475,6 +475,23 @@ def test_openers_are_drawn_per_seed_with_the_free_share() -> None:
     assert "" not in pick_openers(50, 1, SamplingSettings(openers=("Solve",), free_prompt_share=0))
 
 
+def test_a_question_starts_with_an_opener_only_as_whole_words() -> None:
+    from workers.eagle3.evaluation.handwritten import read_handwritten
+    from workers.eagle3.generation.openers import BUILTIN, starts_with_opener
+
+    assert starts_with_opener("If 3 painters need 3 hours", BUILTIN) == "If"
+    assert starts_with_opener("If", ("If",)) == "If"
+    assert starts_with_opener("Iffy weather", ("If",)) is None
+    assert starts_with_opener("Solve: x + 1 = 2", ("Solve",)) == "Solve"
+    assert starts_with_opener("solve x", ("Solve",)) is None  # case counts
+    assert starts_with_opener("Solve x", ()) is None
+    # 19 of the 80 hand-written questions share one (the evaluation reports them apart)
+    questions = read_handwritten()
+    assert len(questions) == 80
+    assert sum(starts_with_opener(q.prompt.messages[0]["content"], BUILTIN) is not None
+               for q in questions) == 19
+
+
 def test_read_openers_builtin_none_and_a_file(tmp_path: Path) -> None:
     from workers.eagle3.generation.openers import BUILTIN, read_openers
 

@@ -68,6 +68,17 @@ BUILTIN: tuple[str, ...] = (*WRITING, *ROLE_PLAY, *REASONING, *MATH, *CODING, *E
 """The openers `--prompt-openers builtin` draws from, uniformly."""
 
 
+def starts_with_opener(text: str, openers: tuple[str, ...]) -> str | None:
+    """The opener `text` starts with as whole words ("If" starts "If 3 painters", not
+    "Iffy"), or None: held-out questions that share an opener with the training prompts
+    are reported apart from the rest."""
+    for opener in openers:
+        if text.startswith(opener) and (len(text) == len(opener)
+                                        or not text[len(opener)].isalnum()):
+            return opener
+    return None
+
+
 def read_openers(spec: str) -> tuple[str, ...]:
     """`builtin`, `none` (no opener: every turn written from the bare template) or a text
     file of one opener per line (blank lines and `#` lines skipped). Raises ValueError
