@@ -118,7 +118,8 @@ def main() -> int:
     add("--prompt-top-p", type=float, help="self:N: workers.generate --prompt-top-p")
     add("--eval-tokens", type=int, default=96, help="per evaluated prompt")
     add("--batch-size", type=int, default=64, help="generation batch")
-    add("--store", choices=("dtype", "fp8"), default="dtype", help="extracted features")
+    add("--store", choices=("dtype", "fp8"), default="fp8",
+        help="extracted features (default fp8, as workers.extract)")
     add("--epochs", type=int, help="default: workers.train's")
     add("--lr", type=float, help="default: workers.train's")
     add("--batch-tokens", type=int, help="default: workers.train's")

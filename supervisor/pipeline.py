@@ -67,10 +67,11 @@ class Eagle3Pipeline(BaseModel):
     model: str = Field(description="the target model: a local directory (HF format)")
     prompts: str = Field(description='prompts JSONL: {"id", "messages": [...]} per line; or '
                                      '`self:N`: the target writes N prompts itself')
-    prompt_openers: Literal["none", "builtin"] = Field(
-        default="none", description="prompts `self:N`: the first words the target's user "
-                                    "turns start with (workers.generate --prompt-openers): "
-                                    "none, or builtin (requests of every kind)")
+    prompt_openers: Literal["none", "builtin"] | None = Field(
+        default=None, description="prompts `self:N`: the first words the target's user "
+                                  "turns start with (workers.generate --prompt-openers): "
+                                  "builtin (requests of every kind; the default) or none "
+                                  "(the bare template)")
     out: str = Field(description="directory for every step's output")
     name: str = Field(default="eagle3", min_length=1, max_length=100,
                       description="prefix of the jobs' names")
@@ -160,9 +161,9 @@ class Eagle3Pipeline(BaseModel):
             self.backend = "openai"
         if self.backend == "openai" and not (self.serve or self.endpoint):
             raise ValueError("the openai backend needs serve (vllm|stub) or an endpoint")
-        if self.prompt_openers != "none" and not self.self_prompts:
+        if self.prompt_openers is not None and not self.self_prompts:
             raise ValueError("prompt_openers: the first words of prompts the target writes "
-                             "itself: give prompts self:N, or leave prompt_openers none")
+                             "itself: give prompts self:N, or leave prompt_openers out")
         if self.self_prompts and self.backend == "openai":
             raise ValueError("prompts self:N: the target writes its prompts only on the "
                              "transformers backend; drop serve/endpoint, or give a prompts "
@@ -219,7 +220,8 @@ def eagle3_jobs(p: Eagle3Pipeline, *,
         n_prompts = n_train + p.eval_prompts
         # where workers.generate puts them (workers.eagle3.generation.self_prompts.prompts_path)
         prompts = conversations.with_name("conversations.self_prompts.jsonl")
-        source = ["--self-prompts", str(n_prompts), "--prompt-openers", p.prompt_openers]
+        source = ["--self-prompts", str(n_prompts), "--prompt-openers",
+                  p.prompt_openers or "builtin"]
     else:
         prompts = Path(p.prompts)
         if not prompts.is_file():

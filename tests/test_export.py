@@ -45,7 +45,8 @@ def setup(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("export")
     model = make_model(root / "tiny")
     data = make_conversations(root / "conv.jsonl")
-    common = ("--model", model, "--data", data, "--dtype", "fp32", "--device", "cpu",
+    common = ("--model", model, "--data", data, "--dtype", "fp32",
+              "--store", "dtype", "--device", "cpu",
               "--limit", str(SAMPLES))
     extract(*common, "--out", root / "plain")
     extract(*common, "--out", root / "prenorm", "--keep-prenorm-last")
@@ -274,6 +275,7 @@ def test_conversations_input_extracts_as_the_messages_input(setup: dict[str, Pat
     sharegpt.write_text("".join(json.dumps(as_sharegpt(r)) + "\n" for r in records))
     out = tmp_path / "from_conversations"
     extract("--model", setup["model"], "--data", sharegpt, "--out", out, "--dtype", "fp32",
+            "--store", "dtype",
             "--device", "cpu", "--limit", str(SAMPLES))
     got, expected = ours(out), ours(setup["plain"])
     assert sorted(got) == sorted(expected)

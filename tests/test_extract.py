@@ -38,7 +38,7 @@ def test_saved_tensors_equal_the_models_own_hidden_states(tiny_model: Path, tmp_
     data = make_conversations(tmp_path / "conv.jsonl")
     out = tmp_path / "out"
     extract("--model", tiny_model, "--data", data, "--out", out, "--dtype", "fp32",
-            "--batch-tokens", "4096", "--device", "cpu")
+            "--store", "dtype", "--batch-tokens", "4096", "--device", "cpu")
     files = saved(out)
     assert len(files) == 32
     model = AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32).eval()
@@ -69,9 +69,9 @@ def test_batching_keeps_request_identity(tiny_model: Path, tmp_path: Path) -> No
     data = make_conversations(tmp_path / "conv.jsonl")
     batched, single = tmp_path / "batched", tmp_path / "single"
     extract("--model", tiny_model, "--data", data, "--out", batched, "--dtype", "fp32",
-            "--batch-tokens", "2048", "--writers", "3")
+            "--store", "dtype", "--batch-tokens", "2048", "--writers", "3")
     extract("--model", tiny_model, "--data", data, "--out", single, "--dtype", "fp32",
-            "--batch-tokens", "1", "--writers", "1")
+            "--store", "dtype", "--batch-tokens", "1", "--writers", "1")
     a, b = saved(batched), saved(single)
     assert a.keys() == b.keys()
     for sample_id in a:
@@ -80,20 +80,25 @@ def test_batching_keeps_request_identity(tiny_model: Path, tmp_path: Path) -> No
                                        atol=1e-4, rtol=1e-4)
 
 
-def test_default_dtype_and_files_are_sharded(tiny_model: Path, tmp_path: Path) -> None:
+def test_default_dtype_store_and_files_are_sharded(tiny_model: Path, tmp_path: Path) -> None:
     """The default dtype is `auto`: bf16 on a GPU, fp32 on the CPU (where bf16 matmuls
-    run many times slower); --dtype bf16 stores bf16 anywhere."""
+    run many times slower); the default store is fp8 (one scale per token and layer);
+    --store dtype keeps the compute dtype, and --dtype bf16 is bf16 anywhere."""
     data = make_conversations(tmp_path / "conv.jsonl")
     out = tmp_path / "out"
     extract("--model", tiny_model, "--data", data, "--out", out, "--limit", "5", "--device", "cpu")
     files = sorted(p.relative_to(out).as_posix() for p in out.rglob("*.safetensors"))
     assert files == [f"rows_0-2000/{i:08d}.safetensors" for i in range(5)]
-    assert load_file(out / files[0])["aux_hidden_states"].dtype == torch.float32
-    assert json.loads((out / "extract_config.json").read_text())["dtype"] == "fp32"
-    bf16 = tmp_path / "bf16"
-    extract("--model", tiny_model, "--data", data, "--out", bf16, "--limit", "1", "--device", "cpu",
-            "--dtype", "bf16")
-    assert load_file(bf16 / files[0])["aux_hidden_states"].dtype == torch.bfloat16
+    stored = load_file(out / files[0])
+    assert stored["aux_hidden_states"].dtype == torch.float8_e4m3fn
+    assert stored["aux_hidden_states_scale"].shape == (stored["input_ids"].numel(), 3)
+    config = json.loads((out / "extract_config.json").read_text())
+    assert (config["dtype"], config["store"]) == ("fp32", "fp8")
+    for dtype, expected in (("auto", torch.float32), ("bf16", torch.bfloat16)):
+        kept = tmp_path / dtype
+        extract("--model", tiny_model, "--data", data, "--out", kept, "--limit", "1",
+                "--device", "cpu", "--dtype", dtype, "--store", "dtype")
+        assert load_file(kept / files[0])["aux_hidden_states"].dtype == expected
 
 
 def test_resume_after_sigkill_completes_without_duplicates(tiny_model: Path,

@@ -36,9 +36,11 @@ def test_two_ranks_equal_one_process(tiny_model: Path, tmp_path: Path) -> None:
     data = make_conversations(tmp_path / "conv.jsonl", copies=2)  # 64 samples
     single, ranked = tmp_path / "single", tmp_path / "ranked"
     progress = tmp_path / "progress.json"
-    first = run("--model", tiny_model, "--data", data, "--out", single, "--dtype", "fp32")
+    first = run("--model", tiny_model, "--data", data, "--out", single, "--dtype", "fp32",
+                "--store", "dtype")
     assert first.returncode == 0
     result = run("--model", tiny_model, "--data", data, "--out", ranked, "--dtype", "fp32",
+                 "--store", "dtype",
                  "--ranks", "2", "--device", "cpu", env={"JOBSUP_PROGRESS_FILE": str(progress)})
     assert result.returncode == 0, result.stderr[-2000:]
     assert "started 2 ranks" in result.stderr and "rank 1 " in result.stderr
@@ -55,6 +57,7 @@ def test_two_ranks_equal_one_process(tiny_model: Path, tmp_path: Path) -> None:
     assert summary["written"] == 64 and summary["total"] == 64
     # resume: nothing left to do, nothing written twice
     again = run("--model", tiny_model, "--data", data, "--out", ranked, "--dtype", "fp32",
+                "--store", "dtype",
                 "--ranks", "2", "--device", "cpu")
     assert again.returncode == 0 and len(manifest(ranked)) == 64
 

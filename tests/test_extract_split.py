@@ -71,9 +71,11 @@ def test_split_run_writes_what_a_single_device_run_writes(tiny_model: Path, tmp_
     data = make_conversations(tmp_path / "conv.jsonl")
     single, split = tmp_path / "single", tmp_path / "split"
     first = run("--model", tiny_model, "--data", data, "--out", single, "--dtype", "fp32",
+                "--store", "dtype",
                 "--device", "cpu")
     assert first.returncode == 0, first.stderr[-2000:]
     second = run("--model", tiny_model, "--data", data, "--out", split, "--dtype", "fp32",
+                 "--store", "dtype",
                  "--device", "cpu,cpu", "--batch-tokens", "256")
     assert second.returncode == 0, second.stderr[-2000:]
     assert "model split over 2 devices" in second.stderr

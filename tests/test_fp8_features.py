@@ -130,12 +130,14 @@ def test_layers_are_scaled_apart() -> None:
 @pytest.fixture(scope="module")
 def extractions(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     """The tiny Llama's conversations extracted three times, in-process on the CPU:
-    fp32 (the reference), bf16 (the default store on a GPU) and fp8 (from fp32)."""
+    fp32 (the reference), bf16 (the compute dtype of a GPU) and fp8 (from fp32; the
+    default store, named here all the same)."""
     root = tmp_path_factory.mktemp("fp8")
     model = make_model(root / "tiny")
     conversations = make_conversations(root / "conv.jsonl")
     paths = {"model": model, "conversations": conversations}
-    for name, flags in {"fp32": ["--dtype", "fp32"], "bf16": ["--dtype", "bf16"],
+    for name, flags in {"fp32": ["--dtype", "fp32", "--store", "dtype"],
+                        "bf16": ["--dtype", "bf16", "--store", "dtype"],
                         "fp8": ["--dtype", "fp32", "--store", "fp8"]}.items():
         paths[name] = root / name
         assert extract.main(["--model", str(model), "--data", str(conversations), "--out",
@@ -330,6 +332,16 @@ def test_resume_with_another_store_is_refused(extractions: dict[str, Path], tmp_
     assert extract.main([*common, "--out", str(fp8), "--store", "fp8", "--dtype", "fp32"]) == 0
     summary = json.loads((fp8 / "extract_summary.json").read_text())
     assert summary["done_before"] == 32 and summary["written"] == 0
+    # without --store a resume keeps the store it began with, though the default is fp8;
+    # an extract_config.json from before --store existed means the compute dtype
+    config_file = fp32 / "extract_config.json"
+    config = json.loads(config_file.read_text())
+    del config["store"]
+    config_file.write_text(json.dumps(config))
+    assert extract.main([*common, "--out", str(fp32), "--dtype", "fp32"]) == 0
+    summary = json.loads((fp32 / "extract_summary.json").read_text())
+    assert summary["done_before"] == 32 and summary["written"] == 0
+    assert json.loads(config_file.read_text())["store"] == "dtype"
 
 
 @pytest.mark.slow

@@ -678,8 +678,8 @@ def test_self_prompts_end_to_end_and_rerun(word_writer: Path, tmp_path: Path) ->
             r for r in written if r["id"] == record["id"])["messages"][0]
     summary = json.loads(summary_file.read_text())
     assert summary["accepted"] == 6 and summary["settings"]["pre_query"] == "<|user|>\n"
-    assert summary["settings"]["openers"] == "none"  # the default: the bare template
-    assert summary["settings"]["free_prompt_share"] == 1.0
+    assert summary["settings"]["openers"] == "builtin"  # the default
+    assert summary["settings"]["free_prompt_share"] == 0.25
     assert summary["sampled"] == 6 + sum(summary["rejected"].values())
     assert 0 < summary["distinct_1"] <= summary["distinct_2"] <= 1
     assert "self prompts: 6 accepted of" in first.stderr

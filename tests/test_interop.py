@@ -86,6 +86,7 @@ def setup(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     model = make_model(root / "tiny")
     data = make_conversations(root / "conv.jsonl")
     run_module("workers.extract", "--model", model, "--data", data, "--dtype", "fp32",
+               "--store", "dtype",
                "--device", "cpu", "--limit", SAMPLES, "--out", root / "hidden",
                "--keep-prenorm-last")
     vocab_size = json.loads((root / "hidden" / "extract_config.json").read_text())["vocab_size"]

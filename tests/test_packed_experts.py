@@ -110,7 +110,7 @@ def test_extraction_through_packed_equals_dequantized(int4: tuple[str, Path],
         out = outs[mode] = tmp_path / mode
         result = subprocess.run(
             [sys.executable, "-m", "workers.extract", "--model", str(path), "--data",
-             str(data), "--out", str(out), "--dtype", "fp32", "--device", "cpu",
+             str(data), "--out", str(out), "--dtype", "fp32", "--store", "dtype", "--device", "cpu",
              "--limit", "6", "--experts", mode],
             capture_output=True, text=True, timeout=300, cwd=REPO, env=worker_env())
         assert result.returncode == 0, result.stderr[-3000:]

@@ -278,7 +278,7 @@ def test_self_prompts_spelling_writes_the_held_out_prompts_too(tiny_model: Path,
     generate = steps["generate"].command
     assert "--prompts" not in generate
     assert generate[generate.index("--self-prompts") + 1] == "48"
-    assert generate[generate.index("--prompt-openers") + 1] == "none"  # the default
+    assert generate[generate.index("--prompt-openers") + 1] == "builtin"  # the default
     assert generate[generate.index("--limit") + 1] == "40"
     assert steps["generate"].expected_items == 40 == steps["extract"].expected_items
     evaluate = steps["evaluate"].command
@@ -287,9 +287,9 @@ def test_self_prompts_spelling_writes_the_held_out_prompts_too(tiny_model: Path,
     assert (options["--skip"], options["--limit"]) == ("40", "8")
 
     openers = Eagle3Pipeline.model_validate(body(tiny_model, out, prompts="self:40",
-                                                 prompt_openers="builtin"))
+                                                 prompt_openers="none"))
     generate = next(eagle3_jobs(openers, resolve=step_id)).command
-    assert generate[generate.index("--prompt-openers") + 1] == "builtin"
+    assert generate[generate.index("--prompt-openers") + 1] == "none"
 
     no_eval = Eagle3Pipeline.model_validate(body(tiny_model, out, prompts="self:5",
                                                  eval_prompts=0))
@@ -302,7 +302,7 @@ def test_self_prompts_spelling_writes_the_held_out_prompts_too(tiny_model: Path,
                                  ("self:", {}, "whole number of prompts > 0"),
                                  ("self:10", {"serve": "stub"}, "transformers backend"),
                                  ("self:10", {"prompt_openers": "mine"}, "'none' or 'builtin'"),
-                                 (str(tmp_path / "p.jsonl"), {"prompt_openers": "builtin"},
+                                 (str(tmp_path / "p.jsonl"), {"prompt_openers": "none"},
                                   "prompt_openers: the first words of prompts the target")]:
         with pytest.raises((ValueError, InvalidSpec)) as caught:
             Eagle3Pipeline.model_validate(body(tiny_model, out, prompts=prompts, **extra))

@@ -155,7 +155,8 @@ def test_extraction_equals_the_quantized_models_hidden_states(
     out = tmp_path / "out"
     result = subprocess.run(
         [sys.executable, "-m", "workers.extract", "--model", str(path), "--data", str(data),
-         "--out", str(out), "--dtype", "fp32", "--batch-tokens", "4096", "--device", "cpu",
+         "--out", str(out), "--dtype", "fp32",
+         "--store", "dtype", "--batch-tokens", "4096", "--device", "cpu",
          "--limit", "8"],
         capture_output=True, text=True, timeout=300, cwd=REPO, env=worker_env())
     assert result.returncode == 0, result.stderr[-3000:]

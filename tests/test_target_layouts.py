@@ -59,7 +59,8 @@ def test_each_layout_extracts_the_text_models_own_hidden_states(
     # --batch-tokens 1: every sample alone, so routing cannot depend on batch-mates and
     # the comparison can be exact (batching of MoE targets: tests/test_batch_invariance.py)
     result = run("workers.extract", "--model", model_dir, "--data", data, "--out", out,
-                 "--dtype", "fp32", "--device", "cpu", "--batch-tokens", "1", "--limit", "6")
+                 "--dtype", "fp32",
+                 "--store", "dtype", "--device", "cpu", "--batch-tokens", "1", "--limit", "6")
     assert ("Kimi_K25ForConditionalGeneration" in result.stderr) == name.startswith("kimi")
     files = saved(out)
     assert len(files) == 6
@@ -90,7 +91,8 @@ def test_a_split_moe_writes_what_one_device_writes(tmp_path: Path) -> None:
     model_dir = build_tiny_target(tmp_path / "model", "kimi_k25_released")
     data = make_conversations(tmp_path / "conv.jsonl")
     single, split = tmp_path / "single", tmp_path / "split"
-    common = ("--model", model_dir, "--data", data, "--dtype", "fp32", "--batch-tokens", "1",
+    common = ("--model", model_dir, "--data", data, "--dtype", "fp32",
+              "--store", "dtype", "--batch-tokens", "1",
               "--limit", "8")
     run("workers.extract", *common, "--out", single, "--device", "cpu")
     result = run("workers.extract", *common, "--out", split, "--device", "cpu,cpu")

@@ -9,15 +9,16 @@ and renamed (a partial file never counts), listed in `manifest.jsonl`. With
 `--keep-prenorm-last` also `hidden_state_prenorm` [S, H], the last layer's output before
 the final norm (+1/4 disk), for `workers.export --to speculators`.
 
-Storage: `--store dtype` (the default) keeps the hidden states in the compute dtype
-(--dtype: bf16 on a GPU). `--store fp8` stores them as float8_e4m3fn with one fp32
+Storage: `--store dtype` keeps the hidden states in the compute dtype (--dtype: bf16 on
+a GPU). `--store fp8` (the default) stores them as float8_e4m3fn with one fp32
 scale per token and per layer beside each (`aux_hidden_states_scale` [S, 3],
 `hidden_state_scale` [S, 1], `hidden_state_prenorm_scale` [S, 1]; x ~= fp8 * scale):
 about half the disk of bf16 (H + 4 bytes per token and layer instead of 2H), per
 element within 1/16 of the value plus 2^-10 of the scale
 (workers/eagle3/extraction/fp8_features.py). Encoded on the GPU before the device-to-host copy;
 train, export and every other reader decode it (train to its compute dtype, export to bf16).
-extract_config.json records the store, and a resume refuses another one.
+extract_config.json records the store; a resume without --store keeps it, and one with
+another store is refused.
 
 Speed: on a GPU the three costs — forward passes, device-to-host copies, file writes —
 overlap. Batches are packed by length (`--batch-tokens`), captured states are copied
@@ -225,12 +226,13 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
                              "(workers.export --to speculators needs it); +1/4 disk. Off by "
                              "default: hidden_state (after the norm) cannot be turned back "
                              "into it")
-    parser.add_argument("--store", choices=STORES, default=DEFAULT_STORE,
-                        help="how hidden states are stored: dtype (the compute dtype, "
-                             "--dtype: bf16 on a GPU) or fp8 (float8_e4m3fn, one fp32 scale "
-                             "per token and per layer in <name>_scale; about half the disk "
-                             "of bf16, error <= 1/16 of each value + 2^-10 of its scale). "
-                             f"Default {DEFAULT_STORE}; a resume keeps the store it began with")
+    parser.add_argument("--store", choices=STORES, default=None,
+                        help="how hidden states are stored: fp8 (float8_e4m3fn, one fp32 "
+                             "scale per token and per layer in <name>_scale; about half the "
+                             "disk of bf16, error <= 1/16 of each value + 2^-10 of its "
+                             "scale) or dtype (the compute dtype, --dtype: bf16 on a GPU). "
+                             f"Default {DEFAULT_STORE}, or on a resume the store the output "
+                             "directory began with (another is refused)")
     parser.add_argument("--limit", type=int, default=None, help="only the first N samples")
     parser.add_argument("--gpus", default=None, metavar="N|all",
                         help="data-parallel: one process per GPU, each a shard of the samples")
@@ -329,6 +331,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         if task is not None and args.device == "cuda" and torch.cuda.device_count() > 1:
             local = int(os.environ.get("LOCAL_RANK", "0") or 0)  # tasks sharing a node's GPUs
             args.device = f"cuda:{local % torch.cuda.device_count()}"
+    args.store = args.store or store_begun(args.out) or DEFAULT_STORE
     check_resume_settings(args.out, keep_prenorm=args.keep_prenorm_last, store=args.store)
     args.out.mkdir(parents=True, exist_ok=True)
     devices = rank_devices(args)
@@ -417,6 +420,16 @@ def extract_here(args: argparse.Namespace) -> int:
                           for d in parse_devices(args.device))
         log.info("peak GPU memory: %s", peaks)
     return 0
+
+
+def store_begun(out: Path) -> str | None:
+    """The --store of the extraction in `out` (its extract_config.json), or None when
+    there is none: a resume without --store goes on in the store it began with, also one
+    begun before the default became fp8."""
+    try:
+        return store_of(json.loads((out / "extract_config.json").read_text(encoding="utf-8")))
+    except (OSError, ValueError, AttributeError):
+        return None
 
 
 def check_resume_settings(out: Path, *, keep_prenorm: bool, store: str) -> None:

@@ -275,13 +275,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     self_prompts.add_argument("--max-rounds", type=positive(int), default=8,
                               help="sampling rounds (each sized by the acceptance so far) "
                                    "before giving up with exit 1")
-    self_prompts.add_argument("--prompt-openers", default="none", metavar="none|builtin|FILE",
+    self_prompts.add_argument("--prompt-openers", default="builtin",
+                              metavar="none|builtin|FILE",
                               help="first words of the user turn the target goes on from, "
-                                   "one drawn per prompt: none (the bare template, Magpie's "
-                                   "way), builtin (requests of every kind: code, sums, "
-                                   "stories, role-play, extraction, ...; "
-                                   "workers/eagle3/generation/openers.py), or a file of one "
-                                   "per line")
+                                   "one drawn per prompt: builtin (the default: requests of "
+                                   "every kind: code, sums, stories, role-play, extraction, "
+                                   "...; workers/eagle3/generation/openers.py), none (the "
+                                   "bare template, Magpie's way), or a file of one per line")
     self_prompts.add_argument("--free-prompt-share", type=float, default=0.25, metavar="S",
                               help="with openers: the share of prompts written with none")
     self_prompts.add_argument("--seed", type=int, default=0,

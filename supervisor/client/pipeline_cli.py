@@ -34,9 +34,10 @@ def pipeline_run(
         help="Prompts JSONL, or self:N: the target writes N prompts itself (Magpie; "
              "transformers backend).")],
     out: Annotated[Path, typer.Option(help="Output directory of all steps.")],
-    prompt_openers: Annotated[str, typer.Option(
-        help="With self:N: none | builtin, the first words the target's user turns start "
-             "with (builtin: requests of every kind).")] = "none",
+    prompt_openers: Annotated[str | None, typer.Option(
+        help="With self:N: builtin | none, the first words the target's user turns start "
+             "with (builtin, the default: requests of every kind; none: the bare "
+             "template).")] = None,
     name: Annotated[str, typer.Option(help="Prefix of the jobs' names.")] = "eagle3",
     serve: Annotated[str | None, typer.Option(
         help="Launch the target's server as a job: vllm | stub.")] = None,
