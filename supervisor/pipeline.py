@@ -96,6 +96,11 @@ class Eagle3Pipeline(BaseModel):
     dtype: Literal["auto", "bf16", "fp16", "fp32"] = Field(
         default="auto", description="extraction and evaluation dtype (auto: bf16 on a "
                                     "GPU, fp32 on a CPU)")
+    store: Literal["fp8", "dtype"] | None = Field(
+        default=None, description="how extraction stores hidden states (workers.extract "
+                                  "--store): fp8 (the default, half of bf16's disk) or dtype "
+                                  "(the extraction dtype); unset, a resumed extraction keeps "
+                                  "the store it began with")
     max_length: int = Field(default=4096, ge=1, le=MAX_INT64)
     draft_vocab_size: int = Field(default=32000, ge=1, le=MAX_INT64)
     ttt_steps: int = Field(default=7, ge=1, le=MAX_INT64)
@@ -286,7 +291,7 @@ def eagle3_jobs(p: Eagle3Pipeline, *,
         "extract",
         command=[*py, "workers.extract", "--model", str(model), "--data", str(conversations),
                  "--out", str(hidden), "--dtype", p.dtype, "--max-length", str(p.max_length),
-                 *extract_devices],
+                 *(["--store", p.store] if p.store else []), *extract_devices],
         depends_on=[generate_id], output_dir=str(hidden), pattern="rows_*/*.safetensors",
         expected_items=n_train)
     extract_id = resolve("extract")

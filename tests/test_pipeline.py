@@ -56,6 +56,7 @@ def test_bad_pipeline_requests(daemon: Daemon, tiny_model: Path, tmp_path: Path)
         (body(tiny_model, tmp_path, eval_prompts=32), "leaves none to train on"),
         (body(tiny_model, tmp_path, eval_prompts=-1), "eval_prompts"),
         (body(tiny_model, tmp_path, min_acceptance_length=0), "min_acceptance_length"),
+        (body(tiny_model, tmp_path, store="bf16"), "store"),
     ]
     for request, word in cases:
         response = daemon.http.post("/api/v1/pipelines/eagle3", json=request)
@@ -82,6 +83,8 @@ def test_jobs_are_chained_and_labelled(daemon: Daemon, tiny_model: Path, tmp_pat
     assert evaluate["spec"]["depends_on"] == [train["id"]]
     assert extract["spec"]["expected_items"] == 16  # 32 prompts, the last 16 held out
     assert extract["spec"]["pattern"] == "rows_*/*.safetensors"
+    # no store named: workers.extract's default (fp8), or on a resume the store it began with
+    assert "--store" not in extract["spec"]["command"]
     assert {j["spec"]["labels"]["step"] for j in response.json()} == {
         "generate", "serve", "extract", "vocab", "train", "evaluate"}
     for job in (generate, serve):
@@ -165,7 +168,7 @@ def test_cli_pipeline_run_prints_the_job_ids(daemon: Daemon, tiny_model: Path,
     result = subprocess.run(
         [sys.executable, "-m", "supervisor", "pipeline", "run", "eagle3",
          "--model", str(tiny_model), "--prompts", str(DEMO_PROMPTS), "--out", str(tmp_path / "o"),
-         "--device", "cpu",
+         "--device", "cpu", "--store", "dtype",
          "--eval-prompts", "8", "--min-acceptance-length", "0", "--url", daemon.url],
         capture_output=True, text=True, timeout=60)
     assert result.returncode == 0, result.stderr
@@ -175,6 +178,8 @@ def test_cli_pipeline_run_prints_the_job_ids(daemon: Daemon, tiny_model: Path,
     evaluate = daemon.http.get(f"/api/v1/jobs/{lines[-1].split()[0]}").json()["spec"]
     assert evaluate["min_acceptance_length"] is None  # 0: the alert is off
     assert evaluate["command"][evaluate["command"].index("--limit") + 1] == "8"
+    extract = daemon.http.get(f"/api/v1/jobs/{lines[1].split()[0]}").json()["spec"]
+    assert extract["command"][extract["command"].index("--store") + 1] == "dtype"
     wrong = subprocess.run(
         [sys.executable, "-m", "supervisor", "pipeline", "run", "medusa",
          "--model", str(tiny_model), "--prompts", str(DEMO_PROMPTS), "--out", str(tmp_path / "o"),

@@ -57,6 +57,9 @@ def pipeline_run(
     dtype: Annotated[str, typer.Option(
         help="auto | bf16 | fp16 | fp32 (extraction, evaluation; auto: bf16 on a GPU, "
              "fp32 on a CPU).")] = "auto",
+    store: Annotated[str | None, typer.Option(
+        help="fp8 | dtype: how extraction stores hidden states (default fp8, half of "
+             "bf16's disk; dtype: the extraction dtype).")] = None,
     init: Annotated[Path | None, typer.Option(help="Pre-trained draft to finetune.")] = None,
     eval_prompts: Annotated[int, typer.Option(
         help="Hold the last N prompts out of training to measure the draft on (0: no "
@@ -90,6 +93,7 @@ def pipeline_run(
         "out": str(out.resolve()), "name": name, "serve": serve, "endpoint": endpoint,
         "port": port, "max_tokens": max_tokens, "draft_vocab_size": draft_vocab_size,
         "ttt_steps": ttt_steps, "epochs": epochs, "device": device, "dtype": dtype,
+        "store": store,
         "extract_gpus": extract_gpus, "gpus_per_model": gpus_per_model,
         "init": str(init.resolve()) if init else None, "eval_prompts": eval_prompts,
         "eval_max_new_tokens": eval_max_new_tokens, "eval_handwritten": eval_handwritten,
