@@ -118,8 +118,8 @@ def main() -> int:
     add("--prompt-top-p", type=float, help="self:N: workers.generate --prompt-top-p")
     add("--eval-tokens", type=int, default=96, help="per evaluated prompt")
     add("--batch-size", type=int, default=64, help="generation batch")
-    add("--store", choices=("dtype", "fp8"), default="fp8",
-        help="extracted features (default fp8, as workers.extract)")
+    add("--store", choices=("dtype", "fp8"),
+        help="extracted features (default: workers.extract's, fp8, or a resume's own)")
     add("--epochs", type=int, help="default: workers.train's")
     add("--lr", type=float, help="default: workers.train's")
     add("--batch-tokens", type=int, help="default: workers.train's")
@@ -164,7 +164,8 @@ def main() -> int:
                      "transformers", "--model", str(args.model), "--max-tokens",
                      str(args.max_tokens), "--batch-size", str(args.batch_size), *device],
         "extract": ["workers.extract", "--model", str(args.model), "--data",
-                    str(conversations), "--out", str(hidden), "--store", args.store,
+                    str(conversations), "--out", str(hidden),
+                    *(["--store", args.store] if args.store else []),
                     *(["--limit", str(args.limit)] if args.limit else []), *device],
         "vocab": ["workers.vocab", "--data", str(hidden), "--tokenizer", str(args.model),
                   "--draft-vocab-size", str(args.draft_vocab_size), "--out", str(vocab)],

@@ -139,7 +139,8 @@ def run_worker(target: Target, samples: list[Sample], out: Path, *, batch_tokens
     out.mkdir(parents=True, exist_ok=True)
     stats = Stats(total=len(samples))
     options: dict[str, Any] = {} if writeback is None else {"writeback": writeback}
-    extractor = Extractor(target, out, batch_tokens=batch_tokens, stats=stats, **options)
+    extractor = Extractor(target, out, batch_tokens=batch_tokens, stats=stats,
+                          store="dtype", **options)  # bf16: the sizes counted below
     sync(device)
     t0 = time.perf_counter()
     extractor.run(samples)

@@ -63,6 +63,7 @@ def extract(model: Path, data: Path, out: Path, *options: str) -> tuple[int, str
     shutil.rmtree(out, ignore_errors=True)
     result = subprocess.run([sys.executable, "-m", "workers.extract", "--model", str(model),
                              "--data", str(data), "--out", str(out), "--max-length", "1450",
+                             "--store", "dtype",  # bf16: the GB/s and the documented runs
                              *options], capture_output=True, text=True)
     return result.returncode, result.stderr
 

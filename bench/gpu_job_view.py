@@ -111,7 +111,8 @@ def main() -> int:
                 break
             except httpx.HTTPError:
                 time.sleep(0.5)
-        common = ["--model", str(model), "--data", str(data), "--max-length", "1450"]
+        common = ["--model", str(model), "--data", str(data), "--max-length", "1450",
+                  "--store", "dtype"]  # bf16, as the documented runs
         shown: list[str] = []
 
         def show_once(job: dict[str, Any]) -> None:

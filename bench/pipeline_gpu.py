@@ -46,7 +46,8 @@ def main() -> int:
                          str(model), "--device", args.device, "--max-tokens", "256",
                          "--batch-size", "16"),
         "extract": step("extract", "--model", str(model), "--data", str(out / "conv.jsonl"),
-                        "--out", str(out / "hs"), "--device", args.device),
+                        "--out", str(out / "hs"), "--device", args.device,
+                        "--store", "dtype"),  # bf16, as the documented run
         "vocab": step("vocab", "--data", str(out / "hs"), "--tokenizer", str(model),
                       "--draft-vocab-size", "128", "--out", str(out / "vocab.safetensors")),
         "train": step("train", "--data", str(out / "hs"), "--target", str(model), "--vocab",

@@ -19,7 +19,7 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
-from workers.common import read_jsonl, tokenize_conversation  # noqa: E402
+from workers.common import read_jsonl, record_messages, tokenize_conversation  # noqa: E402
 
 
 def main() -> int:
@@ -35,7 +35,7 @@ def main() -> int:
     tokenizer = AutoTokenizer.from_pretrained(args.model)
     answer_ids: list[int] = []
     for _, record in read_jsonl(args.data):
-        tokens = tokenize_conversation(tokenizer, record["messages"])
+        tokens = tokenize_conversation(tokenizer, list(record_messages(record)))
         answer_ids += [t for t, m in zip(tokens.input_ids, tokens.loss_mask, strict=True) if m]
     if not answer_ids:
         raise SystemExit(f"{args.data}: no answer tokens")
@@ -43,6 +43,9 @@ def main() -> int:
           "coverage |\n| --- | ---: | ---: |")
     for path in args.vocabs:
         t2d = load_file(str(path))["t2d"].bool()
+        if max(answer_ids) >= t2d.numel():
+            raise SystemExit(f"{path}: t2d has {t2d.numel()} target ids, the tokenizer "
+                             f"gave id {max(answer_ids)}: another target's vocabulary?")
         covered = int(t2d[answer_ids].sum())
         print(f"| {path.name} | {int(t2d.sum())} | {covered / len(answer_ids):.2%} |")
     return 0

@@ -166,7 +166,8 @@ class Eagle3Pipeline(BaseModel):
             self.backend = "openai"
         if self.backend == "openai" and not (self.serve or self.endpoint):
             raise ValueError("the openai backend needs serve (vllm|stub) or an endpoint")
-        if self.prompt_openers is not None and not self.self_prompts:
+        if self.prompt_openers == "builtin" and not self.self_prompts:
+            # "none" asks for nothing a prompts file lacks (and was the default before)
             raise ValueError("prompt_openers: the first words of prompts the target writes "
                              "itself: give prompts self:N, or leave prompt_openers out")
         if self.self_prompts and self.backend == "openai":

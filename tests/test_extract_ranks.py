@@ -60,6 +60,18 @@ def test_two_ranks_equal_one_process(tiny_model: Path, tmp_path: Path) -> None:
                 "--store", "dtype",
                 "--ranks", "2", "--device", "cpu")
     assert again.returncode == 0 and len(manifest(ranked)) == 64
+    # a resume without --store: the ranks write what is missing in the store the
+    # extraction began with (dtype), not the default (fp8)
+    lost = [b[i]["file"] for i in (0, 1, 2)]
+    for name in lost:
+        (ranked / name).unlink()
+    resumed = run("--model", tiny_model, "--data", data, "--out", ranked, "--dtype", "fp32",
+                  "--ranks", "2", "--device", "cpu")
+    assert resumed.returncode == 0, resumed.stderr[-2000:]
+    assert json.loads((ranked / "extract_summary.json").read_text())["written"] == 3
+    for name in lost:
+        assert load_file(ranked / name)["aux_hidden_states"].dtype == torch.float32
+    assert len(manifest(ranked)) == 64
 
 
 def test_a_failing_rank_fails_the_job(tiny_model: Path, tmp_path: Path) -> None:

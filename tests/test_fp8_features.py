@@ -338,10 +338,20 @@ def test_resume_with_another_store_is_refused(extractions: dict[str, Path], tmp_
     config = json.loads(config_file.read_text())
     del config["store"]
     config_file.write_text(json.dumps(config))
+    lost = sorted(fp32.rglob("rows_*/*.safetensors"))[:2]  # written again by the resume
+    for path in lost:
+        path.unlink()
     assert extract.main([*common, "--out", str(fp32), "--dtype", "fp32"]) == 0
     summary = json.loads((fp32 / "extract_summary.json").read_text())
-    assert summary["done_before"] == 32 and summary["written"] == 0
+    assert summary["done_before"] == 30 and summary["written"] == 2
+    for path in lost:
+        assert load_file(path)["aux_hidden_states"].dtype == torch.float32
     assert json.loads(config_file.read_text())["store"] == "dtype"
+    config_file.write_text(json.dumps({**config, "store": "bf16"}))  # not a store
+    with pytest.raises(SystemExit) as exit_info:
+        extract.main([*common, "--out", str(fp32), "--dtype", "fp32"])
+    assert exit_info.value.code == 2
+    assert "records store 'bf16', not one of dtype, fp8" in capsys.readouterr().err
 
 
 @pytest.mark.slow

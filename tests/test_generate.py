@@ -718,6 +718,18 @@ def test_self_prompts_from_openers_of_a_file(word_writer: Path, tmp_path: Path) 
     assert (summary["settings"]["opener_count"], summary["settings"]["free_prompt_share"]) == (2, 0)
     assert summary["settings"]["openers_sha256"] == hashlib.sha256(
         b"Solve\nWrite a Python function").hexdigest()  # which openers, not just the file
+    # a rerun without --prompt-openers samples the missing prompts with the same openers,
+    # not the default's
+    again = generate("--self-prompts", "11", "--limit", "1", "--backend", "transformers",
+                     "--model", word_writer, "--out", out, "--device", "cpu",
+                     "--max-tokens", "2", "--batch-size", "8", "--free-prompt-share", "0",
+                     timeout=240)
+    assert again.returncode == 0, again.stderr
+    texts = [r["messages"][0]["content"] for r in records(tmp_path / "conv.self_prompts.jsonl")]
+    assert len(texts) == 11
+    assert all(t.startswith(("Solve ", "Write a Python function ")) for t in texts), texts
+    summary = json.loads((tmp_path / "conv.self_prompts.summary.json").read_text())
+    assert summary["settings"]["openers"] == str(openers)
 
 
 def test_self_prompts_usage_errors_and_a_model_that_writes_nothing_usable(

@@ -295,6 +295,9 @@ def test_self_prompts_spelling_writes_the_held_out_prompts_too(tiny_model: Path,
                                                  prompt_openers="none"))
     generate = next(eagle3_jobs(openers, resolve=step_id)).command
     assert generate[generate.index("--prompt-openers") + 1] == "none"
+    # "none" with a prompts file asks for nothing (and was the default before builtin)
+    from_file = Eagle3Pipeline.model_validate(body(tiny_model, out, prompt_openers="none"))
+    assert "--prompt-openers" not in next(eagle3_jobs(from_file, resolve=step_id)).command
 
     no_eval = Eagle3Pipeline.model_validate(body(tiny_model, out, prompts="self:5",
                                                  eval_prompts=0))
@@ -307,7 +310,7 @@ def test_self_prompts_spelling_writes_the_held_out_prompts_too(tiny_model: Path,
                                  ("self:", {}, "whole number of prompts > 0"),
                                  ("self:10", {"serve": "stub"}, "transformers backend"),
                                  ("self:10", {"prompt_openers": "mine"}, "'none' or 'builtin'"),
-                                 (str(tmp_path / "p.jsonl"), {"prompt_openers": "none"},
+                                 (str(tmp_path / "p.jsonl"), {"prompt_openers": "builtin"},
                                   "prompt_openers: the first words of prompts the target")]:
         with pytest.raises((ValueError, InvalidSpec)) as caught:
             Eagle3Pipeline.model_validate(body(tiny_model, out, prompts=prompts, **extra))

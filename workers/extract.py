@@ -423,13 +423,17 @@ def extract_here(args: argparse.Namespace) -> int:
 
 
 def store_begun(out: Path) -> str | None:
-    """The --store of the extraction in `out` (its extract_config.json), or None when
-    there is none: a resume without --store goes on in the store it began with, also one
-    begun before the default became fp8."""
+    """The --store of the extraction in `out` (its extract_config.json, also one written
+    before any sample), or None when there is none: a resume without --store goes on in
+    the store it began with, also one begun before the default became fp8."""
     try:
-        return store_of(json.loads((out / "extract_config.json").read_text(encoding="utf-8")))
+        store = store_of(json.loads((out / "extract_config.json").read_text(encoding="utf-8")))
     except (OSError, ValueError, AttributeError):
         return None
+    if store not in STORES:
+        fail(f"{out}/extract_config.json records store {store!r}, not one of "
+             f"{', '.join(STORES)}: give --store, or use a new --out")
+    return store
 
 
 def check_resume_settings(out: Path, *, keep_prenorm: bool, store: str) -> None:
@@ -464,7 +468,7 @@ def write_config(args: argparse.Namespace, target: Target) -> None:
               "dtype": args.dtype, "experts": target.experts, "max_length": args.max_length,
               "keep_prenorm_last": args.keep_prenorm_last, "store": args.store,
               "writeback": args.writeback}
-    (args.out / "extract_config.json").write_text(json.dumps(config, indent=2) + "\n")
+    write_json(args.out / "extract_config.json", config)  # whole or absent to a reader
 
 
 def write_summary(out: Path, stats: Stats, name: str = "extract_summary.json",

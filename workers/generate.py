@@ -24,6 +24,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import hashlib
+import json
 import logging
 import time
 from dataclasses import dataclass
@@ -275,13 +276,15 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     self_prompts.add_argument("--max-rounds", type=positive(int), default=8,
                               help="sampling rounds (each sized by the acceptance so far) "
                                    "before giving up with exit 1")
-    self_prompts.add_argument("--prompt-openers", default="builtin",
+    self_prompts.add_argument("--prompt-openers", default=None,
                               metavar="none|builtin|FILE",
                               help="first words of the user turn the target goes on from, "
                                    "one drawn per prompt: builtin (the default: requests of "
                                    "every kind: code, sums, stories, role-play, extraction, "
                                    "...; workers/eagle3/generation/openers.py), none (the "
-                                   "bare template, Magpie's way), or a file of one per line")
+                                   "bare template, Magpie's way), or a file of one per line. "
+                                   "A rerun without it keeps the setting its prompts began "
+                                   "with")
     self_prompts.add_argument("--free-prompt-share", type=float, default=0.25, metavar="S",
                               help="with openers: the share of prompts written with none")
     self_prompts.add_argument("--seed", type=int, default=0,
@@ -297,6 +300,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         parser.error("--prompt-temperature must be >= 0 and --prompt-top-p in (0, 1]")
     if not 0 <= args.free_prompt_share <= 1:
         parser.error("--free-prompt-share must be in [0, 1]")
+    if args.prompt_openers is None:
+        args.prompt_openers = openers_begun(args.out) or "builtin"
     try:
         args.openers = openers.read_openers(args.prompt_openers)
     except ValueError as exc:
@@ -304,6 +309,18 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     if not args.openers:
         args.free_prompt_share = 1.0
     return args
+
+
+def openers_begun(out: Path) -> str | None:
+    """The --prompt-openers the self prompts at `out` were sampled with (their summary),
+    or None when none were: a rerun without the flag adds prompts of the same kind, also
+    to a set begun before builtin became the default (written with "none")."""
+    try:
+        summary = json.loads(self_prompts.summary_path(out).read_text(encoding="utf-8"))
+        spec = summary["settings"].get("openers", "none")
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        return None
+    return spec if isinstance(spec, str) and spec else None
 
 
 def write_self_prompts(args: argparse.Namespace, target: LocalTarget) -> dict[str, Any]:

@@ -25,7 +25,10 @@ def run_parent(args: argparse.Namespace, argv: Sequence[str], devices: list[str]
     numbered globally when this is one task of several. The manifest is settled while no rank
     runs: here before and after them; with several tasks, only by the task of rank 0
     once every rank of this launch has finished (the others may still be writing)."""
-    own = rank_argv(argv, drop=("--gpus", "--gpus-per-model", "--ranks", "--device"))
+    # the store this parent resolved (--store, the resumed extraction's, or the default):
+    # a rank that read a half-written extract_config.json must not choose another
+    own = [*rank_argv(argv, drop=("--gpus", "--gpus-per-model", "--ranks", "--device",
+                                  "--store")), "--store", args.store]
     if task is None:
         first, world, until = 0, len(devices), None
         restore_manifest(args.out)
