@@ -71,7 +71,8 @@ class Eagle3Pipeline(BaseModel):
         default=None, description="prompts `self:N`: the first words the target's user "
                                   "turns start with (workers.generate --prompt-openers): "
                                   "builtin (requests of every kind; the default) or none "
-                                  "(the bare template)")
+                                  "(the bare template); unset, a resumed prompt set keeps "
+                                  "its own")
     out: str = Field(description="directory for every step's output")
     name: str = Field(default="eagle3", min_length=1, max_length=100,
                       description="prefix of the jobs' names")
@@ -226,8 +227,9 @@ def eagle3_jobs(p: Eagle3Pipeline, *,
         n_prompts = n_train + p.eval_prompts
         # where workers.generate puts them (workers.eagle3.generation.self_prompts.prompts_path)
         prompts = conversations.with_name("conversations.self_prompts.jsonl")
-        source = ["--self-prompts", str(n_prompts), "--prompt-openers",
-                  p.prompt_openers or "builtin"]
+        # unset: the worker's default (builtin), or what a resumed prompt set began with
+        source = ["--self-prompts", str(n_prompts),
+                  *(["--prompt-openers", p.prompt_openers] if p.prompt_openers else [])]
     else:
         prompts = Path(p.prompts)
         if not prompts.is_file():
