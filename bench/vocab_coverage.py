@@ -19,7 +19,9 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
-from workers.common import read_jsonl, record_messages, tokenize_conversation  # noqa: E402
+from workers.common import ProgressReporter  # noqa: E402
+from workers.eagle3.draft.vocab_mapping import VocabReport  # noqa: E402
+from workers.vocab import TokenCounter, count_jsonl, load_tokenizer  # noqa: E402
 
 
 def main() -> int:
@@ -30,24 +32,25 @@ def main() -> int:
     parser.add_argument("vocabs", type=Path, nargs="+", help="workers.vocab outputs")
     args = parser.parse_args()
     from safetensors.torch import load_file
-    from transformers import AutoTokenizer
 
-    tokenizer = AutoTokenizer.from_pretrained(args.model)
-    answer_ids: list[int] = []
-    for _, record in read_jsonl(args.data):
-        tokens = tokenize_conversation(tokenizer, list(record_messages(record)))
-        answer_ids += [t for t, m in zip(tokens.input_ids, tokens.loss_mask, strict=True) if m]
-    if not answer_ids:
+    tokenizer, target_size = load_tokenizer(args.model)
+    counter = TokenCounter(target_size)  # the answer tokens, counted as workers.vocab does
+    report = VocabReport(draft_vocab_size=0, target_vocab_size=target_size, coverage=None,
+                         tokens_counted=0, distinct_tokens=0, samples=0)
+    count_jsonl(args.data, tokenizer, counter, report, ProgressReporter(total=0, unit="sample"),
+                max_length=None)
+    counts = counter.counts()
+    if report.tokens_counted == 0:
         raise SystemExit(f"{args.data}: no answer tokens")
-    print(f"{len(answer_ids)} answer tokens in {args.data}\n\n| vocabulary | draft ids | "
+    print(f"{report.tokens_counted} answer tokens in {args.data}\n\n| vocabulary | draft ids | "
           "coverage |\n| --- | ---: | ---: |")
     for path in args.vocabs:
         t2d = load_file(str(path))["t2d"].bool()
-        if max(answer_ids) >= t2d.numel():
+        if t2d.numel() != target_size:
             raise SystemExit(f"{path}: t2d has {t2d.numel()} target ids, the tokenizer "
-                             f"gave id {max(answer_ids)}: another target's vocabulary?")
-        covered = int(t2d[answer_ids].sum())
-        print(f"| {path.name} | {int(t2d.sum())} | {covered / len(answer_ids):.2%} |")
+                             f"{target_size}: another target's vocabulary?")
+        covered = int(counts[t2d].sum())
+        print(f"| {path.name} | {int(t2d.sum())} | {covered / report.tokens_counted:.2%} |")
     return 0
 
 
