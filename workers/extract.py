@@ -331,8 +331,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         if task is not None and args.device == "cuda" and torch.cuda.device_count() > 1:
             local = int(os.environ.get("LOCAL_RANK", "0") or 0)  # tasks sharing a node's GPUs
             args.device = f"cuda:{local % torch.cuda.device_count()}"
-    args.store = args.store or store_begun(args.out) or DEFAULT_STORE
-    check_resume_settings(args.out, keep_prenorm=args.keep_prenorm_last, store=args.store)
+    args.store = resume_settings(args.out, keep_prenorm=args.keep_prenorm_last,
+                                 store=args.store)
     args.out.mkdir(parents=True, exist_ok=True)
     devices = rank_devices(args)
     if len(devices) > 1 or task is not None:
@@ -422,41 +422,36 @@ def extract_here(args: argparse.Namespace) -> int:
     return 0
 
 
-def store_begun(out: Path) -> str | None:
-    """The --store of the extraction in `out` (its extract_config.json, also one written
-    before any sample), or None when there is none: a resume without --store goes on in
-    the store it began with, also one begun before the default became fp8."""
+def resume_settings(out: Path, *, keep_prenorm: bool, store: str | None) -> str:
+    """The store to extract in: `store` (--store), else the one `out`'s
+    extract_config.json records (also one written before any sample: a resume without
+    --store goes on in the store it began with, also one begun before the default became
+    fp8), else DEFAULT_STORE. Where samples exist, a resumed extraction also keeps its
+    --keep-prenorm-last setting and its --store: files with and without the pre-norm
+    state in one tree would fail an export half-way, and fp8 files beside bf16 ones would
+    make one dataset of two precisions that its extract_config.json misdescribes. Any
+    sample file counts (each rank of a large run checks: opening every file is for the
+    resume)."""
     try:
-        store = store_of(json.loads((out / "extract_config.json").read_text(encoding="utf-8")))
-    except (OSError, ValueError, AttributeError):
-        return None
-    if store not in STORES:
-        fail(f"{out}/extract_config.json records store {store!r}, not one of "
-             f"{', '.join(STORES)}: give --store, or use a new --out")
-    return store
-
-
-def check_resume_settings(out: Path, *, keep_prenorm: bool, store: str) -> None:
-    """A resumed extraction keeps its --keep-prenorm-last setting and its --store: files
-    with and without the pre-norm state in one tree would fail an export half-way, and
-    fp8 files beside bf16 ones would make one dataset of two precisions that its
-    extract_config.json misdescribes. Any sample file counts (each rank of a large run
-    checks: opening every file is for the resume)."""
-    config_path = out / "extract_config.json"
-    if not config_path.is_file() or next(out.glob("rows_*/*.safetensors"), None) is None:
-        return
-    try:
-        config = json.loads(config_path.read_text(encoding="utf-8"))
+        config = json.loads((out / "extract_config.json").read_text(encoding="utf-8"))
         before = bool(config.get("keep_prenorm_last"))
         store_before = store_of(config)
     except (OSError, ValueError, AttributeError):
-        return
+        return store or DEFAULT_STORE
+    if store is None:
+        if store_before not in STORES:
+            fail(f"{out}/extract_config.json records store {store_before!r}, not one of "
+                 f"{', '.join(STORES)}: give --store, or use a new --out")
+        store = store_before
+    if next(out.glob("rows_*/*.safetensors"), None) is None:
+        return store
     if before != keep_prenorm:
         fail(f"{out} was extracted {'with' if before else 'without'} --keep-prenorm-last; "
              f"rerun {'with' if before else 'without'} it to resume, or use a new --out")
     if store_before != store:
         fail(f"{out} was extracted with --store {store_before}; one output directory holds "
              f"one store: rerun with --store {store_before} to resume, or use a new --out")
+    return store
 
 
 def write_config(args: argparse.Namespace, target: Target) -> None:
