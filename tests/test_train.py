@@ -28,6 +28,7 @@ from workers.eagle3.draft.model import (
     Eagle3Draft,
     TargetHead,
     head_loss,
+    load_draft,
     load_draft_weights,
     ttt_losses,
 )
@@ -277,6 +278,60 @@ def test_recomputed_head_gives_the_same_losses_and_gradients() -> None:
     for name, grad in kept[2].items():
         assert torch.allclose(grad, recomputed[2][name], atol=1e-7), name
     assert any(g.abs().sum() > 0 for g in kept[2].values())
+
+
+def test_target_temperature_sharpens_the_targets_and_0_is_the_argmax() -> None:
+    """T = 1 is the soft cross-entropy against the target's softmax; T = 0 the plain
+    cross-entropy against its argmax; a small T approaches that; hits do not depend on
+    T (they count draft argmax == target argmax)."""
+    model, config = tiny_draft()
+    generator = torch.Generator().manual_seed(2)
+    rows = torch.randn(11, config.hidden_size, generator=generator)
+    target = 3 * torch.randn(11, config.draft_vocab_size, generator=generator)
+    logits = model.logits(rows).float()
+    soft, soft_hits = head_loss(model, rows, target)
+    expected = -(target.softmax(-1) * logits.log_softmax(-1)).sum()
+    assert soft.item() == pytest.approx(expected.item(), rel=1e-5)
+    hard, hard_hits = head_loss(model, rows, target, 0.0)
+    assert hard.item() == pytest.approx(
+        F.cross_entropy(logits, target.argmax(-1), reduction="sum").item(), rel=1e-5)
+    sharp, sharp_hits = head_loss(model, rows, target, 1e-3)
+    assert sharp.item() == pytest.approx(hard.item(), rel=1e-4)
+    half, _ = head_loss(model, rows, target, 0.5)
+    expected = -((target / 0.5).softmax(-1) * logits.log_softmax(-1)).sum()
+    assert half.item() == pytest.approx(expected.item(), rel=1e-5)
+    assert soft_hits == hard_hits == sharp_hits == (logits.argmax(-1) == target.argmax(-1)).sum()
+    assert soft.item() != pytest.approx(hard.item(), rel=1e-2)
+
+
+def test_wider_draft_mlp_is_written_and_loads_back(tiny: dict[str, Path],
+                                                   tmp_path: Path) -> None:
+    """--draft-intermediate-size widens the draft's MLP: config.json says so (the
+    engines build the draft from it), the weights have that shape and load_draft reads
+    them back; --target-temperature 0 trains (its held-out loss is still at T = 1)."""
+    out = tmp_path / "wide"
+    summary = run_train(tiny, out, "--batch-tokens", "1024", "--ttt-steps", "2",
+                        "--max-steps", "3", "--draft-intermediate-size", "96",
+                        "--target-temperature", "0")
+    config = json.loads((out / "draft" / "config.json").read_text())
+    assert config["intermediate_size"] == 96
+    with safe_open(str(out / "draft" / "model.safetensors"), framework="pt") as f:
+        assert f.get_slice("midlayer.mlp.up_proj.weight").get_shape() == [96, 64]
+        assert f.get_slice("midlayer.mlp.down_proj.weight").get_shape() == [64, 96]
+    embed = load_file(tiny["model"] / "model.safetensors")["model.embed_tokens.weight"]
+    draft = load_draft(out / "draft", embed.float())
+    assert draft.midlayer.mlp.gate_proj.weight.shape == (96, 64)
+    loss_0 = summary["chosen"]["loss_i"][0]
+    assert math.isfinite(loss_0) and loss_0 > 0
+
+
+@pytest.mark.parametrize("flag", [["--draft-intermediate-size", "0"],
+                                  ["--target-temperature", "-1"],
+                                  ["--target-temperature", "nan"]])
+def test_bad_width_or_temperature_is_a_usage_error(flag: list[str]) -> None:
+    with pytest.raises(SystemExit) as exited:
+        parse_args(["--data", "d", "--target", "t", "--out", "o", *flag])
+    assert exited.value.code == 2
 
 
 # -- 3. kill -9 and resume --------------------------------------------------------------

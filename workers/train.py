@@ -50,6 +50,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import json
 import logging
 import math
@@ -135,7 +136,7 @@ def load_vocab(path: Path) -> tuple[torch.Tensor, torch.Tensor]:
 
 def train_step(model: Eagle3Draft, target_head: TargetHead, batch: Batch,
                optimizer: torch.optim.Optimizer, scheduler: Any, *, ttt_steps: int,
-               grad_clip: float = 0.5) -> dict[str, float]:
+               grad_clip: float = 0.5, temperature: float = 1.0) -> dict[str, float]:
     """One optimizer step on a batch already on the model's device. bf16 autocast on
     CUDA. Returns lr, grad_norm and, for the TTT steps with valid positions, loss_i and
     acc_i (and loss when step 0 has some); a non-finite gradient skips the update and
@@ -148,7 +149,7 @@ def train_step(model: Eagle3Draft, target_head: TargetHead, batch: Batch,
     with torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda"):
         target_logits, valid = target_head(batch.hidden, batch.loss_mask)
         losses, correct, counts = ttt_losses(model, batch.aux, batch.input_ids, target_logits,
-                                             valid, ttt_steps)
+                                             valid, ttt_steps, temperature=temperature)
         total = sum(STEP_WEIGHT ** i * loss for i, loss in enumerate(losses))
     optimizer.zero_grad(set_to_none=True)
     assert isinstance(total, torch.Tensor)
@@ -269,6 +270,8 @@ def build_model(args: argparse.Namespace, data: ExtractedData,
     d2t, t2d = choose_vocab(args)
     config = DraftConfig.from_hf(target_config, draft_vocab_size=d2t.numel(),
                                  aux_layer_ids=layers)
+    if args.draft_intermediate_size is not None:
+        config = dataclasses.replace(config, intermediate_size=args.draft_intermediate_size)
     for what, ours in (("hidden_size", config.hidden_size), ("vocab_size", config.vocab_size)):
         theirs = data.config.get(what)
         if theirs is not None and int(theirs) != ours:
@@ -389,7 +392,8 @@ def train(args: argparse.Namespace, progress: ProgressReporter,
             if stop():
                 break
             metrics = train_step(model, head, batch.to(device), optimizer, scheduler,
-                                 ttt_steps=args.ttt_steps, grad_clip=args.grad_clip)
+                                 ttt_steps=args.ttt_steps, grad_clip=args.grad_clip,
+                                 temperature=args.target_temperature)
             step, position = step + 1, (epoch, k + 1)
             tokens_seen += batch.tokens
             skipped += int(metrics.pop("skipped", 0))
@@ -545,6 +549,14 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--batch-tokens", type=int, default=8192,
                         help="padded tokens per batch (default 8192)")
     parser.add_argument("--grad-clip", type=float, default=0.5)
+    parser.add_argument("--draft-intermediate-size", type=int, default=None, metavar="N",
+                        help="the draft's MLP width (default: the target's "
+                        "intermediate_size); written to its config.json, which vLLM and "
+                        "SGLang build the draft from")
+    parser.add_argument("--target-temperature", type=float, default=1.0, metavar="T",
+                        help="training targets softmax(target logits / T) (default 1: the "
+                        "target's distribution; 0: its argmax alone, one-hot). The "
+                        "held-out loss stays at T = 1")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--max-steps", type=int, default=None, help="stop after N steps")
     parser.add_argument("--save-every", type=int, default=1000,
@@ -578,11 +590,13 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     for flag in ("ttt_steps", "epochs", "batch_tokens", "save_every", "log_every"):
         if getattr(args, flag) < 1:
             parser.error(f"--{flag.replace('_', '-')} must be >= 1")
-    for flag in ("eval_every", "select_k"):
+    for flag in ("eval_every", "select_k", "draft_intermediate_size"):
         if getattr(args, flag) is not None and getattr(args, flag) < 1:
             parser.error(f"--{flag.replace('_', '-')} must be >= 1")
     if args.read_processes is not None and args.read_processes < 0:
         parser.error("--read-processes must be >= 0")
+    if not (math.isfinite(args.target_temperature) and args.target_temperature >= 0):
+        parser.error("--target-temperature must be a finite number >= 0")
     try:
         heldout_count(args.heldout_samples, 1)
     except ValueError as exc:

@@ -393,10 +393,11 @@ STEP_WEIGHT = 0.8
 
 
 def ttt_losses(model: Eagle3Draft, aux: torch.Tensor, input_ids: torch.Tensor,
-               target_logits: torch.Tensor, valid: torch.Tensor,
-               steps: int) -> tuple[list[torch.Tensor], ...]:
-    """Per TTT step: (mean soft cross-entropy, correct top-1 count, valid count). The
-    draft head runs only on the valid positions of each step."""
+               target_logits: torch.Tensor, valid: torch.Tensor, steps: int, *,
+               temperature: float = 1.0) -> tuple[list[torch.Tensor], ...]:
+    """Per TTT step: (mean cross-entropy against the target at `temperature` (`head_loss`),
+    correct top-1 count, valid count). The draft head runs only on the valid positions of
+    each step."""
     losses, correct, counts = [], [], []
     length = input_ids.shape[1]
     for i, hidden in enumerate(model.unroll(aux, input_ids, steps)):
@@ -405,9 +406,10 @@ def ttt_losses(model: Eagle3Draft, aux: torch.Tensor, input_ids: torch.Tensor,
         rows, target = hidden[:, :span][mask], target_logits[:, 1 + i:][mask]
         if torch.is_grad_enabled():  # the [rows, draft_vocab] logits are made again in
             # backward instead of kept: 7 steps of them were most of training's memory
-            total, hits = checkpoint(head_loss, model, rows, target, use_reentrant=False)
+            total, hits = checkpoint(head_loss, model, rows, target, temperature,
+                                     use_reentrant=False)
         else:
-            total, hits = head_loss(model, rows, target)
+            total, hits = head_loss(model, rows, target, temperature)
         count = mask.sum()
         losses.append(total / count.clamp(min=1))
         correct.append(hits)
@@ -415,14 +417,20 @@ def ttt_losses(model: Eagle3Draft, aux: torch.Tensor, input_ids: torch.Tensor,
     return losses, correct, counts
 
 
-def head_loss(model: Eagle3Draft, rows: torch.Tensor,
-              target_logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(summed soft cross-entropy against softmax(target_logits), top-1 hits) of the
-    draft head on hidden-state rows [N, H], in fp32."""
+def head_loss(model: Eagle3Draft, rows: torch.Tensor, target_logits: torch.Tensor,
+              temperature: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
+    """(summed cross-entropy against softmax(target_logits / temperature), top-1 hits)
+    of the draft head on hidden-state rows [N, H], in fp32. Temperature 0: against the
+    target's argmax alone (one-hot)."""
     logits = model.logits(rows).float()
-    target = target_logits.float().softmax(-1)
-    per_row = torch.logsumexp(logits, -1) - (target * logits).sum(-1)
-    return per_row.sum(), (logits.argmax(-1) == target.argmax(-1)).sum()
+    target_logits = target_logits.float()
+    best = target_logits.argmax(-1)
+    if temperature == 0:
+        per_row = torch.logsumexp(logits, -1) - logits.gather(-1, best[:, None])[:, 0]
+    else:
+        target = (target_logits / temperature).softmax(-1)
+        per_row = torch.logsumexp(logits, -1) - (target * logits).sum(-1)
+    return per_row.sum(), (logits.argmax(-1) == best).sum()
 
 
 # -- files -----------------------------------------------------------------------------
