@@ -323,6 +323,11 @@ def test_wider_draft_mlp_is_written_and_loads_back(tiny: dict[str, Path],
     assert draft.midlayer.mlp.gate_proj.weight.shape == (96, 64)
     loss_0 = summary["chosen"]["loss_i"][0]
     assert math.isfinite(loss_0) and loss_0 > 0
+    # --init from it keeps its width without being told
+    run_train(tiny, tmp_path / "again", "--batch-tokens", "1024", "--ttt-steps", "2",
+              "--max-steps", "1", "--init", str(out / "draft"))
+    again = json.loads((tmp_path / "again" / "draft" / "config.json").read_text())
+    assert again["intermediate_size"] == 96
 
 
 @pytest.mark.parametrize("flag", [["--draft-intermediate-size", "0"],

@@ -270,8 +270,12 @@ def build_model(args: argparse.Namespace, data: ExtractedData,
     d2t, t2d = choose_vocab(args)
     config = DraftConfig.from_hf(target_config, draft_vocab_size=d2t.numel(),
                                  aux_layer_ids=layers)
-    if args.draft_intermediate_size is not None:
-        config = dataclasses.replace(config, intermediate_size=args.draft_intermediate_size)
+    width = args.draft_intermediate_size
+    if width is None and args.init is not None and (args.init / "config.json").is_file():
+        width = json.loads((args.init / "config.json").read_text(encoding="utf-8")) \
+            .get("intermediate_size")  # a wider draft goes on as wide as it was
+    if width is not None:
+        config = dataclasses.replace(config, intermediate_size=int(width))
     for what, ours in (("hidden_size", config.hidden_size), ("vocab_size", config.vocab_size)):
         theirs = data.config.get(what)
         if theirs is not None and int(theirs) != ours:
@@ -551,8 +555,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--grad-clip", type=float, default=0.5)
     parser.add_argument("--draft-intermediate-size", type=int, default=None, metavar="N",
                         help="the draft's MLP width (default: the target's "
-                        "intermediate_size); written to its config.json, which vLLM and "
-                        "SGLang build the draft from")
+                        "intermediate_size; with --init, the init draft's); written to "
+                        "its config.json, which vLLM and SGLang build the draft from")
     parser.add_argument("--target-temperature", type=float, default=1.0, metavar="T",
                         help="training targets softmax(target logits / T) (default 1: the "
                         "target's distribution; 0: its argmax alone, one-hot). The "
