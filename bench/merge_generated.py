@@ -1,11 +1,11 @@
-"""Several `workers.generate` outputs as one conversations file, for a run that generates
-in parallel processes on one GPU.
+"""Several `workers.generate` outputs as one conversations file.
 
-`workers.generate --backend transformers` decodes SmolLM2-135M at ~60-80 ms a step
-whatever the batch (bench/target_throughput.py): the GPU idles between small kernels. So
-P processes, each with its own `--seed` and a share of `--self-prompts`, decode on one
-GPU side by side at close to P times the rate of one. Each part de-duplicates its own
-prompts; this joins the parts in the order given and drops a conversation whose user
+Each part is `workers.generate --self-prompts` with its own `--seed` (and share of the
+count). Parallel parts are not faster on one GPU: four of batch 1,024 on an H100
+answered at ~4,300 new tokens/s each, ~17,000 together, with the GPU at 100 %, where one
+process of batch 4,096 reached ~15,600-22,400 (docs/benchmarks.md, #29's seventh run).
+What parts give is a set made of several seeds, and parts made apart (one per GPU or
+machine) joined into one. Each part de-duplicates its own prompts; this joins the parts in the order given and drops a conversation whose user
 prompt is an exact or near duplicate (`self_prompts.Deduplicator`, as generate uses) of
 one kept from an earlier part. Ids get their part's stem in front (`g1-self-000001`), so
 those of different parts stay distinct.
