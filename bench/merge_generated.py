@@ -3,12 +3,13 @@
 Each part is `workers.generate --self-prompts` with its own `--seed` (and share of the
 count). Parallel parts are not faster on one GPU: four of batch 1,024 on an H100 answered
 at ~4,300 new tokens/s each, ~17,000 together, with the GPU at 100 %, where one process of
-batch 4,096 reached ~15,600-22,400 (docs/benchmarks.md, #29's seventh run). What parts
-give is a set made of several seeds, and parts made apart (one per GPU or machine) joined
-into one. Each part de-duplicates its own prompts; this joins the parts in the order given
-and drops a conversation whose user prompt is an exact or near duplicate
-(`self_prompts.Deduplicator`, as generate uses) of one kept from an earlier part. Ids get
-their part's stem in front (`g1-self-000001`), so those of different parts stay distinct.
+batch 4,096 answered at 22,400 on an H200 (docs/benchmarks.md, #29's first and seventh
+runs). What parts give is a set made of several seeds, and parts made apart (one per GPU
+or machine) joined into one. Each part de-duplicates its own prompts; this joins the parts
+in the order given and drops a conversation whose user prompt is an exact or near
+duplicate (`self_prompts.Deduplicator`, as generate uses) of one kept from an earlier
+part. Ids get their part's stem in front (`g1-self-000001`), so those of different parts
+stay distinct.
 
     python bench/merge_generated.py --out /tmp/e3/generate/conversations.jsonl \
         /tmp/e3/g1/conversations.jsonl /tmp/e3/g2/conversations.jsonl
