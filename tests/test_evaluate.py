@@ -5,9 +5,11 @@ progress metrics), the layer check, prompt selection, bad arguments."""
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import subprocess
 import sys
+from collections import Counter
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -18,7 +20,7 @@ from transformers import AutoModelForCausalLM
 
 from tests.helpers import REPO, make_model
 from workers import evaluate
-from workers.eagle3.draft.model import DraftConfig, Eagle3Draft, write_draft
+from workers.eagle3.draft.model import DraftConfig, Eagle3Draft, load_draft, write_draft
 from workers.eagle3.draft.serving import default_layer_ids
 from workers.eagle3.evaluation import heldout, speculative
 from workers.eagle3.evaluation.handwritten import CATEGORIES, read_handwritten
@@ -484,3 +486,97 @@ def test_sharded_evaluation_sums_to_one_process(tiny: dict[str, Path], tmp_path:
         {"starts with an opener": 2, "other": 1}
     assert set(groups["other"]) == {"prompts", "2", "3"}
     assert "| starts with an opener | 2 |" in done.stdout
+
+
+# -- 5. bench/acceptance_by_confidence.py: teacher-forced chains --------------------------
+
+def load_bench(name: str) -> Any:
+    """A script of bench/ as a module (bench/ is not a package)."""
+    spec = importlib.util.spec_from_file_location(name, REPO / "bench" / f"{name}.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module  # its dataclasses look their module up there
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_chains_are_counted_from_every_answer_position() -> None:
+    """Prompt of 2 tokens, k = 2: the answer is the choices at positions 1..5; passes
+    start at 1..4; the last start has one proposal inside the answer."""
+    bench = load_bench("acceptance_by_confidence")
+    choice = [9, 9, 5, 6, 7, 8, 0]
+    proposed = [[0, 5, 0, 7, 8, 0, 0],   # from t: right at 1, 3, 4
+                [0, 6, 0, 0, 0, 0, 0]]   # right at 1 (6 is the choice at 3)
+    top1 = [0.1, 0.2, 0.95, 0.4, 0.6, 0.8, 0.99]
+    in_vocab = [token != 6 for token in range(10)]
+    tally = bench.count_chains(proposed, choice, top1, in_vocab, start=2, k=2)
+    assert tally.answer_tokens == 5 and tally.prompts == 1
+    assert (tally.tried, tally.accepted) == ([4, 2], [3, 1])
+    assert tally.rates() == [0.75, 0.5] and tally.tau() == pytest.approx(2.125)
+    # first proposals at p = 2, 3, 4, 5 (top-1 0.95, 0.4, 0.6, 0.8): hit, miss, hit, hit
+    assert (tally.bin_tokens, tally.bin_hits) == ([0, 1, 1, 1, 1], [0, 0, 1, 1, 1])
+    assert tally.out_of_vocab == 1  # the choice 6 at p = 3
+    assert tally.confidence == pytest.approx(0.95 + 0.4 + 0.6 + 0.8)
+    other = bench.count_chains(proposed, choice, top1, in_vocab, start=2, k=2)
+    tally.merge(other)
+    assert (tally.tried, tally.accepted, tally.prompts) == ([8, 4], [6, 2], 2)
+
+
+def test_teacher_forced_chains_replay_the_speculative_decode(
+        tiny: dict[str, Path], target: Target) -> None:
+    """Walking the teacher-forced chains as a decode does (a pass that accepts a moves on
+    a + 1 tokens) gives `speculative_decode`'s tries and acceptances per position with
+    the same draft, token for token."""
+    bench = load_bench("acceptance_by_confidence")
+    embedding = target.model.get_input_embeddings().weight.detach()
+    draft = load_draft(tiny["draft"], embedding, target_num_layers=8)
+    k, budget = 3, 40
+    answer = greedy_decode(target, PROMPT, budget + k + 1, ()).tokens
+    # a draft whose logits all tie proposes draft id 0 every time: map it to the
+    # answer's most common token, so that some chains are accepted and some are not
+    common = Counter(answer).most_common(1)[0][0]
+    with torch.no_grad():
+        draft.lm_head.weight.zero_()
+        draft.d2t[0] = common
+    proposed, choice, _ = bench.teacher_forced(target.model, draft, target.layers,
+                                               PROMPT + answer, k)
+    assert choice[len(PROMPT) - 1:-1] == answer  # the run over the answer picks it again
+    tried, accepted = [0] * k, [0] * k
+    t, emitted = len(PROMPT) - 1, 1
+    while emitted < budget:
+        length = bench.chain_length(proposed, choice[:-1], t, k)
+        for i in range(min(length + 1, k)):
+            tried[i] += 1
+            accepted[i] += i < length
+        t, emitted = t + length + 1, emitted + length + 1
+    decoded = speculative_decode(target, DraftState(draft), PROMPT, k, budget, ())
+    assert decoded.acceptance is not None
+    assert (decoded.acceptance.tried, decoded.acceptance.accepted) == (tried, accepted)
+    assert 0 < sum(accepted) < sum(tried)  # the replay has hits and misses to get right
+
+
+def test_acceptance_by_confidence_cli_reports_both_sets(tiny: dict[str, Path],
+                                                        tmp_path: Path) -> None:
+    out = tmp_path / "report.json"
+    done = subprocess.run(
+        [sys.executable, str(REPO / "bench" / "acceptance_by_confidence.py"), "--target",
+         str(tiny["model"]), "--draft", str(tiny["draft"]), "--prompts", str(tiny["prompts"]),
+         "--handwritten-limit", "2", "-k", "2", "--max-new-tokens", "5", "--out", str(out)],
+        capture_output=True, text=True, timeout=300, cwd=REPO)
+    assert done.returncode == 0, done.stderr
+    report = json.loads(out.read_text())
+    assert set(report["sets"]) == {"handwritten", "handwritten:writing",
+                                   "handwritten:roleplay", "prompts"}
+    for name in ("handwritten", "prompts"):
+        figures = report["sets"][name]
+        # every answer of n tokens has n - 1 first proposals, one per pass start
+        assert figures["first_proposals"] == figures["tried"][0] == \
+            figures["answer_tokens"] - figures["prompts"]
+        assert sum(b["share"] for b in figures["bins"]) == pytest.approx(1.0)
+    assert report["sets"]["prompts"]["prompts"] == 3
+    assert "| handwritten | 2 |" in done.stdout and "| prompts | 3 |" in done.stdout
+    bad = subprocess.run(
+        [sys.executable, str(REPO / "bench" / "acceptance_by_confidence.py"), "--target",
+         str(tiny["model"]), "--draft", str(tiny["draft"]), "-k", "0"],
+        capture_output=True, text=True, timeout=60, cwd=REPO)
+    assert bad.returncode == 2 and "-k must be >= 1" in bad.stderr
