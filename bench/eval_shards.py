@@ -7,7 +7,8 @@ each take a slice (`--skip`/`--limit`) and the totals are summed afterwards: dra
 emitted tokens and tries/acceptances per draft position, per k and for the untrained
 baseline, plus the lossless comparison's counts. The sums are exactly what one process
 over the whole file would report (each prompt's decode is the same either way); the
-per-category rows weight each prompt by its generated tokens.
+rows per category, by opener and by length (answers cut at `--max-new-tokens` against
+answers that end before it) weight each prompt by its generated tokens.
 
     python bench/eval_shards.py --target /tmp/smollm2 --draft /tmp/w/M/train/draft \
         --out /tmp/w/M/eval_hw --shards 8 -- -k3 -k5 --max-new-tokens 96 --dtype fp32
@@ -102,6 +103,12 @@ def opening_questions(path: Path) -> dict[str, str]:
     return found
 
 
+REACH, END = "reach the token budget", "end on their own"
+"""`summary.json`'s `by_length` groups: answers cut at `--max-new-tokens` (a small target
+fills a long budget mostly by repeating itself, which a draft predicts well) and answers
+that stop before it."""
+
+
 def group_taus(pairs_by_k: dict[str, list[tuple[int, float]]]) -> dict[str, float]:
     """tau per k of a group of prompts: their tokens over their passes."""
     return {k: sum(t for t, _ in pairs) / sum(p for _, p in pairs)
@@ -115,10 +122,13 @@ def summarize(reports: list[Path], opening: dict[str, str] | None = None) -> dic
         defaultdict(lambda: defaultdict(list))
     by_opener: dict[str, dict[str, list[tuple[int, float]]]] = \
         defaultdict(lambda: defaultdict(list))
+    by_length: dict[str, dict[str, list[tuple[int, float]]]] = \
+        defaultdict(lambda: defaultdict(list))
     counts: dict[str, int] = defaultdict(int)
     prompts = 0
     for path in reports:
         report = json.loads(path.read_text())
+        budget = (report.get("settings") or {}).get("max_new_tokens")
         figures = report["sets"]["prompts"]
         prompts += figures["prompts"]
         for k, run in figures["runs"].items():
@@ -136,6 +146,8 @@ def summarize(reports: list[Path], opening: dict[str, str] | None = None) -> dic
                                                else "all")
             group = "starts with an opener" if str(row["id"]) in (opening or {}) else "other"
             counts[group] += 1
+            length = REACH if budget and row["new_tokens"] >= budget else END
+            counts[length] += 1
             for key, value in row.items():
                 if key.startswith("acceptance_length_k") and value:
                     # tokens and passes of this prompt: emitted / tau = passes
@@ -143,9 +155,12 @@ def summarize(reports: list[Path], opening: dict[str, str] | None = None) -> dic
                     k = key[len("acceptance_length_k"):]
                     categories[category][k].append(pair)
                     by_opener[group][k].append(pair)
+                    by_length[length][k].append(pair)
     summary = {"prompts": prompts, "runs": {k: finish(v) for k, v in runs.items()},
                "lossless": lossless,
-               "categories": {name: group_taus(ks) for name, ks in categories.items()}}
+               "categories": {name: group_taus(ks) for name, ks in categories.items()},
+               "by_length": {name: {"prompts": counts[name], **group_taus(by_length[name])}
+                             for name in (REACH, END) if counts[name]}}
     if opening is not None:
         summary["by_opener"] = {name: {"prompts": counts[name], **group_taus(ks)}
                                 for name, ks in by_opener.items()}
@@ -168,10 +183,12 @@ def print_summary(summary: dict[str, Any]) -> None:
     for name, figures in summary["categories"].items():
         print(f"| {name} | " + " | ".join(
             f"{figures[k]:.3f}" if k in figures else "-" for k in ks) + " |")
-    if summary.get("by_opener"):
-        print("\n| questions | prompts | " + " | ".join(f"tau k={k}" for k in ks)
+    for key, heading in (("by_opener", "questions"), ("by_length", "answers")):
+        if not summary.get(key):
+            continue
+        print(f"\n| {heading} | prompts | " + " | ".join(f"tau k={k}" for k in ks)
               + " |\n| --- | ---: |" + " ---: |" * len(ks))
-        for name, figures in summary["by_opener"].items():
+        for name, figures in summary[key].items():
             print(f"| {name} | {figures['prompts']} | " + " | ".join(
                 f"{figures[k]:.3f}" if k in figures else "-" for k in ks) + " |")
     check = summary["lossless"]

@@ -486,6 +486,12 @@ def test_sharded_evaluation_sums_to_one_process(tiny: dict[str, Path], tmp_path:
         {"starts with an opener": 2, "other": 1}
     assert set(groups["other"]) == {"prompts", "2", "3"}
     assert "| starts with an opener | 2 |" in done.stdout
+    reports = [json.loads(path.read_text()) for path in sharded.glob("shard-*/eval.json")]
+    cut = sum(row["new_tokens"] == 6 for r in reports for row in r["per_prompt"])
+    lengths = {name: g["prompts"] for name, g in summary["by_length"].items()}
+    assert lengths == {name: n for name, n in (("reach the token budget", cut),
+                                               ("end on their own", 3 - cut)) if n}
+    assert "| answers | prompts |" in done.stdout
 
 
 # -- 5. bench/acceptance_by_confidence.py: teacher-forced chains --------------------------
