@@ -38,6 +38,7 @@ sys.path.insert(0, str(REPO))
 from workers.eagle3.evaluation.handwritten import read_handwritten, stratified  # noqa: E402
 from workers.eagle3.evaluation.heldout import Prompt, read_prompts  # noqa: E402
 from workers.evaluate import (  # noqa: E402
+    EvalError,
     load_target_model,
     load_trained_draft,
     read_json,
@@ -225,10 +226,13 @@ def main() -> int:
         if not chosen:
             parser.error(f"--prompts {args.prompts}: no usable prompt")
         sets["prompts"] = [("", p) for p in chosen]
-    num_layers = target_num_layers(read_json(args.target / "config.json", "--target"))
-    model, tokenizer = load_target_model(args.target, args.device, args.dtype)
-    draft = load_trained_draft(args.draft, model.get_input_embeddings().weight.detach(),
-                               num_layers)
+    try:
+        num_layers = target_num_layers(read_json(args.target / "config.json", "--target"))
+        model, tokenizer = load_target_model(args.target, args.device, args.dtype)
+        draft = load_trained_draft(args.draft, model.get_input_embeddings().weight.detach(),
+                                   num_layers)
+    except EvalError as exc:
+        parser.error(str(exc))
     layers = list(draft.config.aux_layer_ids)
     stops = stop_token_ids(model, tokenizer)
     tallies: dict[str, Tally] = {}
@@ -272,7 +276,7 @@ def main() -> int:
                               "sets": {n: t.as_dict() for n, t in tallies.items()}}
     if "prompts" in tallies:
         hw, other = tallies["handwritten"], tallies["prompts"]
-        own = hw.bin_hits and sum(hw.bin_hits) / max(hw.first_proposals(), 1)
+        own = sum(hw.bin_hits) / max(hw.first_proposals(), 1)
         swapped = reweighted(hw, other)
         report["handwritten_first_acceptance"] = own
         report["handwritten_bins_at_prompts_rates"] = swapped

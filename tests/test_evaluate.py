@@ -586,3 +586,8 @@ def test_acceptance_by_confidence_cli_reports_both_sets(tiny: dict[str, Path],
          str(tiny["model"]), "--draft", str(tiny["draft"]), "-k", "0"],
         capture_output=True, text=True, timeout=60, cwd=REPO)
     assert bad.returncode == 2 and "-k must be >= 1" in bad.stderr
+    missing = subprocess.run(
+        [sys.executable, str(REPO / "bench" / "acceptance_by_confidence.py"), "--target",
+         str(tmp_path / "nowhere"), "--draft", str(tiny["draft"])],
+        capture_output=True, text=True, timeout=60, cwd=REPO)
+    assert missing.returncode == 2 and "nowhere/config.json" in missing.stderr
