@@ -1,7 +1,8 @@
 """workers.evaluate on CPU: the accept/bonus bookkeeping, the draft at inference against
 training's TTT unroll, speculative decoding with scripted proposers (exact tau and
 per-position rates), the CLI end to end on a tiny random Llama (lossless, eval.json,
-progress metrics), the layer check, prompt selection, bad arguments."""
+progress metrics), the layer check, prompt selection, bad arguments, and the teacher-forced
+chains of bench/acceptance_by_confidence.py replayed against the decoder."""
 
 from __future__ import annotations
 
