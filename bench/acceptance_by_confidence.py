@@ -37,10 +37,12 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 from workers.eagle3.evaluation.handwritten import read_handwritten, stratified  # noqa: E402
 from workers.eagle3.evaluation.heldout import Prompt, read_prompts  # noqa: E402
+from workers.eagle3.training.train_heldout import simulated_tau  # noqa: E402
 from workers.evaluate import (  # noqa: E402
     EvalError,
     load_target_model,
     load_trained_draft,
+    prompt_ids,
     read_json,
     stop_token_ids,
     target_num_layers,
@@ -88,11 +90,8 @@ class Tally:
         return [a / t if t else None for a, t in zip(self.accepted, self.tried, strict=True)]
 
     def tau(self) -> float:
-        total, running = 1.0, 1.0
-        for rate in self.rates():
-            running *= rate or 0.0
-            total += running
-        return total
+        """1 + sum_i prod_{j<=i} rate_j (a position never tried counts as 0)."""
+        return simulated_tau([rate or 0.0 for rate in self.rates()], self.k)
 
     def first_proposals(self) -> int:
         return sum(self.bin_tokens)
@@ -172,9 +171,7 @@ def measure(model: Any, tokenizer: Any, draft: Any, layers: list[int], prompt: P
     """Answers `prompt` greedily, then tallies the draft's chains over the answer."""
     from workers.eagle3.evaluation.speculative import Target, greedy_decode
 
-    text = tokenizer.apply_chat_template(prompt.messages, tokenize=False,
-                                         add_generation_prompt=True)
-    ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+    ids = prompt_ids(tokenizer, prompt.messages)
     answer = greedy_decode(Target(model, layers), ids, max_new_tokens, stops).tokens
     proposed, choice, top1 = teacher_forced(model, draft, layers, ids + answer, k)
     return count_chains(proposed, choice, top1, draft.t2d.tolist(), len(ids), k)
@@ -254,10 +251,11 @@ def main() -> int:
           "mean | target choice outside draft vocab |\n| --- | ---: | ---: | ---: | --- "
           "| ---: | ---: |")
     for name, tally in tallies.items():
-        print(f"| {name} | {tally.prompts} | {tally.answer_tokens} | {tally.tau():.3f} | "
-              f"{', '.join(fmt(r) for r in tally.rates())} | "
-              f"{fmt(tally.as_dict()['mean_target_top1'])} | "
-              f"{fmt(tally.as_dict()['target_choice_outside_draft_vocab'])} |")
+        figures = tally.as_dict()
+        print(f"| {name} | {tally.prompts} | {tally.answer_tokens} | {figures['tau']:.3f} | "
+              f"{', '.join(fmt(r) for r in figures['rates'])} | "
+              f"{fmt(figures['mean_target_top1'])} | "
+              f"{fmt(figures['target_choice_outside_draft_vocab'])} |")
     main_sets = [n for n in tallies if ":" not in n]
     print("\nFirst proposal by the target's top-1 probability (share of proposals / "
           "acceptance):\n")

@@ -157,6 +157,13 @@ def untrained_draft(trained: Any, seed: int) -> Any:
     return model.eval()
 
 
+def prompt_ids(tokenizer: Any, messages: Sequence[Mapping[str, str]]) -> list[int]:
+    """The token ids the target is prompted with: its chat template up to the start of
+    the assistant's turn."""
+    text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    return list(tokenizer(text, add_special_tokens=False)["input_ids"])
+
+
 def stop_token_ids(model: Any, tokenizer: Any) -> set[int]:
     eos = model.generation_config.eos_token_id
     eos = tokenizer.eos_token_id if eos is None else eos
@@ -214,9 +221,7 @@ def evaluate(args: argparse.Namespace, progress: ProgressReporter) -> dict[str, 
     for prompt_set in sets:  # the headline set first: the running metrics are its own
         runs, checks = prompt_set.runs, prompt_set.checks
         for prompt in prompt_set.prompts:
-            text = tokenizer.apply_chat_template(prompt.messages, tokenize=False,
-                                                 add_generation_prompt=True)
-            ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+            ids = prompt_ids(tokenizer, prompt.messages)
             clock = time.monotonic()
             reference = greedy_decode(target, ids, args.max_new_tokens, stops)
             prompt_set.reference_s += time.monotonic() - clock
