@@ -10,13 +10,19 @@ the job that ended during the spell is recorded. The log says "cannot be written
 As root, file modes stop nothing (CAP_DAC_OVERRIDE): the daemon runs under `setpriv`
 without the capabilities that bypass them, so 0444 and 0555 refuse its writes as they
 would a user's. Its connections opened before the spell keep their read-write file
-descriptors; those SQLite opens during it are read-only, and stayed so."""
+descriptors; those SQLite opens during it are read-only, and stayed so.
+
+Which connection a write goes through decided whether writes looked mended during the
+spell, or broken again after the fix (the log said so twice, once in CI's run): the
+second test plays those orders through `tests/jobs/read_only_ticks.py`, deterministically."""
 
 from __future__ import annotations
 
 import concurrent.futures
+import json
 import os
 import shutil
+import subprocess
 import time
 from pathlib import Path
 from typing import Any
@@ -24,7 +30,7 @@ from typing import Any
 import httpx
 import pytest
 
-from tests.helpers import Daemon, job_module, python_job, wait_for
+from tests.helpers import PY, REPO, Daemon, job_module, python_job, wait_for
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(180)]
 
@@ -52,13 +58,19 @@ def submit(url: str, name: str) -> httpx.Response:
                                                  "command": python_job("pass")})
 
 
+def without_dac_override() -> list[str]:
+    """The argv prefix that makes file modes bind this process's children."""
+    if os.geteuid() != 0:
+        return []
+    if shutil.which("setpriv") is None:
+        pytest.fail("setpriv (util-linux) is needed to drop CAP_DAC_OVERRIDE")
+    return WITHOUT_DAC_OVERRIDE
+
+
 @pytest.fixture
 def daemon(tmp_path: Path) -> Any:
-    if os.geteuid() == 0 and shutil.which("setpriv") is None:
-        pytest.fail("setpriv (util-linux) is needed to drop CAP_DAC_OVERRIDE")
-    wrapper = WITHOUT_DAC_OVERRIDE if os.geteuid() == 0 else []
     started = Daemon(tmp_path / "data", {"JOBSUP_NOTIFY_ON_SUCCESS": "false"},
-                     log_dir=tmp_path, wrapper=wrapper).start()
+                     log_dir=tmp_path, wrapper=without_dac_override()).start()
     yield started
     for path in [started.data_dir, *database_files(started.data_dir)]:
         path.chmod(0o755 if path.is_dir() else 0o644)
@@ -120,3 +132,36 @@ def test_a_read_only_spell_is_reported_and_mended_without_a_restart(
     print(f"{len(refused)} of {SUBMITTERS} submits refused during the spell, "
           f"{len(acknowledged)} acknowledged; /healthz ok {healthy_after_s:.2f} s after "
           "the fix")
+
+
+def test_only_a_connection_opened_since_the_failure_shows_writes_mended(
+        tmp_path: Path) -> None:
+    """A connection opened before the spell still writes in it: that proves nothing, and
+    the daemon stays degraded. A connection opened in the spell is read-only for good:
+    the write that shows the files writable again has it replaced, so no later tick
+    draws it from the pool and finds the database "cannot be written" again."""
+    data_dir = tmp_path / "data"
+    data_dir.mkdir()
+    try:
+        ran = subprocess.run([*without_dac_override(), PY,
+                              str(REPO / "tests" / "jobs" / "read_only_ticks.py"), str(data_dir)],
+                             capture_output=True, text=True, timeout=60, cwd=REPO)
+    finally:
+        data_dir.chmod(0o755)
+    assert ran.returncode == 0, ran.stderr[-3000:]
+    lines = ran.stdout.splitlines()
+    steps = {step["step"]: step for step in
+             (json.loads(line) for line in lines if not line.startswith("LOG "))}
+    assert steps["tick in the spell"]["ok"] is False
+    assert steps["tick in the spell"]["reason"] == "it is read-only (tick in the spell)"
+    old = steps["old connection in the spell"]
+    assert old["ok"] is True, old  # it wrote: its descriptors are the ones from before
+    assert old["reason"] == "it is read-only (tick in the spell)", old
+    later = [step for name, step in steps.items() if name.startswith("later tick")]
+    assert len(later) == 8
+    for step in [steps["tick after the fix"], *later]:
+        assert (step["ok"], step["reason"]) == (True, None), (step, ran.stdout)
+    logged = [line for line in lines if line.startswith(("LOG ERROR", "LOG WARNING"))]
+    assert len(logged) == 2, ran.stdout
+    assert logged[0].startswith("LOG ERROR the database cannot be written: it is read-only")
+    assert logged[1].startswith("LOG WARNING the database is writable again"), logged

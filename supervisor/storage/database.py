@@ -7,6 +7,7 @@ import contextlib
 import logging
 import os
 from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
 from typing import Any
@@ -15,8 +16,15 @@ from alembic import command
 from alembic.config import Config
 from sqlalchemy import URL, Connection, Engine, create_engine, event, make_url, text
 from sqlalchemy.engine import ExceptionContext
-from sqlalchemy.exc import ArgumentError, DBAPIError, NoSuchModuleError, OperationalError
+from sqlalchemy.exc import (
+    ArgumentError,
+    DBAPIError,
+    DisconnectionError,
+    NoSuchModuleError,
+    OperationalError,
+)
 from sqlalchemy.orm import Session, SessionTransaction, sessionmaker
+from sqlalchemy.pool import ConnectionPoolEntry
 
 from supervisor.errors import DaemonAlreadyRunning, DatabaseTaken, DatabaseUnavailable
 from supervisor.storage.filelock import FileLock
@@ -89,16 +97,19 @@ def make_engine(url: str) -> Engine:
         raise DatabaseUnavailable(f"no driver for the database {shown_url(parsed)}: {exc}",
                                   hint=hint) from None
     if is_sqlite:
-        event.listen(engine, "handle_error", _drop_spoiled_connections)
+        lineage = Lineage()
+        event.listen(engine, "handle_error", lineage.drop_spoiled)
+        event.listen(engine, "checkout", lineage.checked_out)
 
         @event.listens_for(engine, "connect")
-        def _pragmas(dbapi_conn: Any, _record: Any) -> None:
+        def _pragmas(dbapi_conn: Any, record: ConnectionPoolEntry) -> None:
             cur = dbapi_conn.cursor()
             cur.execute("PRAGMA journal_mode=WAL")
             cur.execute(f"PRAGMA busy_timeout={SQLITE_BUSY_TIMEOUT_MS}")
             cur.execute("PRAGMA foreign_keys=ON")
             cur.execute("PRAGMA synchronous=NORMAL")
             cur.close()
+            lineage.born(record)
 
     elif engine.dialect.name == "postgresql":
 
@@ -111,15 +122,78 @@ def make_engine(url: str) -> Engine:
     return engine
 
 
-def _drop_spoiled_connections(context: ExceptionContext) -> None:
-    """A SQLite connection that met a read-only file or directory (or could not open
-    its file) is read-only for good: SQLite opened it read-only without a word, or it
-    cannot write its journal. Treated as a lost connection: SQLAlchemy closes it and
-    every other connection its pool opened before now, so the next write, once the
-    file is writable, opens a new one (a read-only spell left the daemon refusing
-    writes until restarted, #30)."""
-    if sqlite_connection_spoiled(context.original_exception):
-        context.is_disconnect = True
+class Lineage:
+    """Which of a SQLite engine's connections may be trusted to write: those opened in
+    its current generation. A connection keeps the file descriptors it opened with, so
+    through a read-only spell (#30) one opened before it still writes, and one opened
+    during it is read-only for good, even once the files are writable again. So:
+
+    - a write refused for want of the files (`sqlite_connection_spoiled`) starts a new
+      generation: the connections opened before it are condemned, and a write that
+      goes through one of them after all proves nothing about the files;
+    - the write that proves the files writable again (`TickSteps`) starts another one:
+      the connections opened during the spell, which may be read-only, are condemned.
+
+    A condemned connection is closed and replaced at its next checkout (`checked_out`);
+    one in use finishes its transaction first."""
+
+    def __init__(self) -> None:
+        self.generation = 0
+
+    def condemn(self) -> None:
+        """Every connection opened before now is replaced at its next checkout."""
+        self.generation += 1
+
+    def born(self, record: ConnectionPoolEntry) -> None:
+        """The engine's `connect` event: the new connection is of this generation."""
+        record.info[_LINEAGE] = self
+        record.info[_GENERATION] = self.generation
+
+    def checked_out(self, _dbapi_conn: Any, record: ConnectionPoolEntry,
+                    _proxy: Any) -> None:
+        """The engine's `checkout` event: a condemned connection is replaced by a new
+        one (SQLAlchemy's way: `DisconnectionError` makes the pool reconnect)."""
+        if record.info.get(_GENERATION) != self.generation:
+            raise DisconnectionError("a connection opened before a read-only spell")
+
+    def drop_spoiled(self, context: ExceptionContext) -> None:
+        """The engine's `handle_error` event. A SQLite connection that met a read-only
+        file or directory (or could not open its file) is read-only for good: SQLite
+        opened it read-only without a word, or it cannot write its journal. Treated as a
+        lost connection: SQLAlchemy closes it and every connection of its pool opened
+        before now, and the generation's others are condemned with them, so the next
+        write, once the file is writable, opens a new one (a read-only spell left the
+        daemon refusing writes until restarted, #30)."""
+        if sqlite_connection_spoiled(context.original_exception):
+            context.is_disconnect = True
+            self.condemn()
+
+
+_LINEAGE, _GENERATION = "jobsup.lineage", "jobsup.generation"
+"""Where a SQLite connection's record (its `info`) keeps its `Lineage` and generation."""
+
+
+@dataclass(frozen=True)
+class Writer:
+    """The connection a transaction writes through, as its engine's `Lineage` saw it
+    opened (`writer`)."""
+
+    lineage: Lineage
+    generation: int
+
+    @property
+    def trusted(self) -> bool:
+        """Opened in its engine's current generation: a write through it shows whether
+        the files take writes."""
+        return self.generation == self.lineage.generation
+
+
+def writer(session: Session) -> Writer | None:
+    """The connection this session's transaction writes through (checked out now if the
+    transaction has none yet); None for PostgreSQL, whose connections hold no files."""
+    info = session.connection().info
+    lineage = info.get(_LINEAGE)
+    return Writer(lineage, info[_GENERATION]) if isinstance(lineage, Lineage) else None
 
 
 def _without_nul(_conn: Any, _cursor: Any, statement: str, parameters: Any, _context: Any,

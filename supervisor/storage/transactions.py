@@ -13,7 +13,7 @@ from sqlalchemy import event
 from sqlalchemy.exc import OperationalError
 from sqlalchemy.orm import ORMExecuteState, Session, SessionTransaction, sessionmaker
 
-from supervisor.storage import store
+from supervisor.storage import database, store
 from supervisor.storage.writability import Writability, unwritable_reason
 
 log = logging.getLogger("supervisor.daemon.loop")  # the tick's log, whichever module writes it
@@ -111,8 +111,24 @@ class TickSteps:
             self._failed = (reason, what)
         return True
 
-    def committed(self) -> None:
-        """A block of this tick committed writes: the database takes them."""
+    def proof(self, session: Session) -> database.Writer | None:
+        """While writes fail, and this tick has not written yet: the connection the
+        block's commit goes through (`database.writer`), which must show the files
+        writable again. None while nothing is in doubt."""
+        if self.writability.reason is None or self._wrote:
+            return None
+        return database.writer(session)
+
+    def committed(self, proof: database.Writer | None = None) -> None:
+        """A block of this tick committed writes: the database takes them. Not shown by
+        a commit through a connection condemned since it was opened (`proof`): it kept
+        its file descriptors from before the spell. One that shows it condemns the
+        connections opened during the spell, read-only ones among them
+        (`database.Lineage`)."""
+        if proof is not None:
+            if not proof.trusted:
+                return
+            proof.lineage.condemn()
         self._wrote = True
 
     @property
@@ -178,11 +194,12 @@ class _Writing:
                 self.outcome.ok = True
                 return False
             try:
+                proof = steps.proof(session)
                 session.commit()
             except OperationalError as failed:
                 return self._failed(failed, raise_other=True)
             self.outcome.ok = True
-            steps.committed()
+            steps.committed(proof)
             return False
         if isinstance(error, OperationalError):
             return self._failed(error, raise_other=False)
