@@ -115,6 +115,34 @@ class LocalTarget:
     model: Any
     tokenizer: Any
     device: str
+    decoder: Any = None
+    """Its `static_decode.StaticDecoder`; None: transformers' `generate` decodes."""
+
+
+DECODERS = ("auto", "static", "transformers")
+"""--decoder: how the transformers backend decodes (`pick_decoder`)."""
+
+
+def pick_decoder(choice: str, model: Any) -> Any:
+    """The static decoder for `model` (`static_decode.StaticDecoder`), or None for
+    transformers' `generate`: `auto` takes the static one where the model's layout
+    allows it."""
+    if choice == "transformers":
+        log.info("decoding with transformers' generate (--decoder transformers)")
+        return None
+    from workers.eagle3.generation import static_decode
+
+    reason = static_decode.unsupported_reason(model)
+    if reason is not None:
+        if choice == "static":
+            raise RunError(f"--decoder static cannot run this model: {reason}", 2)
+        log.info("decoding with transformers' generate: the static decoder cannot run this "
+                 "model (%s)", reason)
+        return None
+    decoder = static_decode.StaticDecoder(model)
+    log.info("decoding with a static KV cache%s", " and the step as a CUDA graph"
+             if decoder.device.type == "cuda" else "")
+    return decoder
 
 
 def load_local_target(args: argparse.Namespace) -> LocalTarget:
@@ -139,7 +167,7 @@ def load_local_target(args: argparse.Namespace) -> LocalTarget:
         raise RunError(f"the tokenizer in {args.model} has no chat template", 2)
     log.info("model loaded on %s in %.1f s", device, time.monotonic() - started)
     model.eval()
-    return LocalTarget(model, tokenizer, device)
+    return LocalTarget(model, tokenizer, device, pick_decoder(args.decoder, model))
 
 
 def run_transformers(args: argparse.Namespace, target: LocalTarget, prompts: list[Prompt],
@@ -168,19 +196,34 @@ def run_transformers(args: argparse.Namespace, target: LocalTarget, prompts: lis
     rendered = {p.id: str(tokenizer.apply_chat_template(p.messages, tokenize=False,
                                                         add_generation_prompt=True))
                 for p in prompts}
-    lengths = {prompt_id: len(tokenizer(text, add_special_tokens=False)["input_ids"])
-               for prompt_id, text in rendered.items()}
-    prompts = sorted(prompts, key=lambda p: -lengths[p.id])  # stable: ties keep file order
+    prompt_ids = {prompt_id: tokenizer(text, add_special_tokens=False)["input_ids"]
+                  for prompt_id, text in rendered.items()}
+    prompts = sorted(prompts, key=lambda p: -len(prompt_ids[p.id]))  # ties keep file order
 
-    def generate(batch: list[Prompt]) -> list[Answer]:
+    def decode(batch: list[Prompt]) -> tuple[list[list[int]], list[int]]:
+        """Each prompt's new tokens (a stop token, then anything, may end them) and its
+        prompt's token count."""
+        rows = [prompt_ids[p.id] for p in batch]
+        if target.decoder is not None:
+            from workers.eagle3.generation.static_decode import Sampling
+
+            sampling = None
+            if args.temperature is not None and args.temperature > 0:
+                top_p = getattr(model.generation_config, "top_p", None) or 1.0
+                sampling = Sampling(args.temperature, top_p, seed=args.seed + state.done)
+            return target.decoder.generate(rows, max_new_tokens=options["max_new_tokens"],
+                                           stop_ids=stop_ids, sampling=sampling), \
+                list(map(len, rows))
         encoded = tokenizer([rendered[p.id] for p in batch], return_tensors="pt", padding=True,
                             add_special_tokens=False).to(device)
         with torch.inference_mode():
             out = model.generate(**encoded, **options)
+        return (out[:, encoded["input_ids"].shape[1]:].tolist(),
+                encoded["attention_mask"].sum(dim=1).tolist())
+
+    def generate(batch: list[Prompt]) -> list[Answer]:
         answers = []
-        prompt_lengths = encoded["attention_mask"].sum(dim=1).tolist()
-        for tokens, prompt_tokens in zip(out[:, encoded["input_ids"].shape[1]:].tolist(),
-                                         prompt_lengths, strict=True):
+        for tokens, prompt_tokens in zip(*decode(batch), strict=True):
             stop = next((i for i, t in enumerate(tokens) if t in stop_ids), None)
             kept = tokens if stop is None else tokens[:stop]
             completion_tokens = len(tokens) if stop is None else stop + 1
@@ -257,6 +300,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         help="abort (exit 3) after K prompts in a row failed all their retries")
     add("--batch-size", type=positive(int), default=8, help="transformers: prompts per batch")
     add("--device", help="transformers: torch device (default: cuda if available, else cpu)")
+    add("--decoder", choices=DECODERS, default="auto",
+        help="transformers: how answers and self prompts are decoded: static (a KV cache "
+             "allocated once per batch, the decode step a CUDA graph on a GPU; Llama, Qwen2 "
+             "and Qwen3 layouts; sampling: softmax at the temperature within the top-p "
+             "nucleus, no top-k), transformers (its generate), auto (the default: static "
+             "where the model's layout allows it)")
     add("--experts", choices=EXPERTS, default="auto",
         help="transformers: a pack-quantized INT4 checkpoint's routed experts kept packed "
              "or dequantized to bf16 (auto: packed)")
@@ -335,7 +384,7 @@ def write_self_prompts(args: argparse.Namespace, target: LocalTarget) -> dict[st
                                              args.prompt_max_tokens, args.openers,
                                              args.free_prompt_share)
     sampler = self_prompts.transformers_sampler(target.model, tokenizer, template, sampling,
-                                                target.device)
+                                                target.device, target.decoder)
     filters = self_prompts.FilterSettings(
         min_words=args.min_prompt_words,
         markers=(*self_prompts.GENERIC_MARKERS, *self_prompts.template_markers(tokenizer)))

@@ -481,11 +481,13 @@ def written_text(tokenizer: Any, prefix: list[int], opener: str, continued: list
 
 
 def transformers_sampler(model: Any, tokenizer: Any, template: PreQueryTemplate,
-                         settings: SamplingSettings, device: Any) -> Sampler:
+                         settings: SamplingSettings, device: Any, decoder: Any = None,
+                         ) -> Sampler:
     """Continuations of the pre-query template (and of each sample's opener) by a loaded
     HF causal LM, decoded with their special tokens (so the filters see template debris);
     a sample's text is its opener and the continuation (empty where the continuation is).
-    Samples of different openers are left-padded into one batch."""
+    Samples of different openers are left-padded into one batch. Decoded by `decoder`
+    (a `static_decode.StaticDecoder`) where given, else by transformers' `generate`."""
     import torch
 
     eos = model.generation_config.eos_token_id
@@ -506,9 +508,14 @@ def transformers_sampler(model: Any, tokenizer: Any, template: PreQueryTemplate,
                                         add_special_tokens=False)["input_ids"]
         return encoded[opener]
 
-    def sample(count: int, seed: int) -> list[Sample]:
-        openers = pick_openers(count, seed, settings)
-        rows = [tokens_of(opener) for opener in openers]
+    def continuations(rows: list[list[int]], seed: int) -> list[list[int]]:
+        if decoder is not None:
+            from workers.eagle3.generation.static_decode import Sampling
+
+            sampling = (Sampling(settings.temperature, settings.top_p, seed)
+                        if settings.temperature > 0 else None)
+            return list(decoder.generate(rows, max_new_tokens=settings.max_new_tokens,
+                                         stop_ids=stop_ids, sampling=sampling))
         width = max(map(len, rows))
         input_ids = torch.tensor([[pad] * (width - len(r)) + r for r in rows], device=device)
         mask = torch.tensor([[0] * (width - len(r)) + [1] * len(r) for r in rows],
@@ -516,8 +523,13 @@ def transformers_sampler(model: Any, tokenizer: Any, template: PreQueryTemplate,
         torch.manual_seed(seed)
         with torch.inference_mode():
             out = model.generate(input_ids=input_ids, attention_mask=mask, **options)
+        return list(out[:, width:].tolist())
+
+    def sample(count: int, seed: int) -> list[Sample]:
+        openers = pick_openers(count, seed, settings)
+        rows = [tokens_of(opener) for opener in openers]
         samples = []
-        for opener, tokens in zip(openers, out[:, width:].tolist(), strict=True):
+        for opener, tokens in zip(openers, continuations(rows, seed), strict=True):
             stop = next((i for i, t in enumerate(tokens) if t in stop_ids), None)
             kept = tokens if stop is None else tokens[:stop]
             samples.append(Sample(written_text(tokenizer, tokens_of(opener), opener, kept),

@@ -1,0 +1,185 @@
+"""The static decoder (`workers/eagle3/generation/static_decode.py`) against transformers'
+`generate`, on CPU in fp32: greedy answers token for token on the Llama, Qwen2 and Qwen3
+layouts (left-padded rows of different lengths, a one-token prompt, rows that stop and
+rows cut at the token budget, the prefill in chunks); seeded sampling, whose nucleus of
+one token is the greedy answer; the layouts it refuses; and `workers.generate --decoder`
+end to end, whose two decoders write the same conversations."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from tests.helpers import PY, REPO
+from workers.eagle3.generation.static_decode import (
+    Sampling,
+    StaticDecoder,
+    unsupported_reason,
+)
+from workers.fixtures.tiny import build_tiny_llama, build_tiny_target
+
+pytestmark = pytest.mark.timeout(300)
+
+STOP = 2
+SHAPES = {"vocab_size": 300, "hidden_size": 64, "intermediate_size": 128,
+          "num_hidden_layers": 3, "num_attention_heads": 4, "num_key_value_heads": 2,
+          "max_position_embeddings": 512, "tie_word_embeddings": False}
+
+
+def random_model(layout: str) -> Any:
+    from transformers import (
+        LlamaConfig,
+        LlamaForCausalLM,
+        Qwen2Config,
+        Qwen2ForCausalLM,
+        Qwen3Config,
+        Qwen3ForCausalLM,
+    )
+
+    classes = {"llama": (LlamaConfig, LlamaForCausalLM), "qwen2": (Qwen2Config, Qwen2ForCausalLM),
+               "qwen3": (Qwen3Config, Qwen3ForCausalLM)}
+    config, model = classes[layout]
+    torch.manual_seed(1)
+    built = model(config(**SHAPES)).eval()
+    with torch.no_grad():  # sharper attention than the init's: positions tell in the answers
+        for layer in built.model.layers:
+            layer.self_attn.q_proj.weight.mul_(4.0)
+            layer.self_attn.k_proj.weight.mul_(4.0)
+    return built
+
+
+def prompt_rows(lengths: tuple[int, ...] = (5, 17, 1, 9, 30)) -> list[list[int]]:
+    generator = torch.Generator().manual_seed(7)
+    return [torch.randint(3, SHAPES["vocab_size"], (n,), generator=generator).tolist()
+            for n in lengths]
+
+
+def cut(tokens: list[int], stop_ids: set[int]) -> list[int]:
+    """A `generate` row as the static decoder returns it: up to its first stop token."""
+    stop = next((i for i, t in enumerate(tokens) if t in stop_ids), None)
+    return tokens if stop is None else tokens[:stop + 1]
+
+
+def transformers_greedy(model: Any, rows: list[list[int]], max_new_tokens: int,
+                        stop_ids: set[int]) -> list[list[int]]:
+    width = max(map(len, rows))
+    ids = torch.tensor([[0] * (width - len(r)) + r for r in rows])
+    mask = torch.tensor([[0] * (width - len(r)) + [1] * len(r) for r in rows])
+    with torch.inference_mode():
+        out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=max_new_tokens,
+                             do_sample=False, eos_token_id=sorted(stop_ids), pad_token_id=0)
+    return [cut(tokens, stop_ids) for tokens in out[:, width:].tolist()]
+
+
+@pytest.mark.parametrize("layout", ["llama", "qwen2", "qwen3"])
+def test_greedy_answers_are_generates_token_for_token(layout: str) -> None:
+    model, rows = random_model(layout), prompt_rows()
+    # stop on the token the rows emit most, so that some rows stop early and some do not
+    first = transformers_greedy(model, rows, 40, set())
+    counts = torch.bincount(torch.tensor([t for row in first for t in row]))
+    stop_ids = {int(counts.argmax())}
+    expected = transformers_greedy(model, rows, 40, stop_ids)
+    assert any(len(row) < 40 for row in expected) and any(len(row) == 40 for row in expected)
+
+    ours = StaticDecoder(model).generate(rows, max_new_tokens=40, stop_ids=stop_ids)
+    assert ours == expected
+    chunked = StaticDecoder(model, prefill_tokens=7).generate(rows, max_new_tokens=40,
+                                                                stop_ids=stop_ids)
+    assert chunked == expected  # one row per prefill chunk: the 30-token row's width
+    assert StaticDecoder(model).generate(rows[:1], max_new_tokens=40, stop_ids=stop_ids) \
+        == expected[:1]  # alone, without the padding of the others
+
+
+def test_the_real_tokenizers_chat_prompts_answer_as_generate(tmp_path: Path) -> None:
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    path = build_tiny_llama(tmp_path / "tiny")
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    questions = ["Why is the sky blue?", "Write a haiku about GPUs and the long night of "
+                 "training a draft model", "2+2?"]
+    rows = [tokenizer.apply_chat_template([{"role": "user", "content": q}], tokenize=True,
+                                          add_generation_prompt=True, return_dict=False)
+            for q in questions]
+    stop_ids = {tokenizer.eos_token_id}
+    assert StaticDecoder(model).generate(rows, max_new_tokens=24, stop_ids=stop_ids) \
+        == transformers_greedy(model, rows, 24, stop_ids)
+
+
+def test_sampling_is_seeded_and_its_one_token_nucleus_is_greedy() -> None:
+    model, rows = random_model("llama"), prompt_rows()
+    decoder = StaticDecoder(model)
+    greedy = decoder.generate(rows, max_new_tokens=20, stop_ids={STOP})
+    hot = Sampling(temperature=1.5, top_p=0.95, seed=3)
+    first = decoder.generate(rows, max_new_tokens=20, stop_ids={STOP}, sampling=hot)
+    assert first == decoder.generate(rows, max_new_tokens=20, stop_ids={STOP}, sampling=hot)
+    other = decoder.generate(rows, max_new_tokens=20, stop_ids={STOP},
+                             sampling=Sampling(temperature=1.5, top_p=0.95, seed=4))
+    assert first != other and first != greedy
+    narrow = Sampling(temperature=1.5, top_p=1e-9, seed=3)  # the top token alone
+    assert decoder.generate(rows, max_new_tokens=20, stop_ids={STOP}, sampling=narrow) == greedy
+
+
+def test_edge_cases() -> None:
+    decoder = StaticDecoder(random_model("llama"))
+    assert decoder.generate([], max_new_tokens=5, stop_ids={STOP}) == []
+    assert decoder.generate([[5, 6]], max_new_tokens=0, stop_ids={STOP}) == [[]]
+    one = decoder.generate([[5, 6]], max_new_tokens=1, stop_ids=())
+    assert len(one) == 1 and len(one[0]) == 1
+    with pytest.raises(ValueError, match="at least one prompt token"):
+        decoder.generate([[5], []], max_new_tokens=3, stop_ids={STOP})
+
+
+@pytest.mark.parametrize("layout", ["qwen3_moe", "deepseek_v3"])
+def test_other_layouts_are_refused_with_the_reason(tmp_path: Path, layout: str) -> None:
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(build_tiny_target(tmp_path / layout, layout))
+    reason = unsupported_reason(model)
+    assert reason is not None and repr(layout) in reason, reason
+    with pytest.raises(ValueError, match="cannot run this model"):
+        StaticDecoder(model)
+
+
+def generate(model: Path, out: Path, *args: str) -> subprocess.CompletedProcess[str]:
+    prompts = REPO / "workers" / "fixtures" / "data" / "demo_prompts.jsonl"
+    return subprocess.run(
+        [PY, "-m", "workers.generate", "--prompts", str(prompts), "--limit", "12",
+         "--backend", "transformers", "--model", str(model), "--device", "cpu",
+         "--max-tokens", "32", "--batch-size", "5", "--out", str(out), *args],
+        cwd=REPO, capture_output=True, text=True, timeout=240)
+
+
+def answers(path: Path) -> dict[str, Any]:
+    records = [json.loads(line) for line in path.read_text().splitlines()]
+    return {r["id"]: (r["messages"][-1]["content"], r["finish_reason"], r["usage"])
+            for r in records}
+
+
+def test_the_worker_writes_the_same_conversations_with_either_decoder(tmp_path: Path) -> None:
+    model = build_tiny_llama(tmp_path / "tiny")
+    static = generate(model, tmp_path / "static.jsonl", "--decoder", "static")
+    assert static.returncode == 0, static.stderr[-2000:]
+    assert "decoding with a static KV cache" in static.stderr
+    plain = generate(model, tmp_path / "plain.jsonl", "--decoder", "transformers")
+    assert plain.returncode == 0, plain.stderr[-2000:]
+    assert "decoding with transformers' generate" in plain.stderr
+    ours, theirs = answers(tmp_path / "static.jsonl"), answers(tmp_path / "plain.jsonl")
+    assert len(ours) == 12 and ours == theirs
+
+
+def test_the_worker_refuses_a_static_decoder_the_model_cannot_take(tmp_path: Path) -> None:
+    model = build_tiny_target(tmp_path / "moe", "qwen3_moe")
+    refused = generate(model, tmp_path / "out.jsonl", "--decoder", "static")
+    assert refused.returncode == 2, refused.stderr[-2000:]
+    assert "--decoder static cannot run this model: its model type is 'qwen3_moe'" \
+        in refused.stderr
+    auto = generate(model, tmp_path / "auto.jsonl")  # auto: generate's, and says why
+    assert auto.returncode == 0, auto.stderr[-2000:]
+    assert "the static decoder cannot run this model (its model type is 'qwen3_moe'" \
+        in auto.stderr

@@ -1,0 +1,323 @@
+"""Batched decoding with a static KV cache: the transformers backend's fast path for
+targets of the Llama layout (Llama, Qwen2, Qwen3: pre-norm decoder layers of grouped-query
+attention with rotary positions, and a gated MLP).
+
+transformers' `generate` grows its cache a step at a time and runs every layer's Python
+every step: SmolLM2-135M's decode step at batch 2,048 took 80 ms on an H200
+(docs/benchmarks.md), ~25,000 new tokens/s, where the step's weights and cache are a few
+hundred MB. Here the cache is allocated once per batch (prompt and answer length), every
+decode step has the same shapes, and on CUDA the step is captured once per batch as a
+CUDA graph and replayed: the per-step cost is the GPU's work, not Python's. The first
+replay of each batch is checked against the same step run eagerly; a capture that fails
+or a replay that differs is logged, and the steps run eagerly from then on.
+
+The model's own modules do the arithmetic (its embeddings, norms, projections, MLPs,
+rotary table and head); this module owns the cache, the masks and the loop. Queries are
+grouped by their key-value head, so grouped-query attention reads the cache as it is,
+without repeating it per query head. Left-padded rows: a row's pad slots are masked out
+of every attention, and its positions count from its first real token, as `generate`
+counts them.
+
+Greedy answers match `generate`'s up to floating-point near-ties (tests compare them on
+a real tokenizer and a tiny Llama); sampled ones draw from softmax(logits / T) restricted
+to the top-p nucleus, from a seeded generator: the same seed gives the same samples here,
+not `generate`'s."""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from collections.abc import Collection, Sequence
+from typing import Any
+
+import torch
+from torch.nn import functional
+
+log = logging.getLogger(__name__)
+
+SUPPORTED_MODEL_TYPES = frozenset({"llama", "qwen2", "qwen3"})
+"""`config.model_type`s whose decoder layers this module runs (the Llama layout)."""
+
+PREFILL_TOKENS = 65_536
+"""Prompt tokens per prefill chunk (rows x padded length, at least one row): bounds the
+prefill's activations, whatever the batch."""
+
+GRAPH_TOLERANCE = 1e-3
+"""How far (relative to the largest logit) a CUDA graph's first step may differ from the
+same step run eagerly: the same kernels on the same inputs agree to rounding."""
+
+DONE_CHECK_EVERY = 8
+"""Decode steps between checks whether every row has stopped (each check waits for the
+GPU)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Sampling:
+    """Sampled decoding: softmax(logits / temperature), restricted to the smallest set of
+    tokens whose probability reaches `top_p`, drawn with a generator seeded by `seed`."""
+
+    temperature: float
+    top_p: float = 1.0
+    seed: int = 0
+
+
+def unsupported_reason(model: Any) -> str | None:
+    """Why `StaticDecoder` cannot run `model` (None: it can)."""
+    config = getattr(model, "config", None)
+    model_type = getattr(config, "model_type", None)
+    if model_type not in SUPPORTED_MODEL_TYPES:
+        return (f"its model type is {model_type!r}; the static decoder runs "
+                f"{', '.join(sorted(SUPPORTED_MODEL_TYPES))}")
+    if getattr(config, "use_sliding_window", False):
+        return "it uses sliding-window attention"
+    rope = getattr(config, "rope_scaling", None) or getattr(config, "rope_parameters", None)
+    rope_type = (rope or {}).get("rope_type", (rope or {}).get("type", "default"))
+    if rope_type in ("dynamic", "longrope"):
+        return f"its rotary scaling ({rope_type}) depends on the sequence's length"
+    inner = getattr(model, "model", None)
+    layers = getattr(inner, "layers", None)
+    if not layers or getattr(model, "lm_head", None) is None:
+        return "it has no decoder layers or head where a causal LM keeps them"
+    attention = getattr(layers[0], "self_attn", None)
+    if not all(hasattr(attention, name) for name in ("q_proj", "k_proj", "v_proj", "o_proj")):
+        return "its attention does not have separate q, k, v and o projections"
+    return None
+
+
+class StaticDecoder:
+    """Decodes batches of token rows with `model` (`unsupported_reason` must be None)."""
+
+    def __init__(self, model: Any, *, prefill_tokens: int = PREFILL_TOKENS):
+        reason = unsupported_reason(model)
+        if reason is not None:
+            raise ValueError(f"the static decoder cannot run this model: {reason}")
+        config = model.config
+        self.model, self.prefill_tokens = model, prefill_tokens
+        self.layers = list(model.model.layers)
+        self.heads = config.num_attention_heads
+        self.kv_heads = getattr(config, "num_key_value_heads", None) or self.heads
+        self.head_dim = (getattr(config, "head_dim", None)
+                         or config.hidden_size // config.num_attention_heads)
+        self.scale = getattr(self.layers[0].self_attn, "scaling", self.head_dim ** -0.5)
+        weight = model.lm_head.weight
+        self.device, self.dtype = weight.device, weight.dtype
+        self.graphs_failed = False
+        """A capture failed, or a replay differed from the eager step: no more graphs."""
+
+    def generate(self, rows: Sequence[Sequence[int]], *, max_new_tokens: int,
+                 stop_ids: Collection[int], sampling: Sampling | None = None,
+                 ) -> list[list[int]]:
+        """Each row's new tokens: up to and including its first stop token, else
+        `max_new_tokens` of them. Greedy unless `sampling`."""
+        if not rows or max_new_tokens <= 0:
+            return [[] for _ in rows]
+        if any(len(row) == 0 for row in rows):
+            raise ValueError("every row needs at least one prompt token")
+        with torch.inference_mode():
+            return _Batch(self, rows, max_new_tokens, stop_ids, sampling).run()
+
+
+class _Batch:
+    """One `generate` call's buffers: cache, masks, the step's inputs and outputs."""
+
+    def __init__(self, decoder: StaticDecoder, rows: Sequence[Sequence[int]],
+                 max_new_tokens: int, stop_ids: Collection[int], sampling: Sampling | None):
+        self.decoder, self.sampling = decoder, sampling
+        self.max_new_tokens = max_new_tokens
+        device, d = decoder.device, decoder
+        self.rows, self.prompt_width = len(rows), max(map(len, rows))
+        self.slots = self.prompt_width + max_new_tokens
+        self.prompt = torch.zeros(self.rows, self.prompt_width, dtype=torch.long, device=device)
+        self.valid = torch.zeros(self.rows, self.slots, dtype=torch.bool, device=device)
+        for i, row in enumerate(rows):
+            self.prompt[i, self.prompt_width - len(row):] = torch.tensor(row, device=device)
+            self.valid[i, self.prompt_width - len(row):self.prompt_width] = True
+        self.lengths = self.valid.sum(dim=1)  # each row's prompt tokens
+        shape = (len(d.layers), self.rows, d.kv_heads, self.slots, d.head_dim)
+        self.keys = torch.zeros(shape, dtype=d.dtype, device=device)
+        self.values = torch.zeros(shape, dtype=d.dtype, device=device)
+        positions = torch.arange(self.slots, device=device)[None]
+        probe = torch.zeros(1, 1, dtype=d.dtype, device=device)
+        cos, sin = d.model.model.rotary_emb(probe, positions)
+        self.cos, self.sin = cos[0], sin[0]  # [slots, head_dim]: position -> rotation
+        self.stop_ids = torch.tensor(sorted(stop_ids), dtype=torch.long, device=device)
+        # the decode step's inputs and output, fixed tensors a CUDA graph replays over
+        self.token = torch.zeros(self.rows, dtype=torch.long, device=device)
+        self.position = torch.zeros(self.rows, dtype=torch.long, device=device)
+        self.slot = torch.zeros(1, dtype=torch.long, device=device)
+        self.logits = torch.zeros(self.rows, d.model.config.vocab_size, dtype=torch.float32,
+                                  device=device)
+        self.generator = None
+        if sampling is not None:
+            self.generator = torch.Generator(device=device)
+            self.generator.manual_seed(sampling.seed)
+
+    # -- the model, layer by layer ------------------------------------------------------
+
+    def _attention(self, layer: Any, hidden: torch.Tensor, positions: torch.Tensor,
+                   index: int, write: slice | torch.Tensor, mask: torch.Tensor,
+                   rows: slice) -> torch.Tensor:
+        """One layer's attention for `hidden` [rows, S, H] at `positions` [rows, S]: its
+        keys and values written to the cache at `write` (a slice of slots, or the step's
+        slot tensor), queries attending over the slots `mask` [rows, 1, S, slots'] allows."""
+        d, attention = self.decoder, layer.self_attn
+        count, steps = hidden.shape[:2]
+        group = d.heads // d.kv_heads
+
+        def heads(projection: Any, number: int, norm: Any) -> torch.Tensor:
+            x: torch.Tensor = projection(hidden).view(count, steps, number, d.head_dim)
+            normed: torch.Tensor = x if norm is None else norm(x)
+            return normed.transpose(1, 2)
+
+        query = heads(attention.q_proj, d.heads, getattr(attention, "q_norm", None))
+        key = heads(attention.k_proj, d.kv_heads, getattr(attention, "k_norm", None))
+        value = heads(attention.v_proj, d.kv_heads, None)
+        cos, sin = self.cos[positions][:, None], self.sin[positions][:, None]
+        query = query * cos + _rotate_half(query) * sin
+        key = key * cos + _rotate_half(key) * sin
+        if isinstance(write, slice):
+            self.keys[index, rows, :, write] = key
+            self.values[index, rows, :, write] = value
+            keys, values = key, value
+        else:
+            self.keys[index].index_copy_(2, write, key)
+            self.values[index].index_copy_(2, write, value)
+            keys, values = self.keys[index], self.values[index]
+        # query head h reads key-value head h // group: group the queries by it
+        grouped = query.reshape(count, d.kv_heads, group * steps, d.head_dim)
+        out = functional.scaled_dot_product_attention(
+            grouped, keys, values, attn_mask=mask, scale=d.scale)
+        out = out.view(count, d.heads, steps, d.head_dim).transpose(1, 2)
+        projected: torch.Tensor = attention.o_proj(out.reshape(count, steps,
+                                                               d.heads * d.head_dim))
+        return projected
+
+    def _forward(self, tokens: torch.Tensor, positions: torch.Tensor,
+                 write: slice | torch.Tensor, mask: torch.Tensor, rows: slice) -> torch.Tensor:
+        """The last position's logits (float32) for `tokens` [rows, S]."""
+        model = self.decoder.model
+        hidden = model.model.embed_tokens(tokens)
+        for index, layer in enumerate(self.decoder.layers):
+            hidden = hidden + self._attention(layer, layer.input_layernorm(hidden), positions,
+                                              index, write, mask, rows)
+            hidden = hidden + layer.mlp(layer.post_attention_layernorm(hidden))
+        logits: torch.Tensor = model.lm_head(model.model.norm(hidden[:, -1]))
+        return logits.float()
+
+    def _prefill(self) -> None:
+        """The prompts through the model in chunks of rows: the cache's first
+        `prompt_width` slots, and the first new token's logits."""
+        d, width = self.decoder, self.prompt_width
+        group = d.heads // d.kv_heads
+        chunk = max(1, d.prefill_tokens // width)
+        causal = torch.ones(width, width, dtype=torch.bool, device=d.device).tril()
+        diagonal = torch.eye(width, dtype=torch.bool, device=d.device)
+        for start in range(0, self.rows, chunk):
+            rows = slice(start, min(start + chunk, self.rows))
+            valid = self.valid[rows, :width]
+            # a pad query attends to itself alone: masked rows of all False would be NaN
+            mask = (causal[None] & valid[:, None, :]) | diagonal[None]
+            mask = mask[:, None].repeat(1, 1, group, 1)  # [rows, 1, group * width, width]
+            positions = (valid.cumsum(dim=1) - 1).clamp(min=0)
+            self.logits[rows] = self._forward(self.prompt[rows], positions, slice(0, width),
+                                              mask, rows)
+
+    def _step(self) -> None:
+        """One decode step for every row: `token` at `position`, written to `slot`."""
+        self.valid.index_fill_(1, self.slot, True)
+        mask = self.valid[:, None, None, :]
+        self.logits.copy_(self._forward(self.token[:, None], self.position[:, None],
+                                        self.slot, mask, slice(None)))
+
+    def _graph(self) -> Any:
+        """`_step` captured as a CUDA graph (its `replay`), on CUDA; else None, as where
+        the capture fails (logged: the steps run eagerly). The warm-up steps write the
+        last slot, which decoding overwrites before any query reads it, and mark it
+        valid: the mark is undone."""
+        device = self.decoder.device
+        if device.type != "cuda" or self.decoder.graphs_failed:
+            return None
+        self.slot.fill_(self.slots - 1)
+        try:
+            stream = torch.cuda.Stream(device)
+            stream.wait_stream(torch.cuda.current_stream(device))
+            with torch.cuda.stream(stream):
+                for _ in range(2):
+                    self._step()
+            torch.cuda.current_stream(device).wait_stream(stream)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                self._step()
+        except RuntimeError as exc:
+            self.decoder.graphs_failed = True
+            log.warning("the decode step could not be captured as a CUDA graph (%s): "
+                        "decoding step by step", exc)
+            return None
+        finally:
+            self.valid[:, self.slots - 1] = False
+        return graph.replay
+
+    def _checked(self, replay: Any) -> Any:
+        """The first decode step, run eagerly and then replayed: the step to use from
+        here on, `replay` where the two give the same logits, else `_step` (logged)."""
+        self._step()
+        eager = self.logits.clone()
+        replay()  # the same slot, token and position: the same writes
+        difference = float((self.logits - eager).abs().max())
+        if difference <= GRAPH_TOLERANCE * max(1.0, float(eager.abs().max())):
+            return replay
+        self.decoder.graphs_failed = True
+        log.warning("the CUDA graph's decode step differs from the eager one (logits up to "
+                    "%.3g apart): decoding step by step", difference)
+        self.logits.copy_(eager)
+        return self._step
+
+    def _choose(self) -> torch.Tensor:
+        """The next token of every row from `logits`."""
+        if self.sampling is None:
+            return self.logits.argmax(dim=-1)
+        probabilities = torch.softmax(self.logits / self.sampling.temperature, dim=-1)
+        if self.sampling.top_p < 1.0:
+            ranked, order = probabilities.sort(dim=-1, descending=True)
+            before = ranked.cumsum(dim=-1) - ranked  # mass of the tokens ranked above
+            ranked = ranked.masked_fill(before >= self.sampling.top_p, 0.0)
+            chosen = torch.multinomial(ranked, 1, generator=self.generator)
+            return order.gather(1, chosen)[:, 0]
+        return torch.multinomial(probabilities, 1, generator=self.generator)[:, 0]
+
+    def run(self) -> list[list[int]]:
+        replay = self._graph()
+        step: Any = self._step if replay is None else None
+        self._prefill()
+        out = torch.zeros(self.rows, self.max_new_tokens, dtype=torch.long,
+                          device=self.decoder.device)
+        stopped = torch.zeros(self.rows, dtype=torch.bool, device=self.decoder.device)
+        ended_at = torch.full((self.rows,), self.max_new_tokens, dtype=torch.long,
+                              device=self.decoder.device)
+        self.position.copy_(self.lengths)
+        self.slot.fill_(self.prompt_width)
+        made = 0
+        for made in range(1, self.max_new_tokens + 1):
+            token = self._choose()
+            out[:, made - 1] = token
+            newly = ~stopped & torch.isin(token, self.stop_ids)
+            ended_at.masked_fill_(newly, made)
+            stopped |= newly
+            if made == self.max_new_tokens or (
+                    made % DONE_CHECK_EVERY == 0 and bool(stopped.all())):
+                break
+            self.token.copy_(token)
+            if step is None:
+                step = self._checked(replay)
+            else:
+                step()
+            self.position += 1
+            self.slot += 1
+        kept = ended_at.clamp(max=made).tolist()
+        return [tokens[:n] for tokens, n in zip(out[:, :made].tolist(), kept, strict=True)]
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    """The rotary embedding's partner of `x`: (-x2, x1) of its two halves."""
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
