@@ -95,6 +95,27 @@ def test_greedy_answers_are_generates_token_for_token(layout: str) -> None:
         == expected[:1]  # alone, without the padding of the others
 
 
+def test_the_answers_do_not_depend_on_the_attention_kernels_output_layout(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """CUDA's memory-efficient kernel returns its output as a transposed view ([B, M, H,
+    D] underneath), where the CPU's is contiguous: the same answers from both layouts.
+    The kernel's values are the CPU's own; only the layout is CUDA's."""
+    from torch.nn import functional
+
+    model, rows = random_model("qwen3"), prompt_rows()
+    expected = StaticDecoder(model).generate(rows, max_new_tokens=12, stop_ids={STOP})
+    attention = functional.scaled_dot_product_attention
+
+    def transposed_layout(*args: Any, **kwargs: Any) -> torch.Tensor:
+        out = attention(*args, **kwargs)
+        return out.transpose(1, 2).contiguous().transpose(1, 2)
+
+    monkeypatch.setattr(functional, "scaled_dot_product_attention", transposed_layout)
+    assert not transposed_layout(torch.ones(1, 2, 3, 4), torch.ones(1, 2, 3, 4),
+                                 torch.ones(1, 2, 3, 4)).is_contiguous()
+    assert StaticDecoder(model).generate(rows, max_new_tokens=12, stop_ids={STOP}) == expected
+
+
 def test_the_real_tokenizers_chat_prompts_answer_as_generate(tmp_path: Path) -> None:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -133,6 +154,9 @@ def test_edge_cases() -> None:
     assert len(one) == 1 and len(one[0]) == 1
     with pytest.raises(ValueError, match="at least one prompt token"):
         decoder.generate([[5], []], max_new_tokens=3, stop_ids={STOP})
+    for temperature, top_p in ((0.0, 1.0), (1.0, 0.0), (1.0, 1.5)):
+        with pytest.raises(ValueError, match="temperature > 0 and a top-p in"):
+            Sampling(temperature, top_p)
 
 
 @pytest.mark.parametrize("layout", ["qwen3_moe", "deepseek_v3"])
