@@ -1,9 +1,10 @@
 """The static decoder (`workers/eagle3/generation/static_decode.py`) against transformers'
 `generate`, on CPU in fp32: greedy answers token for token on the Llama, Qwen2 and Qwen3
 layouts (left-padded rows of different lengths, a one-token prompt, rows that stop and
-rows cut at the token budget, the prefill in chunks); seeded sampling, whose nucleus of
-one token is the greedy answer; the layouts it refuses; and `workers.generate --decoder`
-end to end, whose two decoders write the same conversations."""
+rows cut at the token budget, the prefill in chunks, the steps' windows of the cache);
+seeded sampling, whose nucleus of one token is the greedy answer; the attention kernel's
+output layout; the layouts it refuses; and `workers.generate --decoder` end to end, whose
+two decoders write the same conversations."""
 
 from __future__ import annotations
 
@@ -91,6 +92,9 @@ def test_greedy_answers_are_generates_token_for_token(layout: str) -> None:
     chunked = StaticDecoder(model, prefill_tokens=7).generate(rows, max_new_tokens=40,
                                                                 stop_ids=stop_ids)
     assert chunked == expected  # one row per prefill chunk: the 30-token row's width
+    windowed = StaticDecoder(model, window_tokens=3).generate(rows, max_new_tokens=40,
+                                                              stop_ids=stop_ids)
+    assert windowed == expected  # 14 windows: each step reads its stretch's slots
     assert StaticDecoder(model).generate(rows[:1], max_new_tokens=40, stop_ids=stop_ids) \
         == expected[:1]  # alone, without the padding of the others
 

@@ -6,9 +6,11 @@ transformers' `generate` grows its cache a step at a time and runs every layer's
 every step: SmolLM2-135M's decode step at batch 2,048 took 80 ms on an H200
 (docs/benchmarks.md), ~25,000 new tokens/s, where reading its weights and cache takes a
 few ms. Here the cache is allocated once per batch (prompt and answer length), every
-decode step has the same shapes, and on CUDA the step is captured once per batch as a
-CUDA graph and replayed: the per-step cost is the GPU's work, not Python's. The first
-replay of each batch is checked against the same step run eagerly; a capture that fails
+decode step of a window has the same shapes, and on CUDA the step is captured as a CUDA
+graph once per window and replayed: the per-step cost is the GPU's work, not Python's.
+A window is the cache's first slots that a stretch of `WINDOW_TOKENS` steps reads (the
+prompt and the answer so far, rounded up): a step reads those, not the whole cache. Each
+graph's first replay is checked against the same step run eagerly; a capture that fails
 or a replay that differs is logged, and the steps run eagerly from then on. On CUDA the
 attention runs on PyTorch's memory-efficient kernel (else its math kernel), not cuDNN's:
 one kernel known to take a boolean mask broadcast over the query heads.
@@ -23,13 +25,13 @@ counts them.
 Greedy answers match `generate`'s up to floating-point near-ties (tests compare them on
 a real tokenizer and a tiny Llama); sampled ones draw from softmax(logits / T) restricted
 to the top-p nucleus, from a seeded generator: the same seed gives the same samples here,
-not `generate`'s. Each step reads the whole cache of the batch (prompt width + new
-tokens), whatever the step: simple, and the next thing to trim."""
+not `generate`'s."""
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import logging
 from collections.abc import Collection, Sequence
 from typing import Any
@@ -54,6 +56,11 @@ same step run eagerly: the same kernels on the same inputs agree to a few bf16 r
 
 CUDA_ATTENTION = [SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
 """The attention kernels allowed on CUDA, in PyTorch's order of preference."""
+
+WINDOW_TOKENS = 64
+"""Decode steps per window: the cache slots a step reads grow by this many at a time (one
+graph each: 4 for 256 new tokens, which read ~25 % less cache than the whole at a
+128-token prompt width)."""
 
 DONE_CHECK_EVERY = 8
 """Decode steps between checks whether every row has stopped (each check waits for the
@@ -101,12 +108,14 @@ def unsupported_reason(model: Any) -> str | None:
 class StaticDecoder:
     """Decodes batches of token rows with `model` (`unsupported_reason` must be None)."""
 
-    def __init__(self, model: Any, *, prefill_tokens: int = PREFILL_TOKENS):
+    def __init__(self, model: Any, *, prefill_tokens: int = PREFILL_TOKENS,
+                 window_tokens: int = WINDOW_TOKENS):
         reason = unsupported_reason(model)
         if reason is not None:
             raise ValueError(f"the static decoder cannot run this model: {reason}")
         config = model.config
-        self.model, self.prefill_tokens = model, prefill_tokens
+        self.model, self.prefill_tokens, self.window_tokens = model, prefill_tokens, \
+            window_tokens
         self.layers = list(model.model.layers)
         self.heads = config.num_attention_heads
         self.kv_heads = getattr(config, "num_key_value_heads", None) or self.heads
@@ -166,6 +175,10 @@ class _Batch:
         # the head's dtype: greedy's argmax is the same in it (its float32 is exact)
         self.logits = torch.zeros(self.rows, d.model.lm_head.out_features, dtype=d.dtype,
                                   device=device)
+        self.steps: dict[int, Any] = {}
+        """Window -> how its decode step runs: a graph's replay, or `_step` eagerly."""
+        self.graph_pool: Any = None
+        """The memory pool the batch's graphs share (they never run at once)."""
         self.generator = None
         if sampling is not None:
             self.generator = torch.Generator(device=device)
@@ -201,7 +214,8 @@ class _Batch:
         else:
             self.keys[index].index_copy_(2, write, key)
             self.values[index].index_copy_(2, write, value)
-            keys, values = self.keys[index], self.values[index]
+            window = mask.shape[-1]  # the slots this step reads
+            keys, values = self.keys[index, :, :, :window], self.values[index, :, :, :window]
         # query head h reads key-value head h // group: group the queries by it
         grouped = query.reshape(count, d.kv_heads, group * steps, d.head_dim)
         out = functional.scaled_dot_product_attention(
@@ -243,20 +257,43 @@ class _Batch:
             self.logits[rows] = self._forward(self.prompt[rows], positions, slice(0, width),
                                               mask, rows)
 
-    def _step(self) -> None:
-        """One decode step for every row: `token` at `position`, written to `slot`."""
+    def _step(self, window: int) -> None:
+        """One decode step for every row: `token` at `position`, written to `slot`,
+        attending over the first `window` slots (`slot` among them)."""
         self.valid.index_fill_(1, self.slot, True)
-        mask = self.valid[:, None, None, :]
+        mask = self.valid[:, None, None, :window]
         self.logits.copy_(self._forward(self.token[:, None], self.position[:, None],
                                         self.slot, mask, slice(None)))
 
-    def _graph(self) -> Any:
-        """`_step` captured as a CUDA graph (its `replay`), on CUDA; else None, as where
-        the capture fails (logged: the steps run eagerly) or there is one new token (no
-        step). The warm-up steps write the last slot, which no decode step reaches (the
-        last new token is chosen, never run), and mark it valid: the mark is undone."""
+    def _window(self, slot: int) -> int:
+        """The window of the step that writes `slot`: the slots up to it, rounded up to
+        the end of its stretch of `window_tokens` steps (`WINDOW_TOKENS`)."""
+        each = self.decoder.window_tokens
+        stretch = (slot - self.prompt_width) // each + 1
+        return min(self.slots, self.prompt_width + stretch * each)
+
+    def _decode_step(self, slot: int) -> None:
+        """The decode step that writes `slot` (`self.slot` holds it too), through its
+        window's graph, captured and checked the first time the window comes."""
+        window = self._window(slot)
+        run = self.steps.get(window)
+        if run is not None:
+            run()
+            return
+        replay = self._graph(window, slot)
+        if replay is None:
+            self.steps[window] = run = functools.partial(self._step, window)
+            run()
+        else:
+            self.steps[window] = self._checked(replay, window)
+
+    def _graph(self, window: int, slot: int) -> Any:
+        """`_step(window)` captured as a CUDA graph (its `replay`), on CUDA; else None,
+        as where the capture fails (logged: the steps run eagerly). The warm-up steps
+        write the last slot, which no decode step reaches (the last new token is chosen,
+        never run), and mark it valid: the mark is undone, and `slot` put back."""
         device = self.decoder.device
-        if device.type != "cuda" or self.decoder.graphs_failed or self.max_new_tokens < 2:
+        if device.type != "cuda" or self.decoder.graphs_failed:
             return None
         self.slot.fill_(self.slots - 1)
         try:
@@ -264,11 +301,11 @@ class _Batch:
             stream.wait_stream(torch.cuda.current_stream(device))
             with torch.cuda.stream(stream):
                 for _ in range(2):
-                    self._step()
+                    self._step(window)
             torch.cuda.current_stream(device).wait_stream(stream)
             graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph):
-                self._step()
+            with torch.cuda.graph(graph, pool=self.graph_pool):
+                self._step(window)
         except torch.OutOfMemoryError:
             raise  # the batch is too large: the worker's to handle, not the graph's
         except RuntimeError as exc:
@@ -278,12 +315,16 @@ class _Batch:
             return None
         finally:
             self.valid[:, self.slots - 1] = False
+            self.slot.fill_(slot)
+        if self.graph_pool is None:
+            self.graph_pool = graph.pool()
         return graph.replay
 
-    def _checked(self, replay: Any) -> Any:
-        """The first decode step, run eagerly and then replayed: the step to use from
-        here on, `replay` where the two give the same logits, else `_step` (logged)."""
-        self._step()
+    def _checked(self, replay: Any, window: int) -> Any:
+        """This decode step, run eagerly and then replayed: how the window's steps run
+        from here on, `replay` where the two give the same logits, else `_step` (logged,
+        and no more graphs)."""
+        self._step(window)
         eager = self.logits.float()
         replay()  # the same slot, token and position: the same writes
         difference = float((self.logits.float() - eager).abs().max())
@@ -292,8 +333,8 @@ class _Batch:
         self.decoder.graphs_failed = True
         log.warning("the CUDA graph's decode step differs from the eager one (logits up to "
                     "%.3g apart): decoding step by step", difference)
-        self._step()  # the eager step's keys, values and logits again, not the replay's
-        return self._step
+        self._step(window)  # the eager step's keys, values and logits again, not the replay's
+        return functools.partial(self._step, window)
 
     def _choose(self) -> torch.Tensor:
         """The next token of every row from `logits`."""
@@ -315,8 +356,6 @@ class _Batch:
         return (weights / noise).argmax(dim=-1)
 
     def run(self) -> list[list[int]]:
-        replay = self._graph()
-        step: Any = self._step if replay is None else None
         self._prefill()
         out = torch.zeros(self.rows, self.max_new_tokens, dtype=torch.long,
                           device=self.decoder.device)
@@ -336,10 +375,7 @@ class _Batch:
                     made % DONE_CHECK_EVERY == 0 and bool(stopped.all())):
                 break
             self.token.copy_(token)
-            if step is None:
-                step = self._checked(replay)
-            else:
-                step()
+            self._decode_step(self.prompt_width + made - 1)
             self.position += 1
             self.slot += 1
         kept = ended_at.clamp(max=made).tolist()
