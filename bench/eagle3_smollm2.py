@@ -7,6 +7,12 @@ acceptance per draft position, the training curve and workers.train's held-out m
     python bench/eagle3_smollm2.py --model /models/smollm2 --work /tmp/e3 \
         --prompts self:20000 --batch-size 2048 --device cuda
 
+One whole arm of the recipe the later runs use, on one GPU:
+
+    python bench/eagle3_smollm2.py --model /models/smollm2 --work /tmp/e3 \
+        --prompts self:20000 --batch-size 4096 --store fp8 --epochs 4 \
+        --batch-tokens 32768 --draft-intermediate-size 6144 --target-temperature 0
+
 `--prompts self:N` has the target write its own prompts (workers.generate
 --self-prompts), `synthetic:N` takes topics x tasks (workers.fixtures.prompts, at most 2,926).
 `--conversations FILE` reuses another run's generate output, so arms that differ only
@@ -124,6 +130,10 @@ def main() -> int:
     add("--lr", type=float, help="default: workers.train's")
     add("--batch-tokens", type=int, help="default: workers.train's")
     add("--head-init", choices=("target", "random"), help="default: workers.train's")
+    add("--draft-intermediate-size", type=int, help="default: workers.train's")
+    add("--target-temperature", type=float, help="default: workers.train's")
+    add("--eval-every", type=int, help="workers.train's held-out measure (default its)")
+    add("--decoder", help="workers.generate --decoder (default its: auto)")
     add("--eval-dtype", default="auto", help="workers.evaluate --dtype (fp32: no bf16 "
         "near-ties in the lossless check)")
     add("-k", dest="ks", type=int, action="append", help="draft tokens (default 3 and 5)")
@@ -153,8 +163,9 @@ def main() -> int:
               if kind == "self"
               else ["--prompts", str(train_prompts)])
     train_flags = [f"--{name.replace('_', '-')}={value}" for name in
-                   ("epochs", "lr", "batch_tokens", "head_init")
-                   if (value := getattr(args, name))]
+                   ("epochs", "lr", "batch_tokens", "head_init", "draft_intermediate_size",
+                    "target_temperature", "eval_every")
+                   if (value := getattr(args, name)) is not None]
     evaluation = ["--no-handwritten"] if not args.eval_handwritten else \
         ["--handwritten-limit", str(args.eval_handwritten)]
     if args.eval_prompts:
@@ -162,7 +173,8 @@ def main() -> int:
     commands = {
         "generate": ["workers.generate", *source, "--out", str(conversations), "--backend",
                      "transformers", "--model", str(args.model), "--max-tokens",
-                     str(args.max_tokens), "--batch-size", str(args.batch_size), *device],
+                     str(args.max_tokens), "--batch-size", str(args.batch_size),
+                     *(["--decoder", args.decoder] if args.decoder else []), *device],
         "extract": ["workers.extract", "--model", str(args.model), "--data",
                     str(conversations), "--out", str(hidden),
                     *(["--store", args.store] if args.store else []),
