@@ -4,7 +4,9 @@ layouts (left-padded rows of different lengths, a one-token prompt, rows that st
 rows cut at the token budget, the prefill in chunks, the steps' windows of the cache);
 seeded sampling, whose nucleus of one token is the greedy answer; the attention kernel's
 output layout; the layouts it refuses; and `workers.generate --decoder` end to end, whose
-two decoders write the same conversations."""
+two decoders write the same conversations. On a machine with CUDA (skipped elsewhere):
+the graphs against `generate` in fp32, and against eager steps in bf16 at SmolLM2's
+attention shape."""
 
 from __future__ import annotations
 
@@ -68,9 +70,9 @@ def cut(tokens: list[int], stop_ids: set[int]) -> list[int]:
 
 def transformers_greedy(model: Any, rows: list[list[int]], max_new_tokens: int,
                         stop_ids: set[int]) -> list[list[int]]:
-    width = max(map(len, rows))
-    ids = torch.tensor([[0] * (width - len(r)) + r for r in rows])
-    mask = torch.tensor([[0] * (width - len(r)) + [1] * len(r) for r in rows])
+    width, device = max(map(len, rows)), model.device
+    ids = torch.tensor([[0] * (width - len(r)) + r for r in rows], device=device)
+    mask = torch.tensor([[0] * (width - len(r)) + [1] * len(r) for r in rows], device=device)
     with torch.inference_mode():
         out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=max_new_tokens,
                              do_sample=False, eos_token_id=sorted(stop_ids), pad_token_id=0)
@@ -94,7 +96,7 @@ def test_greedy_answers_are_generates_token_for_token(layout: str) -> None:
     assert chunked == expected  # one row per prefill chunk: the 30-token row's width
     windowed = StaticDecoder(model, window_tokens=3).generate(rows, max_new_tokens=40,
                                                               stop_ids=stop_ids)
-    assert windowed == expected  # 14 windows: each step reads its stretch's slots
+    assert windowed == expected  # 13 windows: each step reads its stretch's slots
     assert StaticDecoder(model).generate(rows[:1], max_new_tokens=40, stop_ids=stop_ids) \
         == expected[:1]  # alone, without the padding of the others
 
@@ -210,3 +212,50 @@ def test_the_worker_refuses_a_static_decoder_the_model_cannot_take(tmp_path: Pat
     auto = generate(model, tmp_path / "auto.jsonl")  # auto on a CPU: generate's
     assert auto.returncode == 0, auto.stderr[-2000:]
     assert "decoding with transformers' generate (--decoder auto on a CPU)" in auto.stderr
+
+
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+
+
+@needs_cuda
+@pytest.mark.parametrize("layout", ["llama", "qwen3"])
+def test_on_cuda_the_graphs_answer_as_generate(layout: str) -> None:
+    """The CUDA path: graphs captured per window (3-step windows: 13 of them), each
+    checked against its eager step, answers `generate`'s in fp32 (TF32 off, torch's
+    default for matrix products); no graph failed its check."""
+    model, rows = random_model(layout).cuda(), prompt_rows()
+    first = transformers_greedy(model, rows, 40, set())
+    counts = torch.bincount(torch.tensor([t for row in first for t in row]))
+    stop_ids = {int(counts.argmax())}
+    expected = transformers_greedy(model, rows, 40, stop_ids)
+    decoder = StaticDecoder(model, window_tokens=3)
+    assert decoder.generate(rows, max_new_tokens=40, stop_ids=stop_ids) == expected
+    assert not decoder.graphs_failed
+
+
+@needs_cuda
+def test_on_cuda_bf16_graphs_agree_with_eager_steps() -> None:
+    """bf16, SmolLM2's attention shape (9 query heads on 3 key-value heads, head
+    dimension 64), a batch of 256 with 100 new tokens (two 64-step windows): every
+    graph's first replay passed its check against the eager step, and the greedy
+    answers are those of the same decoder with graphs refused (eager steps)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(2)
+    config = LlamaConfig(vocab_size=1024, hidden_size=576, intermediate_size=1536,
+                         num_hidden_layers=4, num_attention_heads=9, num_key_value_heads=3,
+                         max_position_embeddings=2048, tie_word_embeddings=True)
+    model = LlamaForCausalLM(config).eval().to("cuda", torch.bfloat16)
+    generator = torch.Generator().manual_seed(5)
+    rows = [torch.randint(3, 1024, (int(n),), generator=generator).tolist()
+            for n in torch.randint(1, 120, (256,), generator=generator)]
+    graphed = StaticDecoder(model)
+    answers = graphed.generate(rows, max_new_tokens=100, stop_ids=())
+    assert not graphed.graphs_failed
+    eager = StaticDecoder(model)
+    eager.graphs_failed = True  # no graphs: every step eager
+    same = sum(a == b for a, b in zip(answers,
+                                      eager.generate(rows, max_new_tokens=100, stop_ids=()),
+                                      strict=True))
+    assert same == len(rows), f"{same} of {len(rows)} answers identical"
+
