@@ -24,8 +24,9 @@ counts them.
 
 Greedy answers match `generate`'s up to floating-point near-ties (tests compare them on
 a real tokenizer and a tiny Llama); sampled ones draw from softmax(logits / T) restricted
-to the top-p nucleus, from a seeded generator: the same seed gives the same samples here,
-not `generate`'s."""
+to the top-p nucleus, from a seeded generator: the same seed gives the same samples here
+(at top-p 1 they are `generate`'s too, whose `multinomial` draws the same way: seen on
+CPU; with a nucleus they are not)."""
 
 from __future__ import annotations
 
