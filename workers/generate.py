@@ -123,16 +123,12 @@ DECODERS = ("auto", "static", "transformers")
 """--decoder: how the transformers backend decodes (`pick_decoder`)."""
 
 
-def pick_decoder(choice: str, model: Any, device: str) -> Any:
+def pick_decoder(choice: str, model: Any) -> Any:
     """The static decoder for `model` (`static_decode.StaticDecoder`), or None for
-    transformers' `generate`: `auto` takes the static one on a GPU where the model's
-    layout allows it. Not on a CPU, where both are bound by the matrix products and
-    the static one was no faster (docs/benchmarks.md)."""
-    import torch
-
-    if choice == "transformers" or (choice == "auto" and torch.device(device).type != "cuda"):
-        log.info("decoding with transformers' generate (--decoder %s%s)", choice,
-                 " on a CPU" if choice == "auto" else "")
+    transformers' `generate`: `auto` takes the static one where the model's layout
+    allows it."""
+    if choice == "transformers":
+        log.info("decoding with transformers' generate (--decoder transformers)")
         return None
     from workers.eagle3.generation import static_decode
 
@@ -171,7 +167,7 @@ def load_local_target(args: argparse.Namespace) -> LocalTarget:
         raise RunError(f"the tokenizer in {args.model} has no chat template", 2)
     log.info("model loaded on %s in %.1f s", device, time.monotonic() - started)
     model.eval()
-    return LocalTarget(model, tokenizer, device, pick_decoder(args.decoder, model, device))
+    return LocalTarget(model, tokenizer, device, pick_decoder(args.decoder, model))
 
 
 def run_transformers(args: argparse.Namespace, target: LocalTarget, prompts: list[Prompt],
@@ -309,7 +305,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
              "allocated once per batch, the decode step a CUDA graph on a GPU; Llama, Qwen2 "
              "and Qwen3 layouts; sampling: softmax at the temperature within the top-p "
              "nucleus, no top-k), transformers (its generate), auto (the default: static "
-             "on a GPU where the model's layout allows it, else transformers)")
+             "where the model's layout allows it)")
     add("--experts", choices=EXPERTS, default="auto",
         help="transformers: a pack-quantized INT4 checkpoint's routed experts kept packed "
              "or dequantized to bf16 (auto: packed)")
