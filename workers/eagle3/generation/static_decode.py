@@ -365,11 +365,16 @@ class _Batch:
         return (weights / noise).argmax(dim=-1)
 
     def _compact(self, live: torch.Tensor) -> None:
-        """Go on with the `live` rows only (indices into the current ones): the cache,
-        masks and step buffers gathered into smaller ones, and the graphs, which read
-        the old buffers, dropped (the next windows capture theirs anew)."""
-        self.keys = self.keys.index_select(1, live)
-        self.values = self.values.index_select(1, live)
+        """Go on with the `live` rows only (indices into the current ones, ascending):
+        the cache's live rows moved to its front a layer at a time and the cache a view
+        of them (no second cache: at batch 4,096 one is tens of GB), the masks and step
+        buffers gathered into smaller ones, and the graphs, which read the old buffers,
+        dropped (the next windows capture theirs anew)."""
+        count = int(live.numel())
+        for index in range(self.keys.shape[0]):
+            self.keys[index, :count] = self.keys[index].index_select(0, live)
+            self.values[index, :count] = self.values[index].index_select(0, live)
+        self.keys, self.values = self.keys[:, :count], self.values[:, :count]
         self.valid = self.valid.index_select(0, live)
         self.position = self.position.index_select(0, live)
         self.token = self.token.index_select(0, live)
