@@ -9,8 +9,9 @@ Random prompt ids of `--prompt-tokens`, one prefill of the whole batch, then
 `--new-tokens` greedy decode steps, no padding, no stopping: every sequence decodes every
 step. Two decoders: `transformers` (the model's forward with its DynamicCache, eager, as
 `generate` runs it) and `static` (`workers/eagle3/generation/static_decode.py`: a static
-cache and, on CUDA, the step as a CUDA graph; its decode time is a run of `--new-tokens`
-less a run of one, so its prefill and graph capture are not counted twice). Timed with
+cache and, on CUDA, the step as a CUDA graph per window; its decode time is a run of
+`--new-tokens` less a run of one, so its prefill is not counted twice, and holds its
+graphs' captures, as a real batch's does). Timed with
 CUDA syncs, after one warm-up round. `--random-weights` builds the model from DIR's
 config.json alone, with random weights (the speed depends on the shapes only). Prints a
 table: decoder, batch, prefill tokens/s, decode tokens/s, and the decode step's
@@ -58,8 +59,8 @@ def measure(model: torch.nn.Module, batch: int, prompt_tokens: int, new_tokens: 
 def measure_static(decoder: StaticDecoder, batch: int, prompt_tokens: int, new_tokens: int,
                    device: torch.device) -> tuple[float, float]:
     """(prefill seconds, decode seconds) for one batch through the static decoder: a run
-    of one new token (the cache, the graph's capture, the prefill) and one of
-    `new_tokens`; the decode is their difference."""
+    of one new token (the cache and the prefill: no decode step, so no graph) and one of
+    `new_tokens`; the decode, their difference, holds the graphs' captures."""
     vocab = decoder.model.config.vocab_size
     rows = torch.randint(0, vocab, (batch, prompt_tokens)).tolist()
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)

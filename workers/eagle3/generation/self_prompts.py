@@ -514,8 +514,10 @@ def transformers_sampler(model: Any, tokenizer: Any, template: PreQueryTemplate,
 
             sampling = (Sampling(settings.temperature, settings.top_p, seed)
                         if settings.temperature > 0 else None)
-            return list(decoder.generate(rows, max_new_tokens=settings.max_new_tokens,
-                                         stop_ids=stop_ids, sampling=sampling))
+            tokens: list[list[int]] = decoder.generate(
+                rows, max_new_tokens=settings.max_new_tokens, stop_ids=stop_ids,
+                sampling=sampling)
+            return tokens
         width = max(map(len, rows))
         input_ids = torch.tensor([[pad] * (width - len(r)) + r for r in rows], device=device)
         mask = torch.tensor([[0] * (width - len(r)) + [1] * len(r) for r in rows],
@@ -523,7 +525,8 @@ def transformers_sampler(model: Any, tokenizer: Any, template: PreQueryTemplate,
         torch.manual_seed(seed)
         with torch.inference_mode():
             out = model.generate(input_ids=input_ids, attention_mask=mask, **options)
-        return list(out[:, width:].tolist())
+        continued: list[list[int]] = out[:, width:].tolist()
+        return continued
 
     def sample(count: int, seed: int) -> list[Sample]:
         openers = pick_openers(count, seed, settings)

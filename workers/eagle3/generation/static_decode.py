@@ -42,6 +42,8 @@ import torch
 from torch.nn import functional
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
+from workers.eagle3.draft.model import rotate_half
+
 log = logging.getLogger(__name__)
 
 SUPPORTED_MODEL_TYPES = frozenset({"llama", "qwen2", "qwen3"})
@@ -214,8 +216,8 @@ class _Batch:
         key = heads(attention.k_proj, d.kv_heads, getattr(attention, "k_norm", None))
         value = heads(attention.v_proj, d.kv_heads, None)
         cos, sin = self.cos[positions][:, None], self.sin[positions][:, None]
-        query = query * cos + _rotate_half(query) * sin
-        key = key * cos + _rotate_half(key) * sin
+        query = query * cos + rotate_half(query) * sin
+        key = key * cos + rotate_half(key) * sin
         if isinstance(write, slice):
             self.keys[index, rows, :, write] = key
             self.values[index, rows, :, write] = value
@@ -414,9 +416,3 @@ class _Batch:
             self.slot += 1
         kept = ended_at.clamp(max=made).tolist()
         return [tokens[:n] for tokens, n in zip(out[:, :made].tolist(), kept, strict=True)]
-
-
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    """The rotary embedding's partner of `x`: (-x2, x1) of its two halves."""
-    half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
