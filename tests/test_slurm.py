@@ -330,7 +330,15 @@ def test_a_controller_down_keeps_jobs_running_and_defers_launches(
     assert daemon.wait_state(running["id"], "succeeded", "failed", "lost",
                              timeout=40)["state"] == "succeeded"
     done = daemon.wait_state(later["id"], "succeeded", "failed", "lost", timeout=40)
-    assert (done["state"], done["attempt"]) == ("succeeded", 2)  # attempt 1: not taken
+    # Each launch SLURM did not take used up an attempt number (recorded before the
+    # launch): one at least, more where a retry (every 10 s) came before slurmctld answered
+    # again on a loaded machine. Only the last attempt went to SLURM, once.
+    deferrals = [e for e in daemon.events(later["id"])
+                 if "SLURM did not take the job" in (e["reason"] or "")]
+    assert deferrals and (done["state"], done["attempt"]) == ("succeeded", len(deferrals) + 1)
+    names = cluster.run("squeue", "--noheader", "--states=all", "--format=%j").stdout.split()
+    assert [n for n in names if n.startswith(f"jobsup-{later['id']}-")] == [
+        f"jobsup-{later['id']}-{done['attempt']}"]
 
 
 # -- the parts that need no cluster ----------------------------------------------------
