@@ -151,6 +151,37 @@ def test_sampling_is_seeded_and_its_one_token_nucleus_is_greedy() -> None:
     assert first != other and first != greedy
     narrow = Sampling(temperature=1.5, top_p=1e-9, seed=3)  # the top token alone
     assert decoder.generate(rows, max_new_tokens=20, stop_ids={STOP}, sampling=narrow) == greedy
+    one = Sampling(temperature=1.5, seed=3, top_k=1)
+    assert decoder.generate(rows, max_new_tokens=20, stop_ids={STOP}, sampling=one) == greedy
+    few = Sampling(temperature=1.5, top_p=0.95, seed=3, top_k=3)
+    assert decoder.generate(rows, max_new_tokens=20, stop_ids={STOP}, sampling=few) != first
+
+
+def test_a_batch_whose_last_row_stops_where_a_window_starts_ends_there(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The last rows stopping between two done checks, at a window's first step: the
+    batch ends, where it dropped every row and decoded on (on CUDA, a graph of no rows
+    failed its check on an empty tensor)."""
+    from workers.eagle3.generation import static_decode
+
+    model, row = random_model("llama"), prompt_rows()[4]
+    free = StaticDecoder(model).generate([row], max_new_tokens=24, stop_ids=())[0]
+    # its answer's end: the first new token not seen before it, at a step the done check
+    # (every 8 steps) does not see; the windows are made to start at that step
+    made = next(i + 1 for i, t in enumerate(free) if i >= 2 and t not in free[:i]
+                and (i + 1) % static_decode.DONE_CHECK_EVERY)
+    steps: list[int] = []
+    step = static_decode._Batch._step
+
+    def counted(batch: Any, window: int) -> None:
+        steps.append(batch.rows)
+        step(batch, window)
+
+    monkeypatch.setattr(static_decode._Batch, "_step", counted)
+    decoder = StaticDecoder(model, window_tokens=made - 1)
+    assert decoder.generate([row], max_new_tokens=24, stop_ids={free[made - 1]}) \
+        == [free[:made]]
+    assert steps == [1] * (made - 1)  # one step per token after the first, none after
 
 
 def test_edge_cases() -> None:
@@ -164,6 +195,8 @@ def test_edge_cases() -> None:
     for temperature, top_p in ((0.0, 1.0), (1.0, 0.0), (1.0, 1.5)):
         with pytest.raises(ValueError, match="temperature > 0 and a top-p in"):
             Sampling(temperature, top_p)
+    with pytest.raises(ValueError, match="top-k >= 0"):
+        Sampling(1.0, top_k=-1)
 
 
 @pytest.mark.parametrize("layout", ["qwen3_moe", "deepseek_v3"])
@@ -192,8 +225,18 @@ def answers(path: Path) -> dict[str, Any]:
             for r in records}
 
 
+def sampling_defaults(model: Path, **settings: Any) -> None:
+    """The model's generation config asks for sampling, as Qwen2.5-Instruct's does."""
+    path = model / "generation_config.json"
+    path.write_text(json.dumps({**json.loads(path.read_text()), **settings}))
+
+
 def test_the_worker_writes_the_same_conversations_with_either_decoder(tmp_path: Path) -> None:
+    """Greedy with either, though the model's config samples with a repetition penalty:
+    without --temperature the answers are the argmax's, as workers.evaluate decodes."""
     model = build_tiny_llama(tmp_path / "tiny")
+    sampling_defaults(model, do_sample=True, temperature=0.7, top_k=20, top_p=0.8,
+                      repetition_penalty=1.3)
     static = generate(model, tmp_path / "static.jsonl", "--decoder", "static")
     assert static.returncode == 0, static.stderr[-2000:]
     assert "decoding with a static KV cache" in static.stderr
@@ -202,6 +245,13 @@ def test_the_worker_writes_the_same_conversations_with_either_decoder(tmp_path: 
     assert "decoding with transformers' generate" in plain.stderr
     ours, theirs = answers(tmp_path / "static.jsonl"), answers(tmp_path / "plain.jsonl")
     assert len(ours) == 12 and ours == theirs
+    # sampled, both within the config's top-k: of one token, the greedy answers again
+    sampling_defaults(model, top_k=1, top_p=1.0)
+    for decoder in ("static", "transformers"):
+        out = tmp_path / f"hot-{decoder}.jsonl"
+        hot = generate(model, out, "--decoder", decoder, "--temperature", "1.5")
+        assert hot.returncode == 0, hot.stderr[-2000:]
+        assert answers(out) == ours, decoder
 
 
 def test_the_worker_refuses_a_static_decoder_the_model_cannot_take(tmp_path: Path) -> None:

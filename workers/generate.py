@@ -186,12 +186,17 @@ def run_transformers(args: argparse.Namespace, target: LocalTarget, prompts: lis
     eos = model.generation_config.eos_token_id
     eos = tokenizer.eos_token_id if eos is None else eos
     stop_ids = set(eos) if isinstance(eos, list) else {eos}
+    # greedy: the argmax of the target's logits, as workers.evaluate decodes, whatever the
+    # model's generation config says (sampling, a repetition penalty); sampled at
+    # --temperature within the config's top-k and top-p (not transformers' default top-k)
+    sampled = args.temperature is not None and args.temperature > 0
+    top_k = getattr(model.generation_config, "top_k", None) or 0
+    top_p = getattr(model.generation_config, "top_p", None) or 1.0
     options: dict[str, Any] = {"max_new_tokens": args.max_tokens or DEFAULT_MAX_NEW_TOKENS,
-                               "pad_token_id": tokenizer.pad_token_id}
-    if args.temperature is not None:
-        options["do_sample"] = args.temperature > 0
-        if args.temperature > 0:
-            options["temperature"] = args.temperature
+                               "pad_token_id": tokenizer.pad_token_id, "do_sample": sampled,
+                               "repetition_penalty": 1.0}
+    if sampled:
+        options.update(temperature=args.temperature, top_k=top_k, top_p=top_p)
 
     rendered = {p.id: str(tokenizer.apply_chat_template(p.messages, tokenize=False,
                                                         add_generation_prompt=True))
@@ -207,10 +212,8 @@ def run_transformers(args: argparse.Namespace, target: LocalTarget, prompts: lis
         if target.decoder is not None:
             from workers.eagle3.generation.static_decode import Sampling
 
-            sampling = None
-            if args.temperature is not None and args.temperature > 0:
-                top_p = getattr(model.generation_config, "top_p", None) or 1.0
-                sampling = Sampling(args.temperature, top_p, seed=args.seed + state.done)
+            sampling = Sampling(args.temperature, top_p, seed=args.seed + state.done,
+                                top_k=top_k) if sampled else None
             return target.decoder.generate(rows, max_new_tokens=options["max_new_tokens"],
                                            stop_ids=stop_ids, sampling=sampling), \
                 list(map(len, rows))
@@ -237,12 +240,17 @@ def run_transformers(args: argparse.Namespace, target: LocalTarget, prompts: lis
     for start in range(0, len(prompts), args.batch_size):
         batch = prompts[start:start + args.batch_size]
         state.requests_in_flight = len(batch)
+        failure = None
         try:
             results: list[tuple[Prompt, Answer | Exception]] = list(
                 zip(batch, generate(batch), strict=True))
         except (RuntimeError, ValueError) as exc:  # e.g. out of memory on a long batch
+            failure = str(exc)  # not the exception: its frames hold the batch's KV cache
+        if failure is not None:
             log.warning("a batch of %d failed (%s); trying its prompts one by one",
-                        len(batch), exc)
+                        len(batch), failure)
+            if torch.cuda.is_available():
+                torch.cuda.empty_cache()
             results = []
             for prompt in batch:
                 try:
@@ -290,7 +298,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     add("--concurrency", type=positive(int), default=16, help="openai: requests at a time")
     add("--max-tokens", type=positive(int), help="per answer (default: the server's; "
                                                  f"transformers: {DEFAULT_MAX_NEW_TOKENS})")
-    add("--temperature", type=float, help="default: the server's / the model's")
+    add("--temperature", type=float,
+        help="openai: default the server's; transformers: default greedy (the argmax, no "
+             "penalties), else sampled within the model's top-k and top-p")
     add("--timeout", type=positive(float), default=600.0, help="seconds per request")
     add("--retries", type=int, default=5, help="retries per request on 5xx, 429, timeouts "
                                                "and connection errors (not on other 4xx)")
@@ -303,9 +313,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     add("--decoder", choices=DECODERS, default="auto",
         help="transformers: how answers and self prompts are decoded: static (a KV cache "
              "allocated once per batch, the decode step a CUDA graph on a GPU; Llama, Qwen2 "
-             "and Qwen3 layouts; sampling: softmax at the temperature within the top-p "
-             "nucleus, no top-k), transformers (its generate), auto (the default: static "
-             "where the model's layout allows it)")
+             "and Qwen3 layouts; the same greedy answers and sampling settings as "
+             "generate, its own seeded draws), transformers (its generate), auto (the "
+             "default: static where the model's layout allows it)")
     add("--experts", choices=EXPERTS, default="auto",
         help="transformers: a pack-quantized INT4 checkpoint's routed experts kept packed "
              "or dequantized to bf16 (auto: packed)")

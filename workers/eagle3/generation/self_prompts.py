@@ -500,6 +500,7 @@ def transformers_sampler(model: Any, tokenizer: Any, template: PreQueryTemplate,
                                "do_sample": settings.temperature > 0}
     if settings.temperature > 0:
         options.update(temperature=settings.temperature, top_p=settings.top_p, top_k=0)
+    options["repetition_penalty"] = 1.0  # the flags alone, not the model's own settings
     encoded: dict[str, list[int]] = {}
 
     def tokens_of(opener: str) -> list[int]:

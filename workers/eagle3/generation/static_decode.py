@@ -80,17 +80,21 @@ GPU)."""
 
 @dataclasses.dataclass(frozen=True)
 class Sampling:
-    """Sampled decoding: softmax(logits / temperature), restricted to the smallest set of
-    tokens whose probability reaches `top_p`, drawn with a generator seeded by `seed`."""
+    """Sampled decoding: softmax(logits / temperature) over the `top_k` most likely tokens
+    (0: all), restricted to the smallest set of them whose probability reaches `top_p`,
+    drawn with a generator seeded by `seed` (transformers' warpers, in their order)."""
 
     temperature: float
     top_p: float = 1.0
     seed: int = 0
+    top_k: int = 0
 
     def __post_init__(self) -> None:
         if not self.temperature > 0 or not 0 < self.top_p <= 1:
             raise ValueError(f"sampling needs a temperature > 0 and a top-p in (0, 1], not "
                              f"{self.temperature} and {self.top_p}")
+        if self.top_k < 0:
+            raise ValueError(f"sampling needs a top-k >= 0 (0: all tokens), not {self.top_k}")
 
 
 def unsupported_reason(model: Any) -> str | None:
@@ -307,6 +311,7 @@ class _Batch:
         if device.type != "cuda" or self.decoder.graphs_failed:
             return None
         self.slot.fill_(self.slots - 1)
+        stream = None
         try:
             stream = torch.cuda.Stream(device)
             stream.wait_stream(torch.cuda.current_stream(device))
@@ -325,6 +330,8 @@ class _Batch:
                         "decoding step by step", exc)
             return None
         finally:
+            if stream is not None:  # the warm-up's writes, on its stream, come first
+                torch.cuda.current_stream(device).wait_stream(stream)
             self.valid[:, self.slots - 1] = False
             self.slot.fill_(slot)
         if self.graph_pool is None:
@@ -336,10 +343,11 @@ class _Batch:
         from here on, `replay` where the two give the same logits, else `_step` (logged,
         and no more graphs)."""
         self._step(window)
-        eager = self.logits.float()
+        eager = self.logits.clone()  # the head's dtype: fp32 copies at 4,096 x 152k are GBs
         replay()  # the same slot, token and position: the same writes
-        difference = float((self.logits.float() - eager).abs().max())
-        if difference <= GRAPH_TOLERANCE * max(1.0, float(eager.abs().max())):
+        scale = float(eager.abs().amax())
+        difference = float(eager.sub_(self.logits).abs_().amax())
+        if difference <= GRAPH_TOLERANCE * max(1.0, scale):
             return replay
         self.decoder.graphs_failed = True
         log.warning("the CUDA graph's decode step differs from the eager one (logits up to "
@@ -351,7 +359,11 @@ class _Batch:
         """The next token of every row from `logits`."""
         if self.sampling is None:
             return self.logits.argmax(dim=-1)
-        probabilities = torch.softmax(self.logits.float() / self.sampling.temperature, dim=-1)
+        logits = self.logits.float()
+        if 0 < self.sampling.top_k < logits.shape[-1]:
+            kth = logits.topk(self.sampling.top_k, dim=-1).values[:, -1:]
+            logits = logits.masked_fill(logits < kth, float("-inf"))
+        probabilities = torch.softmax(logits / self.sampling.temperature, dim=-1)
         if self.sampling.top_p < 1.0:
             ranked, order = probabilities.sort(dim=-1, descending=True)
             before = ranked.cumsum(dim=-1) - ranked  # mass of the tokens ranked above
@@ -407,6 +419,8 @@ class _Batch:
             slot = self.prompt_width + made - 1
             if made > 1 and (made - 1) % self.decoder.window_tokens == 0:  # a new window
                 live = (~stopped).nonzero()[:, 0]
+                if live.numel() == 0:  # the last rows stopped between two done checks
+                    break
                 if live.numel() <= (1 - COMPACT_SHARE) * self.rows:
                     self._compact(live)
                     row_of, stopped, token = row_of[live], stopped[live], token[live]
