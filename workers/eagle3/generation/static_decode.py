@@ -325,6 +325,8 @@ class _Batch:
         except torch.OutOfMemoryError:
             raise  # the batch is too large: the worker's to handle, not the graph's
         except RuntimeError as exc:
+            if "out of memory" in str(exc):  # as a capture's end reports it
+                raise torch.OutOfMemoryError(str(exc)) from exc
             self.decoder.graphs_failed = True
             log.warning("the decode step could not be captured as a CUDA graph (%s): "
                         "decoding step by step", exc)
