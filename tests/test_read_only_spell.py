@@ -12,9 +12,11 @@ without the capabilities that bypass them, so 0444 and 0555 refuse its writes as
 would a user's. Its connections opened before the spell keep their read-write file
 descriptors; those SQLite opens during it are read-only, and stayed so.
 
-Which connection a write goes through decided whether writes looked mended during the
-spell, or broken again after the fix (the log said so twice, once in CI's run): the
-second test plays those orders through `tests/jobs/read_only_ticks.py`, deterministically."""
+Which connection a write goes through, and when, decided whether writes looked mended
+during the spell, or broken again after the fix (the log said so twice, in CI's runs),
+and a shared-memory index mapped read-only in the spell kept every connection refused
+after it (/healthz not ok 5 s after the fix, on a loaded VM): the second test plays
+those orders through `tests/jobs/read_only_ticks.py`, deterministically."""
 
 from __future__ import annotations
 
@@ -136,10 +138,13 @@ def test_a_read_only_spell_is_reported_and_mended_without_a_restart(
 
 def test_only_a_connection_opened_since_the_failure_shows_writes_mended(
         tmp_path: Path) -> None:
-    """A connection opened before the spell still writes in it: that proves nothing, and
-    the daemon stays degraded. A connection opened in the spell is read-only for good:
-    the write that shows the files writable again has it replaced, so no later tick
-    draws it from the pool and finds the database "cannot be written" again."""
+    """A write that began before a refusal, or went through a connection opened before
+    the spell (which still writes in it), proves nothing: the daemon stays degraded. A
+    connection opened in the spell is read-only for good: the write that shows the files
+    writable again has it replaced, so no later tick draws it from the pool and finds
+    the database "cannot be written" again. And with every connection from before the
+    spell closed, one opened in it does not leave the others read-only after the fix
+    (the engine's keeper holds the writable index: `database.Lineage`)."""
     data_dir = tmp_path / "data"
     data_dir.mkdir()
     try:
@@ -152,6 +157,13 @@ def test_only_a_connection_opened_since_the_failure_shows_writes_mended(
     lines = ran.stdout.splitlines()
     steps = {step["step"]: step for step in
              (json.loads(line) for line in lines if not line.startswith("LOG "))}
+    assert steps["API write in the spell"] == {
+        "step": "API write in the spell", "ok": False,
+        "reason": "it is read-only (POST /api/v1/jobs)"}
+    # its write came before the refusal: it tells nothing of the files since (the log
+    # said "writable again" in the spell, then "cannot be written" again)
+    ended = steps["the tick from before the spell ends"]
+    assert (ended["ok"], ended["reason"]) == (True, "it is read-only (POST /api/v1/jobs)")
     assert steps["tick in the spell"]["ok"] is False
     assert steps["tick in the spell"]["reason"] == "it is read-only (tick in the spell)"
     old = steps["old connection in the spell"]

@@ -6,6 +6,8 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import sqlite3
+import urllib.parse
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from importlib import resources
@@ -97,9 +99,10 @@ def make_engine(url: str) -> Engine:
         raise DatabaseUnavailable(f"no driver for the database {shown_url(parsed)}: {exc}",
                                   hint=hint) from None
     if is_sqlite:
-        lineage = Lineage()
+        lineage = Lineage(sqlite_path(url))
         event.listen(engine, "handle_error", lineage.drop_spoiled)
         event.listen(engine, "checkout", lineage.checked_out)
+        event.listen(engine, "engine_disposed", lineage.release)
 
         @event.listens_for(engine, "connect")
         def _pragmas(dbapi_conn: Any, record: ConnectionPoolEntry) -> None:
@@ -135,19 +138,59 @@ class Lineage:
       the connections opened during the spell, which may be read-only, are condemned.
 
     A condemned connection is closed and replaced at its next checkout (`checked_out`);
-    one in use finishes its transaction first."""
+    one in use finishes its transaction first.
 
-    def __init__(self) -> None:
+    And one connection is kept open outside the pool (`keep`): SQLite maps a database's
+    shared-memory index (`-shm`) once per process, shared by all its connections, and
+    maps it anew only once none holds it. Mapped while the `-shm` file could not be
+    written, it is read-only for every connection opened after, until all have closed:
+    a pool that never emptied kept the daemon refusing writes long after a spell was
+    over (CI's "/healthz ok again" timeout). The keeper holds the writable one."""
+
+    def __init__(self, path: Path | None = None) -> None:
         self.generation = 0
+        self.path = path
+        """The SQLite file (None: in memory, no keeper)."""
+        self.keeper: sqlite3.Connection | None = None
 
     def condemn(self) -> None:
         """Every connection opened before now is replaced at its next checkout."""
         self.generation += 1
 
     def born(self, record: ConnectionPoolEntry) -> None:
-        """The engine's `connect` event: the new connection is of this generation."""
+        """The engine's `connect` event: the new connection is of this generation (and
+        the keeper is opened, where none is yet and the files take writes)."""
         record.info[_LINEAGE] = self
         record.info[_GENERATION] = self.generation
+        self.keep()
+
+    def keep(self) -> None:
+        """Open the keeper, where there is none and the files take writes: the file
+        opened read-write (`mode=rw`: no silent read-only open), the index mapped by a
+        read, a write transaction begun and rolled back (refused where the index is
+        read-only). Else nothing: the next connection tries again."""
+        if self.keeper is not None or self.path is None:
+            return
+        try:
+            keeper = sqlite3.connect(f"file:{urllib.parse.quote(str(self.path))}?mode=rw",
+                                     uri=True, timeout=1.0, isolation_level=None,
+                                     check_same_thread=False)
+        except sqlite3.Error:
+            return
+        try:
+            keeper.execute("SELECT count(*) FROM sqlite_master").fetchall()
+            keeper.execute("BEGIN IMMEDIATE")
+            keeper.execute("ROLLBACK")
+        except sqlite3.Error:
+            keeper.close()
+            return
+        self.keeper = keeper
+
+    def release(self, *_args: Any) -> None:
+        """The engine's `engine_disposed` event: the keeper closed with the pool."""
+        keeper, self.keeper = self.keeper, None
+        if keeper is not None:
+            keeper.close()
 
     def checked_out(self, _dbapi_conn: Any, record: ConnectionPoolEntry,
                     _proxy: Any) -> None:

@@ -80,8 +80,9 @@ class TickSteps:
         """Whether the database takes writes, as the ticks find it (/healthz reads it)."""
         self._failed: tuple[str, str] | None = None
         """This tick's first write refused for want of storage: (reason, step)."""
-        self._wrote = False
-        """This tick committed a write."""
+        self._proven: int | None = None
+        """This tick committed a write that shows the database takes writes: the refusals
+        counted before it began (`Writability.failures`); None: no such write yet."""
 
     def isolated(self, session: Session, what: str) -> _Isolated:
         """One step of the tick whose unexpected failure is logged and rolled back, so
@@ -111,42 +112,47 @@ class TickSteps:
             self._failed = (reason, what)
         return True
 
-    def proof(self, session: Session) -> database.Writer | None:
-        """While writes fail, and this tick has not written yet: the connection the
-        block's commit goes through (`database.writer`), which must show the files
-        writable again. None while nothing is in doubt."""
-        if self.writability.reason is None or self._wrote:
-            return None
-        return database.writer(session)
+    def proof(self, session: Session) -> tuple[int, database.Writer | None]:
+        """Taken before a block's commit: the refusals counted so far, and while writes
+        fail and this tick has not shown them through since the last refusal, the
+        connection the commit goes through (`database.writer`), which must show the
+        files writable again (None while nothing is in doubt)."""
+        failures = self.writability.failures
+        if self.writability.reason is None or self._proven == failures:
+            return failures, None
+        return failures, database.writer(session)
 
-    def committed(self, proof: database.Writer | None = None) -> None:
-        """A block of this tick committed writes: the database takes them. Not shown by
-        a commit through a connection condemned since it was opened (`proof`): it kept
-        its file descriptors from before the spell. One that shows it condemns the
-        connections opened during the spell, read-only ones among them
+    def committed(self, proof: tuple[int, database.Writer | None]) -> None:
+        """A block of this tick committed writes: the database takes them, as of the
+        refusals counted before the commit (`proof`; a refusal the API met meanwhile is
+        newer news). Not shown by a commit through a connection condemned since it was
+        opened: it kept its file descriptors from before the spell. One that shows it
+        condemns the connections opened during the spell, read-only ones among them
         (`database.Lineage`)."""
-        if proof is not None:
-            if not proof.trusted:
+        failures, writer = proof
+        if writer is not None:
+            if not writer.trusted:
                 return
-            proof.lineage.condemn()
-        self._wrote = True
+            writer.lineage.condemn()
+        self._proven = failures if self._proven is None else max(self._proven, failures)
 
     @property
     def unproven(self) -> bool:
-        """Writes failed before, and this tick has neither written nor failed yet: a
-        write must show whether the database takes them again (`store.write_probe`)."""
-        return self.writability.reason is not None and not self._wrote \
-            and self._failed is None
+        """Writes failed before, and this tick has neither shown them through since the
+        last refusal nor failed yet: a write must show whether the database takes them
+        again (`store.write_probe`)."""
+        return self.writability.reason is not None \
+            and self._proven != self.writability.failures and self._failed is None
 
     def tick_ended(self) -> None:
         """Tell `writability` what this tick found: a refused write, else a committed
         one; neither (nothing written) changes nothing."""
-        failed, wrote = self._failed, self._wrote
-        self._failed, self._wrote = None, False
+        failed, proven = self._failed, self._proven
+        self._failed, self._proven = None, None
         if failed is not None:
             self.writability.failed(*failed)
-        elif wrote:
-            self.writability.succeeded()
+        elif proven is not None:
+            self.writability.succeeded(after=proven)
 
 
 class _Isolated:

@@ -83,17 +83,26 @@ class Writability:
         self._lock = threading.Lock()
         self.reason: str | None = None
         """Why writes fail ("its disk is full (samples)"); None while they go through."""
+        self.failures = 0
+        """Writes refused so far, the API's and the ticks': a write shows the database
+        writable only if none was refused after it began (`succeeded`)."""
 
     def failed(self, reason: str, what: str) -> None:
         with self._lock:
             was, self.reason = self.reason, f"{reason} ({what})"
+            self.failures += 1
         if was is None:
             log.error("the database cannot be written: %s: keeping samples in memory, "
                       "showing and sending job ends and alerts unrecorded until it can",
                       self.reason)
 
-    def succeeded(self) -> None:
+    def succeeded(self, after: int | None = None) -> None:
+        """A write went through. `after`: the refusals counted (`failures`) before it
+        began; one since then (the API's, in its thread, while the tick committed)
+        is newer news, and the write shows nothing about it."""
         with self._lock:
+            if after is not None and after != self.failures:
+                return
             was, self.reason = self.reason, None
         if was is not None:
             log.warning("the database is writable again (it was not: %s)", was)
