@@ -7,6 +7,7 @@ import contextlib
 import logging
 import os
 import sqlite3
+import threading
 import urllib.parse
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
@@ -152,6 +153,7 @@ class Lineage:
         self.path = path
         """The SQLite file (None: in memory, no keeper)."""
         self.keeper: sqlite3.Connection | None = None
+        self._keeping = threading.Lock()  # two threads connecting at once open one keeper
 
     def condemn(self) -> None:
         """Every connection opened before now is replaced at its next checkout."""
@@ -171,20 +173,26 @@ class Lineage:
         read-only). Else nothing: the next connection tries again."""
         if self.keeper is not None or self.path is None:
             return
+        with self._keeping:
+            if self.keeper is None:
+                self.keeper = self._opened_keeper(self.path)
+
+    @staticmethod
+    def _opened_keeper(path: Path) -> sqlite3.Connection | None:
         try:
-            keeper = sqlite3.connect(f"file:{urllib.parse.quote(str(self.path))}?mode=rw",
+            keeper = sqlite3.connect(f"file:{urllib.parse.quote(str(path))}?mode=rw",
                                      uri=True, timeout=1.0, isolation_level=None,
                                      check_same_thread=False)
         except sqlite3.Error:
-            return
+            return None
         try:
             keeper.execute("SELECT count(*) FROM sqlite_master").fetchall()
             keeper.execute("BEGIN IMMEDIATE")
             keeper.execute("ROLLBACK")
         except sqlite3.Error:
             keeper.close()
-            return
-        self.keeper = keeper
+            return None
+        return keeper
 
     def release(self, *_args: Any) -> None:
         """The engine's `engine_disposed` event: the keeper closed with the pool."""
