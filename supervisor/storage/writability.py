@@ -96,12 +96,12 @@ class Writability:
                       "showing and sending job ends and alerts unrecorded until it can",
                       self.reason)
 
-    def succeeded(self, after: int | None = None) -> None:
+    def succeeded(self, after: int) -> None:
         """A write went through. `after`: the refusals counted (`failures`) before it
         began; one since then (the API's, in its thread, while the tick committed)
         is newer news, and the write shows nothing about it."""
         with self._lock:
-            if after is not None and after != self.failures:
+            if after != self.failures:
                 return
             was, self.reason = self.reason, None
         if was is not None:

@@ -395,7 +395,7 @@ class _Batch:
         self.position = self.position.index_select(0, live)
         self.token = self.token.index_select(0, live)
         self.logits = self.logits.index_select(0, live)
-        self.rows = int(live.numel())
+        self.rows = count
         self.steps, self.graph_pool = {}, None
 
     def run(self) -> list[list[int]]:
