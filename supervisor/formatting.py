@@ -5,6 +5,7 @@ One place, so that a job's ETA or output size reads the same in a terminal and i
 
 from __future__ import annotations
 
+import math
 import re
 from datetime import UTC, datetime
 from typing import overload
@@ -53,7 +54,7 @@ def from_iso(text: str | None) -> float | None:
 def format_bytes(n: float | None) -> str:
     """Decimal units (1 GB = 10**9 bytes), as `df -H` and disk vendors count:
     `512 B`, `83.0 MB`, `3.2 TB`."""
-    if n is None:
+    if n is None or not math.isfinite(n):
         return MISSING
     for unit, size in _BYTE_UNITS:
         if abs(n) >= size:
@@ -64,7 +65,7 @@ def format_bytes(n: float | None) -> str:
 def format_duration(seconds: float | None) -> str:
     """A span for people, two units at most: `45s`, `4m10s`, `1h05m`, `2d07h`.
     Negative spans read as 0s."""
-    if seconds is None:
+    if seconds is None or not math.isfinite(seconds):
         return MISSING
     seconds = max(0.0, seconds)
     if seconds < 60:
@@ -74,3 +75,12 @@ def format_duration(seconds: float | None) -> str:
     if hours < 48:
         return f"{hours}h{m:02d}m" if hours else f"{m}m{s:02d}s"
     return f"{hours // 24}d{hours % 24:02d}h"
+
+
+def format_number(value: float | None, spec: str = "%.3g") -> str:
+    """A reading for people in `%`-style `spec` (`%.0f`, `%.6g`), `-` where it is not
+    known or not finite: a cell's missing value never fails the page around it."""
+    if value is None or isinstance(value, bool) or not isinstance(value, int | float) \
+            or not math.isfinite(value):
+        return MISSING
+    return spec % value

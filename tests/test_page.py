@@ -26,6 +26,7 @@ from supervisor.api.guard import SESSION_COOKIE, session_valid, session_value
 from supervisor.api.metrics import mountpoint
 from supervisor.api.page import safe_next
 from tests.helpers import PY, REPO, Daemon, free_port, python_job, wait_for
+from tests.test_page_never_fails import NOT_SHOWN, make_jobs
 
 CHROMIUM = shutil.which("chromium") or "/usr/bin/chromium"
 SCREENSHOTS = REPO / "build" / "screenshots"
@@ -451,6 +452,26 @@ def test_pipeline_view_shows_its_steps_and_where_it_is(daemon: Daemon, tab: Tab)
     assert states == ["succeeded", "running", "pending"]
     assert page.goto(daemon.url + "/pipelines/nope").status == 404
     assert tab.errors == [] or all("404" in e for e in tab.errors)
+
+
+def test_every_page_renders_every_kind_of_job(daemon: Daemon, tab: Tab,
+                                             tmp_path: Path) -> None:
+    """#45 item 1 in the browser: the jobs of tests/test_page_never_fails.py (every
+    state, every missing field) on the jobs page, each job's page and the pipeline's,
+    through a live refresh each, with no error and `-` where a value is missing."""
+    jobs = make_jobs(daemon, tmp_path)
+    page = tab.page
+    paths = ["/", "/pipelines/gaps", *(f"/jobs/{job_id}" for job_id in jobs.values())]
+    for path in paths:
+        answer = page.goto(daemon.url + path)
+        assert answer.status == 200, path
+        page.wait_for_function("() => window.jobsup && window.jobsup.refreshes >= 1",
+                               timeout=15000)
+        shown = page.inner_text("main")
+        assert not NOT_SHOWN.search(shown), (path, NOT_SHOWN.findall(shown))
+    page.goto(daemon.url + "/")
+    assert page.inner_text(f"#job-{jobs['waiting']} .count").split() == ["-", "/", "5"]
+    assert tab.errors == [], tab.errors
 
 
 # -- render time ---------------------------------------------------------------------------

@@ -33,7 +33,7 @@ from supervisor.api.models import AlertOut, JobOut
 from supervisor.api.views import alert_out, job_out, shown_states
 from supervisor.config import Settings
 from supervisor.errors import JobNotFound
-from supervisor.formatting import MISSING, format_bytes, format_duration, iso
+from supervisor.formatting import MISSING, format_bytes, format_duration, format_number, iso
 from supervisor.observe.view import JobView
 from supervisor.spec import AlertState, JobState, stored_spec
 from supervisor.storage import store
@@ -62,11 +62,14 @@ LOGIN_HEADERS = {**NO_STORE, "WWW-Authenticate": "Bearer"}
 
 _templates = Environment(loader=PackageLoader("supervisor.api", "templates"),
                          autoescape=select_autoescape(["html"]), trim_blocks=True,
-                         lstrip_blocks=True, auto_reload=False)
+                         lstrip_blocks=True, auto_reload=False,
+                         finalize=lambda value: MISSING if value is None else value)
 """`auto_reload=False`: the templates are the package's files, which do not change
 while the daemon runs; with it on, the table's `{% include %}` per row statted its file
-twice (~6 % of `/`'s time at 100 rows, #30)."""
-_templates.filters.update(bytes=format_bytes, duration=format_duration)
+twice (~6 % of `/`'s time at 100 rows). `finalize`: a value not known yet reads `-`,
+never `None`; numbers go through the `number` filter, which does the same (a `%`
+format of `None` in a template was an HTTP 500 for the whole page)."""
+_templates.filters.update(bytes=format_bytes, duration=format_duration, number=format_number)
 
 
 def is_page_path(path: str) -> bool:
