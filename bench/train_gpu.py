@@ -34,6 +34,7 @@ graph per TTT step, as the K/V list grows), so the worker does not use it.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 import time
@@ -44,15 +45,18 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from workers.eagle3.draft.model import DraftConfig, Eagle3Draft  # noqa: E402
+from workers.eagle3.training.fused_loss import ScoredRows  # noqa: E402
 from workers.eagle3.training.train_data import Batch  # noqa: E402
 from workers.train import (  # noqa: E402
     TargetHead,
     build_optimizer,
     build_scheduler,
+    new_scaler,
     train_step,
 )
 
-H200_BF16_DENSE_TFLOPS = 989.0
+BF16_DENSE_SPEC_TFLOPS = 989.0
+"""The H100 SXM's and the H200's dense bf16 spec (the same tensor cores)."""
 LLAMA3_ROPE = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0,
                "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                "original_max_position_embeddings": 8192}
@@ -293,6 +297,13 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=None, help="default 10 (tiny: 2)")
     parser.add_argument("--steps", type=int, default=None, help="default 30 (tiny: 5)")
     parser.add_argument("--json", type=Path, default=None)
+    parser.add_argument("--variants", default="old,new",
+                        help="the steps to time side by side, in this order: old (the "
+                             "reference step, metrics read every step), new (workers.train's "
+                             "fused step); default old,new")
+    parser.add_argument("--draft-intermediate-size", type=int, default=None, metavar="N",
+                        help="the draft's MLP width (default: the config's; the wide "
+                             "SmolLM2 recipe is 6144)")
     parser.add_argument("--profile", action="store_true",
                         help="also print the top kernels of 3 steps (torch.profiler)")
     args = parser.parse_args()
@@ -317,68 +328,130 @@ def main() -> None:
         for name, value in rows:
             print(f"| {name} | {value:,.0f} |")
         return
-    model, head = build(config, device, dtype)
+    if args.draft_intermediate_size:
+        config = dataclasses.replace(config, intermediate_size=args.draft_intermediate_size)
     batch = synthetic_batch(config, batch_tokens, seq_len, device, dtype)
-    optimizer = build_optimizer(model, 1e-4)
-    scheduler = build_scheduler(optimizer, 0, warmup + steps + 1)
-    flops = model_flops(config, batch, head, args.ttt_steps)
-
-    def step() -> dict[str, float]:
-        return train_step(model, head, batch, optimizer, scheduler, ttt_steps=args.ttt_steps)
-
-    for _ in range(warmup):
-        metrics = step()
+    scored = ScoredRows.of(batch.loss_mask, args.ttt_steps)
     if device.type == "cuda":
-        torch.cuda.reset_peak_memory_stats()
-    seconds = timed(step, steps, device)
+        scored = dataclasses.replace(scored, draft=[t.pin_memory() for t in scored.draft],
+                                     target=[t.pin_memory() for t in scored.target])
     ceiling = matmul_ceiling(device, 1024 if tiny else 8192, dtype)
-    achieved = flops["total"] / seconds
+    results = {name: run_variant(name, config, batch, scored, args, warmup, steps, device,
+                                 dtype, ceiling) for name in args.variants.split(",")}
     tokens = batch.input_ids.numel()
-    result = {
-        "device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
-        "torch": torch.__version__, "config": "tiny" if tiny else "8B-class",
-        "seq_len": seq_len, "batch_tokens": tokens, "ttt_steps": args.ttt_steps,
-        "step_ms": seconds * 1e3, "tokens_per_s": tokens / seconds,
-        "model_tflop_per_step": flops["total"] / 1e12, "model_tflops": achieved / 1e12,
-        "matmul_ceiling_tflops": ceiling / 1e12, "mfu_vs_ceiling": achieved / ceiling,
-        "mfu_vs_h200_spec": achieved / (H200_BF16_DENSE_TFLOPS * 1e12),
-        "attention_flop_share": flops["attention_share"],
-        "scored_positions_share": flops["scored_share"],
-        "peak_memory_gib": torch.cuda.max_memory_allocated() / 2**30
-        if device.type == "cuda" else float("nan"),
-        "last_loss": metrics.get("loss", float("nan")),
-    }
-    rows = [("device", result["device"]), ("torch", result["torch"]),
-            ("config", f"{result['config']}, TTT {args.ttt_steps}, {batch.input_ids.shape[0]} x "
-                       f"{seq_len} tokens"),
-            ("step time", f"{result['step_ms']:.1f} ms (mean of {steps}, after {warmup} "
-                          "warm-up)"),
-            ("tokens/s", f"{result['tokens_per_s']:,.0f}"),
-            ("model FLOPs per step", f"{result['model_tflop_per_step']:.4g} TFLOP "
-                                     f"(attention {100 * flops['attention_share']:.1f}%)"),
-            ("model TFLOP/s", f"{result['model_tflops']:.4g}"),
-            ("bf16 matmul ceiling" if not tiny else "fp32 matmul ceiling (1024^3)",
-             f"{result['matmul_ceiling_tflops']:.4g} TFLOP/s"),
-            ("MFU vs measured ceiling", f"{100 * result['mfu_vs_ceiling']:.1f}%"),
-            ("MFU vs 989 TFLOP/s spec", f"{100 * result['mfu_vs_h200_spec']:.1f}%"),
-            ("peak GPU memory", f"{result['peak_memory_gib']:.1f} GiB"),
-            ("loss (last warm-up step)", f"{result['last_loss']:.3f}")]
-    print("| metric | value |\n| --- | --- |")
-    for name, value in rows:
-        print(f"| {name} | {value} |")
+    first = next(iter(results.values()))
+    print(f"{first['device']}, torch {first['torch']}, {first['config']}, TTT "
+          f"{args.ttt_steps}, {batch.input_ids.shape[0]} x {seq_len} tokens a batch, MLP "
+          f"{config.intermediate_size}, draft vocab {config.draft_vocab_size}; "
+          f"{'fp32' if tiny else 'bf16'} matmul ceiling {ceiling / 1e12:.4g} TFLOP/s; "
+          f"{100 * first['scored_positions_share']:.1f}% of positions scored\n")
+    names = list(results)
+    print("| measure | " + " | ".join(names) + " |")
+    print("| --- |" + " ---: |" * len(names))
+    for label, key, fmt in (("step time (ms)", "step_ms", "{:.1f}"),
+                            ("tokens/s", "tokens_per_s", "{:,.0f}"),
+                            ("model TFLOP/s", "model_tflops", "{:.4g}"),
+                            ("MFU vs measured ceiling", "mfu_vs_ceiling", "{:.1%}"),
+                            ("MFU vs 989 TFLOP/s (H100/H200 bf16 spec)", "mfu_vs_spec",
+                             "{:.1%}"),
+                            ("peak GPU memory (GiB)", "peak_memory_gib", "{:.2f}"),
+                            ("peak GPU memory per token (KiB)", "peak_kib_per_token",
+                             "{:.1f}"),
+                            ("loss after the timed steps", "last_loss", "{:.4f}")):
+        print(f"| {label} | " + " | ".join(fmt.format(results[n][key]) for n in names) + " |")
+    if "old" in results and len(results) > 1:
+        for name in names:
+            if name != "old":
+                print(f"\nspeed-up of {name} over old: "
+                      f"{results[name]['tokens_per_s'] / results['old']['tokens_per_s']:.2f}x "
+                      f"({tokens} tokens a step)")
     if args.json:
-        args.json.write_text(json.dumps(result, indent=2) + "\n")
+        args.json.write_text(json.dumps(results, indent=2) + "\n")
     if args.profile:
         from torch.profiler import ProfilerActivity, profile
 
+        model, head = build(config, device, dtype)
+        optimizer = build_optimizer(model, 1e-4)
+        scheduler = build_scheduler(optimizer, 0, 100)
+        step = variant_step(names[-1], model, head, batch, scored, optimizer, scheduler,
+                            args.ttt_steps)
+        for _ in range(3):
+            step(1)
         activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA]
                                                if device.type == "cuda" else [])
         with profile(activities=activities) as prof:
-            for _ in range(3):
-                step()
+            for k in range(3):
+                step(k)
             sync(device)
         key = "cuda_time_total" if device.type == "cuda" else "cpu_time_total"
+        print(f"\nthe top kernels of 3 steps of {names[-1]}:")
         print(prof.key_averages().table(sort_by=key, row_limit=25, max_name_column_width=70))
+
+
+LOG_EVERY = 10
+"""The new step's metrics are read every this many steps (`workers.train --log-every`'s
+default); the old step read them, and checked the gradient, at every step."""
+
+
+def variant_step(name: str, model: Eagle3Draft, head: TargetHead, batch: Batch,
+                 scored: ScoredRows, optimizer: torch.optim.Optimizer, scheduler: object,
+                 ttt_steps: int):  # noqa: ANN201 - the step k -> its metrics or None
+    """`old`: the reference step (`fused=False`: boolean-mask gathers, the head
+    checkpointed) with its metrics read at every step, as workers.train ran before the
+    fused head; `new`: workers.train's step now (`fused=True`, the rows chosen on the
+    host and copied with the batch, metrics read every LOG_EVERY steps)."""
+    scaler = new_scaler(batch.input_ids.device)
+    if name not in ("old", "new"):
+        raise SystemExit(f"--variants: unknown variant {name!r} (old, new)")
+
+    def step(k: int) -> dict[str, float] | None:
+        fused = name == "new"
+        rows = scored.to(batch.input_ids.device) if fused else None
+        metrics = train_step(model, head, batch, optimizer, scheduler, ttt_steps=ttt_steps,
+                             rows=rows, scaler=scaler, fused=fused)
+        return metrics.read() if not fused or (k + 1) % LOG_EVERY == 0 else None
+
+    return step
+
+
+def run_variant(name: str, config: DraftConfig, batch: Batch, scored: ScoredRows,
+                args: argparse.Namespace, warmup: int, steps: int, device: torch.device,
+                dtype: torch.dtype, ceiling: float) -> dict[str, float | str]:
+    model, head = build(config, device, dtype)
+    optimizer = build_optimizer(model, 1e-4)
+    scheduler = build_scheduler(optimizer, 0, warmup + steps + 1)
+    flops = model_flops(config, batch, head, args.ttt_steps)
+    step = variant_step(name, model, head, batch, scored, optimizer, scheduler,
+                        args.ttt_steps)
+    for k in range(warmup):
+        step(k)
+    sync(device)
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats()
+    counter = iter(range(steps))
+    seconds = timed(lambda: step(next(counter)), steps, device)
+    last = step(LOG_EVERY - 1) or {}
+    achieved = flops["total"] / seconds
+    tokens = batch.input_ids.numel()
+    peak = torch.cuda.max_memory_allocated() if device.type == "cuda" else float("nan")
+    del model, head, optimizer
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    return {
+        "variant": name,
+        "device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
+        "torch": torch.__version__, "config": args.config if not args.tiny else "tiny",
+        "seq_len": batch.input_ids.shape[1], "batch_tokens": tokens,
+        "ttt_steps": args.ttt_steps, "intermediate_size": config.intermediate_size,
+        "step_ms": seconds * 1e3, "tokens_per_s": tokens / seconds,
+        "model_tflop_per_step": flops["total"] / 1e12, "model_tflops": achieved / 1e12,
+        "matmul_ceiling_tflops": ceiling / 1e12, "mfu_vs_ceiling": achieved / ceiling,
+        "mfu_vs_spec": achieved / (BF16_DENSE_SPEC_TFLOPS * 1e12),
+        "attention_flop_share": flops["attention_share"],
+        "scored_positions_share": flops["scored_share"],
+        "peak_memory_gib": peak / 2**30, "peak_kib_per_token": peak / 1024 / tokens,
+        "last_loss": last.get("loss", float("nan")),
+    }
 
 
 if __name__ == "__main__":

@@ -3,6 +3,7 @@ reference, learning on real extracted data, kill -9 and resume, --init, the save
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import os
@@ -32,6 +33,8 @@ from workers.eagle3.draft.model import (
     load_draft_weights,
     ttt_losses,
 )
+from workers.eagle3.training import fused_loss
+from workers.eagle3.training.fused_loss import ScoredRows, ttt_losses_fused
 from workers.eagle3.training.train_data import Batch, ExtractedData, TrainError, load_batch
 from workers.eagle3.training.train_heldout import (
     HeldoutMeasure,
@@ -46,6 +49,7 @@ from workers.train import (
     build_model,
     build_optimizer,
     build_scheduler,
+    new_scaler,
     parse_args,
     train_step,
 )
@@ -206,7 +210,7 @@ def test_loss_decreases_on_extracted_data(tiny: dict[str, Path], tmp_path: Path)
     optimizer = build_optimizer(model, 3e-3)
     scheduler = build_scheduler(optimizer, 0, 10_000)
     batch = load_batch(data.root, data.samples[:8], 64, 4096)
-    history = [train_step(model, head, batch, optimizer, scheduler, ttt_steps=3)
+    history = [train_step(model, head, batch, optimizer, scheduler, ttt_steps=3).read()
                for _ in range(30)]
     losses = [m["loss"] for m in history]
     # measured (seeds 0-2): the last five average 0.11x the first step's loss (~10 -> ~1.1;
@@ -278,6 +282,81 @@ def test_recomputed_head_gives_the_same_losses_and_gradients() -> None:
     for name, grad in kept[2].items():
         assert torch.allclose(grad, recomputed[2][name], atol=1e-7), name
     assert any(g.abs().sum() > 0 for g in kept[2].values())
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.5, 0.0])
+def test_the_fused_head_gives_the_reference_losses_and_gradients(temperature: float) -> None:
+    """`ttt_losses_fused` (rows from the loss mask on the host, the target's argmax a
+    weight, the head and loss fused in chunks with their gradients made at once) against
+    the reference `ttt_losses` in fp32: the same losses, hits, counts and gradients,
+    with chunks smaller than a step's rows so that several are summed."""
+    model, config = tiny_draft()
+    generator = torch.Generator().manual_seed(3)
+    steps, length = 3, 11
+    aux = torch.randn(3, length, 3 * config.hidden_size, generator=generator)
+    ids = torch.randint(0, config.vocab_size, (3, length), generator=generator)
+    target = 3 * torch.randn(3, length, config.draft_vocab_size, generator=generator)
+    loss_mask = torch.rand(3, length, generator=generator) > 0.25
+    loss_mask[2, 6:] = False  # padding
+    valid = loss_mask & (torch.rand(3, length, generator=generator) > 0.2)
+
+    def run(fused: bool) -> tuple[list[float], list[int], list[int], dict[str, torch.Tensor]]:
+        model.zero_grad()
+        if fused:
+            losses, hits, counts = ttt_losses_fused(
+                model, aux, ids, target, valid, ScoredRows.of(loss_mask, steps), steps,
+                temperature=temperature)
+        else:
+            losses, hits, counts = ttt_losses(model, aux, ids, target, valid, steps,
+                                              temperature=temperature)
+        sum(0.8 ** i * x for i, x in enumerate(losses)).backward()
+        return ([x.item() for x in losses], [int(h) for h in hits], [int(n) for n in counts],
+                {n: p.grad.clone() for n, p in model.trainable().items()})
+
+    reference = run(False)
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(fused_loss, "CHUNK_ROWS", 5)
+        fused = run(True)
+    assert fused[0] == pytest.approx(reference[0], rel=1e-5)
+    assert fused[1:3] == reference[1:3] and all(n > 5 for n in fused[2])
+    for name, grad in reference[3].items():
+        torch.testing.assert_close(fused[3][name], grad, atol=1e-6, rtol=1e-4)
+    assert all(g.abs().sum() > 0 for g in reference[3].values())
+
+
+def test_fused_and_reference_steps_train_alike_and_a_non_finite_step_is_skipped(
+        tiny: dict[str, Path], tmp_path: Path) -> None:
+    """Whole optimizer steps on real extracted data, fp32: the fused step (metrics kept
+    on the device, the skip decided there) gives the reference step's losses step after
+    step; a batch with a NaN feature is skipped by both, the weights untouched."""
+    args = parse_args(["--data", str(tiny["data"]), "--target", str(tiny["model"]),
+                       "--vocab", str(tiny["vocab"]), "--out", str(tmp_path), "--ttt-steps",
+                       "3"])
+    data = ExtractedData(args.data)
+    batch = load_batch(data.root, data.samples[:8], 64, 4096)
+    runs = {}
+    for fused in (False, True):
+        model, head = build_model(args, data, torch.device("cpu"))
+        optimizer = build_optimizer(model, 3e-3)
+        scheduler = build_scheduler(optimizer, 0, 100)
+        scaler = new_scaler(torch.device("cpu"))
+        history = [train_step(model, head, batch, optimizer, scheduler, ttt_steps=3,
+                              scaler=scaler, fused=fused).read() for _ in range(4)]
+        before = {n: p.detach().clone() for n, p in model.trainable().items()}
+        poisoned = dataclasses.replace(batch, aux=batch.aux.clone())
+        poisoned.aux[0, 3, 0] = float("nan")
+        skipped = train_step(model, head, poisoned, optimizer, scheduler, ttt_steps=3,
+                             scaler=scaler, fused=fused)
+        assert skipped.read().get("skipped") == 1.0 and float(skipped.skipped()) == 1.0
+        assert all(torch.equal(p, before[n]) for n, p in model.trainable().items())
+        history.append(train_step(model, head, batch, optimizer, scheduler, ttt_steps=3,
+                                  scaler=scaler, fused=fused).read())
+        runs[fused] = history
+    for reference, fused in zip(runs[False], runs[True], strict=True):
+        assert set(fused) == set(reference)
+        for name in ("loss", "loss_0", "loss_2", "acc_0", "acc_2"):
+            assert fused[name] == pytest.approx(reference[name], rel=1e-4, abs=1e-6), name
+    assert runs[True][-1]["loss"] < runs[True][0]["loss"]
 
 
 def test_target_temperature_sharpens_the_targets_and_0_is_the_argmax() -> None:

@@ -97,6 +97,7 @@ from workers.eagle3.training.checkpoints import (
     save_checkpoint,
     set_rng_state,
 )
+from workers.eagle3.training.fused_loss import ScoredRows, ttt_losses_fused
 from workers.eagle3.training.target_head import load_target_head, load_target_norm
 from workers.eagle3.training.train_data import (
     Batch,
@@ -134,44 +135,93 @@ def load_vocab(path: Path) -> tuple[torch.Tensor, torch.Tensor]:
 
 # -- the training step -----------------------------------------------------------------
 
+class StepMetrics:
+    """A step's metrics as the device made them: read (`read`, a host synchronisation)
+    only when they are shown, every `--log-every` steps, so that the steps between
+    queue on the device without waiting for it."""
+
+    def __init__(self, values: torch.Tensor, lr: float, ttt_steps: int):
+        self.values = values  # [total, grad_norm, finite, loss_i..., acc_i..., count_i...]
+        self.lr = lr
+        self.ttt_steps = ttt_steps
+
+    def skipped(self) -> torch.Tensor:
+        """1 on the device where the gradient was not finite and the update skipped."""
+        return 1 - self.values[2]
+
+    def read(self) -> dict[str, float]:
+        """lr, grad_norm and, for the TTT steps with valid positions, loss_i and acc_i
+        (and loss when step 0 has some); a non-finite gradient gives `skipped` instead."""
+        values = self.values.tolist()
+        n = self.ttt_steps
+        loss_i, acc_i, count_i = (values[3 + k * n:3 + (k + 1) * n] for k in range(3))
+        finite = values[2] == 1.0
+        # a step without valid positions has no loss or accuracy to show (not 0)
+        metrics = {"grad_norm": values[1], "lr": self.lr} if finite \
+            else {"lr": self.lr, "skipped": 1.0}
+        if count_i[0] and finite:
+            metrics["loss"] = values[0]
+        metrics.update({f"loss_{i}": v for i, v in enumerate(loss_i) if count_i[i] and finite})
+        metrics.update({f"acc_{i}": v for i, v in enumerate(acc_i) if count_i[i]})
+        return metrics
+
+    def __getitem__(self, name: str) -> float:
+        return self.read()[name]
+
+
+def new_scaler(device: torch.device) -> torch.amp.GradScaler:
+    """What skips an update whose gradient is not finite without asking the host: a
+    GradScaler held at scale 1 (bf16 needs no loss scaling), whose found-inf flag the
+    fused AdamW reads on the device; on a CPU it checks on the host, as before."""
+    return torch.amp.GradScaler(device.type, init_scale=1.0, growth_interval=2**30)
+
+
 def train_step(model: Eagle3Draft, target_head: TargetHead, batch: Batch,
                optimizer: torch.optim.Optimizer, scheduler: Any, *, ttt_steps: int,
-               grad_clip: float = 0.5, temperature: float = 1.0) -> dict[str, float]:
+               grad_clip: float = 0.5, temperature: float = 1.0,
+               rows: ScoredRows | None = None,
+               scaler: torch.amp.GradScaler | None = None,
+               fused: bool = True) -> StepMetrics:
     """One optimizer step on a batch already on the model's device. bf16 autocast on
-    CUDA. Returns lr, grad_norm and, for the TTT steps with valid positions, loss_i and
-    acc_i (and loss when step 0 has some); a non-finite gradient skips the update and
-    returns `skipped` instead. Two host syncs (that check, the metrics). A batch whose
-    features are still fp8 as stored (`load_batch(fp8=True)`) is decoded here, on its
-    device."""
+    CUDA. `rows`: `ScoredRows.of` the batch's loss mask, made on the host where the
+    batch was read (made here from it otherwise); `scaler`: `new_scaler`, kept across
+    steps. With `fused` the head and loss are `fused_loss.ttt_losses_fused`, with no
+    host synchronisation in the step; without, the reference `ttt_losses` (boolean-mask
+    gathers, activation checkpointing), which gives the same losses. A non-finite
+    gradient skips the update. A batch whose features are still fp8 as stored
+    (`load_batch(fp8=True)`) is decoded here, on its device."""
     batch = batch.decoded()
     device = batch.input_ids.device
+    scaler = scaler or new_scaler(device)
     model.train()
     with torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda"):
         target_logits, valid = target_head(batch.hidden, batch.loss_mask)
-        losses, correct, counts = ttt_losses(model, batch.aux, batch.input_ids, target_logits,
-                                             valid, ttt_steps, temperature=temperature)
+        if fused:
+            rows = (ScoredRows.of(batch.loss_mask, ttt_steps) if rows is None else rows).to(device)
+            losses, correct, counts = ttt_losses_fused(
+                model, batch.aux, batch.input_ids, target_logits, valid, rows, ttt_steps,
+                temperature=temperature)
+        else:
+            losses, correct, counts = ttt_losses(model, batch.aux, batch.input_ids,
+                                                 target_logits, valid, ttt_steps,
+                                                 temperature=temperature)
         total = sum(STEP_WEIGHT ** i * loss for i, loss in enumerate(losses))
     optimizer.zero_grad(set_to_none=True)
     assert isinstance(total, torch.Tensor)
-    total.backward()
+    scaler.scale(total).backward()
+    scaler.unscale_(optimizer)
     grad_norm = torch.nn.utils.clip_grad_norm_(list(model.trainable().values()), grad_clip)
     lr = optimizer.param_groups[0]["lr"]
-    finite = bool(torch.isfinite(grad_norm))
-    if finite:  # a NaN/Inf gradient would poison every weight through AdamW: skip it
-        optimizer.step()
+    # a NaN/Inf gradient would poison every weight through AdamW: the scaler skips it
+    scaler.step(optimizer)
+    scaler.update(1.0)
     scheduler.step()
     accs = [c.float() / n.clamp(min=1) for c, n in zip(correct, counts, strict=True)]
-    values = torch.stack([total.detach(), grad_norm.float(), *[x.detach() for x in losses],
-                          *accs, *counts]).tolist()
-    loss_i, acc_i, count_i = (values[2 + n * ttt_steps:2 + (n + 1) * ttt_steps]
-                              for n in range(3))
-    # a step without valid positions has no loss or accuracy to show (not 0)
-    metrics = {"grad_norm": values[1], "lr": lr} if finite else {"lr": lr, "skipped": 1.0}
-    if count_i[0] and finite:
-        metrics["loss"] = values[0]
-    metrics.update({f"loss_{i}": v for i, v in enumerate(loss_i) if count_i[i] and finite})
-    metrics.update({f"acc_{i}": v for i, v in enumerate(acc_i) if count_i[i]})
-    return metrics
+    values = torch.stack([total.detach().float(), grad_norm.float(),
+                          torch.isfinite(grad_norm).float(),
+                          *[x.detach().float() for x in losses], *accs,
+                          *[n.float() for n in counts]]).detach()
+    return StepMetrics(values, lr, ttt_steps)
 
 
 def build_optimizer(model: Eagle3Draft, lr: float) -> torch.optim.AdamW:
@@ -363,9 +413,12 @@ def train(args: argparse.Namespace, progress: ProgressReporter,
     pin = device.type == "cuda"
 
     def load(samples: list[Sample]) -> Batch:  # pinned here, or by the readers' loader
-        return load_batch(data.root, samples, model.config.hidden_size, args.batch_tokens,
-                          pin=pin and not processes, dtype=compute_dtype(device),
-                          fp8=device.type == "cuda")  # fp8 features decoded on the GPU
+        batch = load_batch(data.root, samples, model.config.hidden_size, args.batch_tokens,
+                           pin=pin and not processes, dtype=compute_dtype(device),
+                           fp8=device.type == "cuda")  # fp8 features decoded on the GPU
+        # the rows each TTT step scores, chosen where the loss mask is on the host
+        return dataclasses.replace(batch, scored=ScoredRows.of(batch.loss_mask,
+                                                               args.ttt_steps))
 
     def read(batches: list[list[Sample]]) -> Iterator[Batch]:
         return read_ahead(load, batches, processes=processes, pin=pin)
@@ -385,7 +438,9 @@ def train(args: argparse.Namespace, progress: ProgressReporter,
 
     started, tokens_seen, saved_at, position = time.monotonic(), 0, step, (epoch, batch_in_epoch)
     shown: dict[str, float] = {}  # the latest value of each metric
-    skipped = 0
+    skipped, shown_at = 0, step
+    skipped_on_device = torch.zeros((), device=device)
+    scaler = new_scaler(device)
     with contextlib.ExitStack() as stack:
         trace = None
         if args.trace_data:
@@ -397,21 +452,30 @@ def train(args: argparse.Namespace, progress: ProgressReporter,
                 break
             metrics = train_step(model, head, batch.to(device), optimizer, scheduler,
                                  ttt_steps=args.ttt_steps, grad_clip=args.grad_clip,
-                                 temperature=args.target_temperature)
+                                 temperature=args.target_temperature, rows=batch.scored,
+                                 scaler=scaler)
             step, position = step + 1, (epoch, k + 1)
             tokens_seen += batch.tokens
-            skipped += int(metrics.pop("skipped", 0))
-            shown.update(metrics, epoch=epoch,
-                         tokens_per_s=tokens_seen / max(time.monotonic() - started, 1e-9))
+            skipped_on_device = skipped_on_device + metrics.skipped()
             if trace is not None:
                 trace.write(json.dumps({"step": step, "epoch": epoch,
                                         "indices": batch.indices}) + "\n")
                 trace.flush()
-            if "grad_norm" not in metrics:
-                log.warning("step %d: non-finite gradient, update skipped (%d so far)", step,
-                            skipped)
+            shown_now = (step % args.log_every == 0 or step == total or stop()
+                         or (heldout_batches and step % eval_every == 0))
+            if shown_now:  # the one host synchronisation of `--log-every` steps
+                values = metrics.read()
+                values.pop("skipped", None)
+                skipped_before, skipped = skipped, int(skipped_on_device.item())
+                if skipped > skipped_before:
+                    log.warning("step %d: non-finite gradient, %d updates skipped since "
+                                "step %d (%d so far)", step, skipped - skipped_before,
+                                shown_at, skipped)
+                shown.update(values, epoch=epoch,
+                             tokens_per_s=tokens_seen / max(time.monotonic() - started, 1e-9))
+                shown_at = step
             progress.update(step, {**shown, "skipped_steps": skipped})
-            if step % args.log_every == 0 or step == total:
+            if shown_now and (step % args.log_every == 0 or step == total):
                 last = args.ttt_steps - 1
                 log.info("step %d/%d epoch %d loss %.4f acc_0 %.3f acc_%d %.3f lr %.2e "
                          "%.0f tokens/s", step, total, epoch, shown.get("loss", math.nan),

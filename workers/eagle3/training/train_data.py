@@ -26,6 +26,7 @@ from safetensors import safe_open
 
 from workers.common import read_jsonl
 from workers.eagle3.extraction.fp8_features import decode, is_encoded, read_feature, scale_name
+from workers.eagle3.training.fused_loss import ScoredRows
 
 SORT_WINDOW = 1024
 """Samples of the epoch's permutation sorted by length together before packing."""
@@ -107,13 +108,18 @@ class Batch:
     hidden_scale: torch.Tensor | None = None  # [B, L, 1], as `aux_scale`
     decode_to: torch.dtype | None = None
     """What `decoded` decodes fp8 features to (`load_batch`'s `dtype`; None: fp32)."""
+    scored: ScoredRows | None = None
+    """The rows each TTT step scores (`ScoredRows.of` the loss mask), made by the reader
+    on the host so that the step never asks the device how many there are."""
 
     def _map(self, how: Callable[[torch.Tensor], torch.Tensor]) -> Batch:
         aux_scale, hidden_scale = (None if t is None else how(t)
                                    for t in (self.aux_scale, self.hidden_scale))
+        scored = None if self.scored is None else ScoredRows(
+            [how(t) for t in self.scored.draft], [how(t) for t in self.scored.target])
         return Batch(how(self.aux), how(self.hidden), how(self.input_ids),
                      how(self.loss_mask), self.indices, self.tokens, aux_scale, hidden_scale,
-                     self.decode_to)
+                     self.decode_to, scored)
 
     def pin_memory(self) -> Batch:
         """Page-locked copies (what `DataLoader(pin_memory=True)` calls on a batch)."""
@@ -130,7 +136,8 @@ class Batch:
         aux, hidden = (t if scale is None else decode(t, scale, self.decode_to)
                        for t, scale in ((self.aux, self.aux_scale),
                                         (self.hidden, self.hidden_scale)))
-        return Batch(aux, hidden, self.input_ids, self.loss_mask, self.indices, self.tokens)
+        return Batch(aux, hidden, self.input_ids, self.loss_mask, self.indices, self.tokens,
+                     scored=self.scored)
 
 
 def load_batch(root: Path, samples: Sequence[Sample], hidden_size: int, max_length: int,
