@@ -116,6 +116,8 @@ def main() -> int:
     add("--limit", type=int, help="extract only the first N conversations")
     add("--features", type=Path, help="reuse this extract output (no extract step): arms "
         "that differ only in training share one extraction")
+    add("--online", action="store_true", help="train online (workers.train --online): no "
+        "extract step, the vocabulary counted from the conversations, nothing on disk")
     add("--eval-prompts", type=int, default=16, help="synthetic held-out prompts")
     add("--eval-handwritten", type=int, default=80, help="hand-written questions (0: none)")
     add("--max-tokens", type=int, default=256, help="per generated answer")
@@ -179,22 +181,26 @@ def main() -> int:
                     str(conversations), "--out", str(hidden),
                     *(["--store", args.store] if args.store else []),
                     *(["--limit", str(args.limit)] if args.limit else []), *device],
-        "vocab": ["workers.vocab", "--data", str(hidden), "--tokenizer", str(args.model),
+        "vocab": ["workers.vocab", "--data", str(conversations if args.online else hidden),
+                  "--tokenizer", str(args.model),
                   "--draft-vocab-size", str(args.draft_vocab_size), "--out", str(vocab)],
-        "train": ["workers.train", "--data", str(hidden), "--target", str(args.model),
+        "train": ["workers.train",
+                  *(["--online", "--conversations", str(conversations)] if args.online
+                    else ["--data", str(hidden)]), "--target", str(args.model),
                   "--vocab", str(vocab), "--out", str(train_out), *train_flags,
                   "--log-every", "10", *device],
         "evaluate": ["workers.evaluate", "--target", str(args.model), "--draft",
                      str(train_out / "draft"), "--out", str(work / "eval"), *evaluation,
                      *[f"-k{k}" for k in args.ks or (3, 5)], "--max-new-tokens",
-                     str(args.eval_tokens), "--data", str(hidden), "--exclude",
+                     str(args.eval_tokens),
+                     *([] if args.online else ["--data", str(hidden)]), "--exclude",
                      str(conversations), *(["--no-baseline"] if args.no_baseline else []),
                      "--dtype", args.eval_dtype, *device],
     }
     conversations.parent.mkdir(parents=True, exist_ok=True)
     for name in STEPS[1:]:
         if name in steps and not (name == "generate" and args.conversations) \
-                and not (name == "extract" and args.features):
+                and not (name == "extract" and (args.features or args.online)):
             times[name] = run_step(name, commands[name], work)["seconds"]
             (work / "times.json").write_text(json.dumps(times))
     print("\n| step | seconds |\n| --- | ---: |")

@@ -140,6 +140,10 @@ def load_samples(data: Path, tokenizer: Any, *, max_length: int | None, on_too_l
             log.warning("duplicate id %s; later copy skipped", sample_id)
             continue
         seen.add(sample_id)
+        if not messages:  # the chat template refuses an empty conversation
+            index += 1
+            stats.empty.append(sample_id)
+            continue
         tokens = tokenize_conversation(tokenizer, messages, max_length=max_length)
         current, index = index, index + 1
         if tokens.truncated:

@@ -87,6 +87,7 @@ from workers.eagle3.draft.model import (
     ttt_losses,
     write_draft,
 )
+from workers.eagle3.extraction.extractor import capture_layers
 from workers.eagle3.extraction.hidden_files import truncate_torn_line
 from workers.eagle3.training.checkpoints import (
     best_dir,
@@ -98,12 +99,14 @@ from workers.eagle3.training.checkpoints import (
     set_rng_state,
 )
 from workers.eagle3.training.fused_loss import ScoredRows, ttt_losses_fused
+from workers.eagle3.training.online_features import OnlineFeatures, OnlineSamples
 from workers.eagle3.training.target_head import load_target_head, load_target_norm
 from workers.eagle3.training.train_data import (
     Batch,
     ExtractedData,
     Sample,
     TrainError,
+    TrainingSamples,
     load_batch,
     read_ahead,
 )
@@ -275,7 +278,7 @@ def compute_dtype(device: torch.device) -> torch.dtype:
     return torch.bfloat16 if device.type == "cuda" else torch.float32
 
 
-def extracted_layers(data: ExtractedData, target_num_layers: int) -> list[int]:
+def extracted_layers(data: TrainingSamples, target_num_layers: int) -> list[int]:
     """The layer inputs --data captured (extract_config.json), else the default."""
     layers = data.config.get("aux_layer_ids")
     if layers:
@@ -304,7 +307,7 @@ def check_init_layers(init: Path, extracted: list[int], target_num_layers: int) 
     raise TrainError(message)
 
 
-def build_model(args: argparse.Namespace, data: ExtractedData,
+def build_model(args: argparse.Namespace, data: TrainingSamples,
                 device: torch.device) -> tuple[Eagle3Draft, TargetHead]:
     dtype = compute_dtype(device)
     target_config, embed, lm_head = load_target_head(args.target, device, dtype)
@@ -349,12 +352,51 @@ def build_model(args: argparse.Namespace, data: ExtractedData,
     return model, TargetHead(lm_head, t2d)
 
 
+def open_online(args: argparse.Namespace, device: torch.device) -> OnlineFeatures:
+    """`--online`: the target loaded on the trainer's device and the conversations
+    tokenized as `workers.extract` tokenizes them (its chat template and loss mask).
+    A conversation the target cannot take is skipped and counted: longer than
+    `--max-length` (default: the target's max_position_embeddings), with token ids the
+    target's embedding does not have, malformed, or empty."""
+    from workers.eagle3.extraction.extractor import Stats
+    from workers.eagle3.target.loading import load_target, load_tokenizer
+    from workers.eagle3.target.model import TargetError
+    from workers.extract import load_samples
+
+    try:
+        tokenizer = load_tokenizer(args.target)
+        target = load_target(args.target, device=str(device), dtype=compute_dtype(device))
+    except TargetError as exc:
+        raise TrainError(f"--target: {exc}") from exc
+    target.model.eval()
+    limit = args.max_length or int(getattr(target.text_config, "max_position_embeddings",
+                                           0) or 0) or None
+    stats = Stats()
+    tokenized, foreign = [], []
+    for sample in load_samples(args.conversations, tokenizer, max_length=limit,
+                               on_too_long="skip", stats=stats, limit=None):
+        if sample.input_ids and max(sample.input_ids) >= target.vocab_size:
+            foreign.append(sample.id)
+        else:
+            tokenized.append(sample)
+    skipped = {"too_long": len(stats.too_long_skipped), "foreign_tokens": len(foreign),
+               "empty": len(stats.empty), "malformed_lines": len(stats.malformed_lines)}
+    log.info("--online: %d conversations of %s to train on, the target's forward making "
+             "their features (layers %s) as they train; skipped: %s", len(tokenized),
+             args.conversations, capture_layers(target.num_layers),
+             ", ".join(f"{n} {why.replace('_', ' ')}" for why, n in skipped.items()))
+    config = OnlineFeatures.config_of(target)
+    return OnlineFeatures(target, OnlineSamples(tokenized, config, skipped=skipped))
+
+
 def train(args: argparse.Namespace, progress: ProgressReporter,
           stop: Callable[[], bool] = lambda: False) -> int:
     device = torch.device(args.device)
     if device.type == "cuda" and not torch.cuda.is_available():
         raise TrainError("--device cuda but no CUDA device is available (use --device cpu)")
-    data = ExtractedData(args.data)
+    features = open_online(args, device) if args.online else None
+    data: TrainingSamples = features.samples if features is not None \
+        else ExtractedData(args.data)
     num_samples = len(data.samples)
     try:
         data.hold_out(heldout_count(args.heldout_samples, num_samples), args.seed)
@@ -413,6 +455,9 @@ def train(args: argparse.Namespace, progress: ProgressReporter,
     pin = device.type == "cuda"
 
     def load(samples: list[Sample]) -> Batch:  # pinned here, or by the readers' loader
+        if features is not None:  # made by the target's forward, on the device
+            return features.batch(samples, args.batch_tokens, args.ttt_steps)
+        assert isinstance(data, ExtractedData)
         batch = load_batch(data.root, samples, model.config.hidden_size, args.batch_tokens,
                            pin=pin and not processes, dtype=compute_dtype(device),
                            fp8=device.type == "cuda")  # fp8 features decoded on the GPU
@@ -421,6 +466,8 @@ def train(args: argparse.Namespace, progress: ProgressReporter,
                                                                args.ttt_steps))
 
     def read(batches: list[list[Sample]]) -> Iterator[Batch]:
+        if features is not None:  # each batch made when its step comes, on this stream
+            return (load(b) for b in batches)
         return read_ahead(load, batches, processes=processes, pin=pin)
 
     def state(next_epoch: int, next_batch: int) -> dict[str, Any]:
@@ -521,7 +568,9 @@ def train(args: argparse.Namespace, progress: ProgressReporter,
         "eval_every": eval_every if data.heldout else None,
         "chosen": best.record() if best is not None and best.step == chosen else None,
         "best": best.record() if best is not None else None,
-        "last": latest.record() if latest is not None else None})
+        "last": latest.record() if latest is not None else None,
+        "features": "online" if features is not None else "disk",
+        **({"online_skipped": features.samples.skipped} if features is not None else {})})
     progress.update(step, shown, force=True)
     if best is not None and latest is not None:
         log.info("done: %d steps; draft written to %s from step %d (held-out tau_sim(%d) "
@@ -546,7 +595,7 @@ def keep_heldout_lines(path: Path, up_to_step: int) -> None:
     replace_file(path, "".join(kept).encode("utf-8"), fsync=True)
 
 
-def resume(checkpoint: Path, args: argparse.Namespace, data: ExtractedData,
+def resume(checkpoint: Path, args: argparse.Namespace, data: TrainingSamples,
            plans: list[list[list[Sample]]], model: Eagle3Draft,
            optimizer: torch.optim.Optimizer, scheduler: Any
            ) -> tuple[int, int, int, HeldoutMeasure | None, HeldoutMeasure | None]:
@@ -594,7 +643,18 @@ DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="python -m workers.train", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--data", required=True, type=Path, help="workers.extract output")
+    parser.add_argument("--data", type=Path, help="workers.extract output (offline: the "
+                        "features read from disk)")
+    parser.add_argument("--online", action="store_true",
+                        help="train online: the target's forward makes each batch's "
+                             "features inside this job, on its device, from --conversations; "
+                             "nothing is written to disk")
+    parser.add_argument("--conversations", type=Path,
+                        help="--online: the conversations JSONL (workers.generate's output)")
+    parser.add_argument("--max-length", type=int, default=None,
+                        help="--online: conversations longer than this many tokens are "
+                             "skipped and counted (default: the target's "
+                             "max_position_embeddings)")
     parser.add_argument("--target", required=True, type=Path, help="target model directory")
     parser.add_argument("--vocab", type=Path, help="workers.vocab output (d2t, t2d)")
     parser.add_argument("--out", required=True, type=Path, help="output directory")
@@ -661,6 +721,14 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     for flag in ("eval_every", "select_k", "draft_intermediate_size"):
         if getattr(args, flag) is not None and getattr(args, flag) < 1:
             parser.error(f"--{flag.replace('_', '-')} must be >= 1")
+    if args.online and (args.conversations is None or args.data is not None):
+        parser.error("--online takes --conversations FILE (and no --data: the features "
+                     "are made, not read)")
+    if not args.online and (args.data is None or args.conversations is not None):
+        parser.error("--data DIR is required (an extraction), or --online --conversations "
+                     "FILE to make the features while training")
+    if args.max_length is not None and (args.max_length < 1 or not args.online):
+        parser.error("--max-length is an --online option and must be >= 1")
     if args.read_processes is not None and args.read_processes < 0:
         parser.error("--read-processes must be >= 0")
     if not (math.isfinite(args.target_temperature) and args.target_temperature >= 0):
@@ -675,7 +743,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
     setup_logging(args.verbose)
-    for path, what in ((args.data, "--data"), (args.target, "--target"),
+    for path, what in ((args.data, "--data"), (args.conversations, "--conversations"),
+                       (args.target, "--target"),
                        (args.vocab, "--vocab"), (args.init, "--init")):
         if path is not None:
             require_file(path, what)

@@ -20,6 +20,7 @@ from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 from safetensors import safe_open
@@ -43,21 +44,17 @@ class Sample:
     seq_len: int
 
 
-class ExtractedData:
-    def __init__(self, root: Path):
-        self.root = root
-        manifest, config = root / "manifest.jsonl", root / "extract_config.json"
-        for path in (manifest, config):
-            if not path.is_file():
-                raise TrainError(f"{path} does not exist: is --data a workers.extract output?")
-        self.config = json.loads(config.read_text(encoding="utf-8"))
-        entries = {}
-        for _, record in read_jsonl(manifest, required=("index", "file", "seq_len")):
-            entries[int(record["index"])] = Sample(int(record["index"]), str(record["file"]),
-                                                   int(record["seq_len"]))
-        self.samples = [entries[i] for i in sorted(entries)]
-        if not self.samples:
-            raise TrainError(f"{manifest}: no samples")
+class TrainingSamples:
+    """The samples a run trains on, each an index and a length: those held out of
+    training (`hold_out`) and each epoch's batch plan (`plan_epoch`). `config` says what
+    the features are (an extraction's extract_config.json: `aux_layer_ids`,
+    `num_layers`, `hidden_size`, `vocab_size`). An extraction's (`ExtractedData`) or
+    tokenized conversations whose features the target makes as they train
+    (`online_features.OnlineSamples`)."""
+
+    def __init__(self, samples: list[Sample], config: dict[str, Any]):
+        self.samples = sorted(samples, key=lambda s: s.index)
+        self.config = config
         self.heldout: list[Sample] = []
 
     def hold_out(self, count: int, seed: int) -> None:
@@ -92,6 +89,25 @@ class ExtractedData:
             shuffle = torch.randperm(len(batches), generator=generator).tolist()
             plan.extend(batches[i] for i in shuffle)
         return plan
+
+
+class ExtractedData(TrainingSamples):
+    """The samples of a `workers.extract` output: its manifest and extract_config.json."""
+
+    def __init__(self, root: Path):
+        self.root = root
+        manifest, config = root / "manifest.jsonl", root / "extract_config.json"
+        for path in (manifest, config):
+            if not path.is_file():
+                raise TrainError(f"{path} does not exist: is --data a workers.extract output?")
+        entries = {}
+        for _, record in read_jsonl(manifest, required=("index", "file", "seq_len")):
+            entries[int(record["index"])] = Sample(int(record["index"]), str(record["file"]),
+                                                   int(record["seq_len"]))
+        super().__init__(list(entries.values()),
+                         json.loads(config.read_text(encoding="utf-8")))
+        if not self.samples:
+            raise TrainError(f"{manifest}: no samples")
 
 
 @dataclass
