@@ -157,6 +157,40 @@ def test_sampling_is_seeded_and_its_one_token_nucleus_is_greedy() -> None:
     assert decoder.generate(rows, max_new_tokens=20, stop_ids={STOP}, sampling=few) != first
 
 
+def test_rows_decoded_in_parts_answer_as_one_batch() -> None:
+    """A batch larger than what fits (`max_rows` here; on CUDA the free memory's share,
+    `rows_that_fit`) is decoded in parts one after another: the greedy answers of one
+    batch."""
+    model, rows = random_model("llama"), prompt_rows()
+    decoder = StaticDecoder(model)
+    whole = decoder.generate(rows, max_new_tokens=20, stop_ids={STOP})
+    assert decoder.generate(rows, max_new_tokens=20, stop_ids={STOP}, max_rows=5) == whole
+    assert decoder.rows_that_fit(100, sampled=False) is None  # a CPU: not known
+    # a row's device bytes: its keys and values in every layer, then its step buffers
+    per_slot = 2 * 3 * 2 * (64 // 4) * 4  # k and v, layers, kv heads, head_dim, fp32
+    assert decoder.row_bytes(100, sampled=False) == 100 * per_slot + 300 * 8
+
+
+def test_the_nucleus_is_drawn_from_the_top_candidates_with_whole_vocabulary_mass() -> None:
+    """Top-p without a top-k ranks only the `NUCLEUS_CANDIDATES` most likely tokens
+    (`topk`, no sort of the vocabulary), with their probabilities over the whole of it:
+    with as many candidates as the vocabulary, the same samples as with fewer that hold
+    the nucleus; a nucleus cut at one candidate is greedy."""
+    from workers.eagle3.generation import static_decode
+
+    model, rows = random_model("llama"), prompt_rows()
+    decoder = StaticDecoder(model)
+    hot = Sampling(temperature=0.7, top_p=0.5, seed=3)
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(static_decode, "NUCLEUS_CANDIDATES", SHAPES["vocab_size"])
+        everything = decoder.generate(rows, max_new_tokens=12, stop_ids={STOP},
+                                      sampling=hot)
+        patch.setattr(static_decode, "NUCLEUS_CANDIDATES", 1)
+        assert decoder.generate(rows, max_new_tokens=12, stop_ids={STOP}, sampling=hot) \
+            == decoder.generate(rows, max_new_tokens=12, stop_ids={STOP})
+    assert everything != decoder.generate(rows, max_new_tokens=12, stop_ids={STOP})
+
+
 def test_a_batch_whose_last_row_stops_where_a_window_starts_ends_there(
         monkeypatch: pytest.MonkeyPatch) -> None:
     """The last rows stopping between two done checks, at a window's first step: the
@@ -310,4 +344,28 @@ def test_on_cuda_bf16_graphs_agree_with_eager_steps() -> None:
                                       eager.generate(rows, max_new_tokens=100, stop_ids=()),
                                       strict=True))
     assert same == len(rows), f"{same} of {len(rows)} answers identical"
+
+
+@needs_cuda
+def test_on_cuda_a_batch_larger_than_the_free_memory_is_decoded_in_parts() -> None:
+    """A batch whose KV cache would not fit in the device's free memory is cut into
+    parts of `rows_that_fit` rows (no out-of-memory error), with the answers of a batch
+    cut by hand."""
+    model, rows = random_model("llama").cuda(), prompt_rows()
+    decoder = StaticDecoder(model)
+    expected = decoder.generate(rows, max_new_tokens=8, stop_ids=())
+    torch.cuda.empty_cache()
+    free, _ = torch.cuda.mem_get_info()
+    hog = torch.empty(free - (256 << 20), dtype=torch.uint8, device="cuda")  # 256 MB left
+    try:
+        slots = 30 + 8
+        wanted = int(1.5 * (256 << 20) / decoder.row_bytes(slots, sampled=False))
+        fit = decoder.rows_that_fit(slots, sampled=False)
+        assert fit is not None and fit < wanted
+        many = (rows * (wanted // len(rows) + 1))[:wanted]
+        answers = decoder.generate(many, max_new_tokens=8, stop_ids=())
+    finally:
+        del hog
+    assert len(answers) == wanted
+    assert answers[:len(rows)] == expected
 

@@ -237,27 +237,29 @@ def run_transformers(args: argparse.Namespace, target: LocalTarget, prompts: lis
                  "total_tokens": prompt_tokens + completion_tokens}))
         return answers
 
+    def answered(batch: list[Prompt]) -> list[tuple[Prompt, Answer | Exception]]:
+        """The batch's answers; a batch that fails (out of memory on a long one) is split
+        in halves, each tried in turn, down to one prompt, whose error is its answer."""
+        failure = None
+        try:
+            return list(zip(batch, generate(batch), strict=True))
+        except (RuntimeError, ValueError) as exc:
+            failure = exc if len(batch) == 1 else str(exc)  # frames hold the batch's cache
+        if isinstance(failure, Exception):
+            return [(batch[0], failure)]
+        log.warning("a batch of %d failed (%s); trying it in halves", len(batch), failure)
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+        half = len(batch) // 2
+        return answered(batch[:half]) + answered(batch[half:])
+
     for start in range(0, len(prompts), args.batch_size):
         batch = prompts[start:start + args.batch_size]
         state.requests_in_flight = len(batch)
-        failure = None
-        try:
-            results: list[tuple[Prompt, Answer | Exception]] = list(
-                zip(batch, generate(batch), strict=True))
-        except (RuntimeError, ValueError) as exc:  # e.g. out of memory on a long batch
-            failure = str(exc)  # not the exception: its frames hold the batch's KV cache
-        if failure is not None:
-            log.warning("a batch of %d failed (%s); trying its prompts one by one",
-                        len(batch), failure)
-            if torch.cuda.is_available():
-                torch.cuda.empty_cache()
-            results = []
-            for prompt in batch:
-                try:
-                    results.append((prompt, generate([prompt])[0]))
-                except (RuntimeError, ValueError) as one_exc:
-                    results.append((prompt, one_exc))
+        results = answered(batch)
         state.requests_in_flight = 0
+        if target.decoder is not None:
+            state.graph_fallback = target.decoder.graphs_failed
         for prompt, result in results:
             if isinstance(result, Exception):
                 state.failed(prompt.id, repr(result))

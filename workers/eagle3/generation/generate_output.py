@@ -136,6 +136,9 @@ class RunState:
     consecutive_failures: int = 0
     completion_tokens: int = 0
     requests_in_flight: int = 0
+    graph_fallback: bool = False
+    """The static decoder gave up CUDA graphs (a capture failed or a replay differed):
+    the run decodes step by step, several times slower (metric `graph_fallback`)."""
     written_this_run: int = 0
     started: float = field(default_factory=time.monotonic)
     last_log: float = field(default_factory=time.monotonic)
@@ -164,7 +167,8 @@ class RunState:
         tokens_per_s = self.completion_tokens / elapsed_s
         self.reporter.update(self.done, {"failed": len(self.failed_ids),
                                          "tokens_per_s": tokens_per_s,
-                                         "requests_in_flight": self.requests_in_flight},
+                                         "requests_in_flight": self.requests_in_flight,
+                                         "graph_fallback": float(self.graph_fallback)},
                              force=force)
         if force or time.monotonic() - self.last_log >= LOG_INTERVAL_S:
             self.last_log = time.monotonic()

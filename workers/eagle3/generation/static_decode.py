@@ -73,6 +73,20 @@ COMPACT_SHARE = 0.25
 they are this share of it: the steps after it cost in proportion to the rows left (a
 batch runs until its longest answer ends; self prompts end after ~40 tokens of 128)."""
 
+CACHE_SHARE = 0.8
+"""Share of the device's free memory (its free bytes plus what PyTorch holds unused) a
+batch's KV cache and per-row step buffers may take: a batch larger than that is decoded
+in parts of as many rows as fit (`rows_that_fit`), where it would fail at the allocation
+and fall back to ever smaller batches (batch 4,096 x 1,024 new tokens asks ~108 GB of
+cache of SmolLM2)."""
+
+NUCLEUS_CANDIDATES = 1024
+"""Top-p sampling without a top-k draws its nucleus from the this many most likely
+tokens (`topk`, not a sort of the whole vocabulary each step: 152k for Qwen), with their
+probabilities over the whole vocabulary. A nucleus that would need more tokens than
+this is cut there; at a top-p below 1 the tokens past the first thousand carry next to
+nothing."""
+
 DONE_CHECK_EVERY = 8
 """Decode steps between checks whether every row has stopped (each check waits for the
 GPU)."""
@@ -140,21 +154,55 @@ class StaticDecoder:
         weight = model.lm_head.weight
         self.device, self.dtype = weight.device, weight.dtype
         self.graphs_failed = False
-        """A capture failed, or a replay differed from the eager step: no more graphs."""
+        """A capture failed, or a replay differed from the eager step: no more graphs
+        (the generate worker reports it as its `graph_fallback` metric)."""
+        self.vocab = int(model.lm_head.out_features)
+
+    def row_bytes(self, slots: int, sampled: bool) -> int:
+        """Device bytes one row of a batch of `slots` cache slots takes: its keys and
+        values in every layer, and its step buffers (the logits, and sampling's fp32
+        copies of them)."""
+        cache = 2 * len(self.layers) * self.kv_heads * slots * self.head_dim \
+            * self.dtype.itemsize
+        logits = self.vocab * (self.dtype.itemsize * 2 + (12 if sampled else 0))
+        return cache + logits
+
+    def rows_that_fit(self, slots: int, sampled: bool) -> int | None:
+        """How many rows of `slots` cache slots fit in `CACHE_SHARE` of the device's free
+        memory; None where that is not known (a CPU)."""
+        if self.device.type != "cuda":
+            return None
+        free, _ = torch.cuda.mem_get_info(self.device)
+        unused = torch.cuda.memory_reserved(self.device) \
+            - torch.cuda.memory_allocated(self.device)
+        return max(1, int(CACHE_SHARE * (free + unused)) // self.row_bytes(slots, sampled))
 
     def generate(self, rows: Sequence[Sequence[int]], *, max_new_tokens: int,
                  stop_ids: Collection[int], sampling: Sampling | None = None,
-                 ) -> list[list[int]]:
+                 max_rows: int | None = None) -> list[list[int]]:
         """Each row's new tokens: up to and including its first stop token, else
-        `max_new_tokens` of them. Greedy unless `sampling`."""
+        `max_new_tokens` of them. Greedy unless `sampling`. Rows beyond what fits in the
+        device's memory (`rows_that_fit`), or beyond `max_rows`, are decoded in parts,
+        one after another (a part's samples seeded apart from the others')."""
         if not rows or max_new_tokens <= 0:
             return [[] for _ in rows]
         if any(len(row) == 0 for row in rows):
             raise ValueError("every row needs at least one prompt token")
+        fit = self.rows_that_fit(max(map(len, rows)) + max_new_tokens, sampling is not None)
+        part = min(n for n in (len(rows), fit, max_rows) if n is not None)
+        if part < len(rows):
+            log.info("decoding %d rows in parts of %d: the KV cache of all of them would "
+                     "not fit in the device's free memory", len(rows), part)
         kernels = sdpa_kernel(CUDA_ATTENTION) if self.device.type == "cuda" \
             else contextlib.nullcontext()
+        out: list[list[int]] = []
         with torch.inference_mode(), kernels:
-            return _Batch(self, rows, max_new_tokens, stop_ids, sampling).run()
+            for start in range(0, len(rows), part):
+                seeded = sampling if sampling is None or start == 0 else \
+                    dataclasses.replace(sampling, seed=sampling.seed + start * 1_000_003)
+                out += _Batch(self, rows[start:start + part], max_new_tokens, stop_ids,
+                              seeded).run()
+        return out
 
 
 class _Batch:
@@ -365,13 +413,17 @@ class _Batch:
         if 0 < self.sampling.top_k < logits.shape[-1]:
             kth = logits.topk(self.sampling.top_k, dim=-1).values[:, -1:]
             logits = logits.masked_fill(logits < kth, float("-inf"))
-        probabilities = torch.softmax(logits / self.sampling.temperature, dim=-1)
+        scaled = logits / self.sampling.temperature
         if self.sampling.top_p < 1.0:
-            ranked, order = probabilities.sort(dim=-1, descending=True)
+            # the nucleus from the most likely tokens only (`NUCLEUS_CANDIDATES`, or the
+            # top-k already kept), ranked by `topk`: no sort of the whole vocabulary
+            count = min(self.sampling.top_k or NUCLEUS_CANDIDATES, scaled.shape[-1])
+            best, order = scaled.topk(count, dim=-1)  # descending
+            ranked = (best - torch.logsumexp(scaled, dim=-1, keepdim=True)).exp_()
             before = ranked.cumsum(dim=-1) - ranked  # mass of the tokens ranked above
             ranked = ranked.masked_fill(before >= self.sampling.top_p, 0.0)
             return order.gather(1, self._draw(ranked)[:, None])[:, 0]
-        return self._draw(probabilities)
+        return self._draw(torch.softmax(scaled, dim=-1))
 
     def _draw(self, weights: torch.Tensor) -> torch.Tensor:
         """One index per row, drawn in proportion to `weights` (rows of them, not
