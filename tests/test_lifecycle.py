@@ -23,6 +23,7 @@ from supervisor.daemon.lifecycle import (
     before_start,
     dependencies_met,
     exit_of,
+    files_vanished,
     judge,
     launch_cut_short,
     vanished,
@@ -114,6 +115,32 @@ def test_vanished(stop_requested: bool, shim_recorded: bool, expected: Decision)
     assert vanished(stop_requested=stop_requested, shim_recorded=shim_recorded) == expected
 
 
+@pytest.mark.parametrize("stop_requested,expected", [
+    (False, Decision(L, ExitReason.LOST, "the job's process vanished after its shim died; "
+                     "exit status unknown (its attempt directory was deleted, moved or "
+                     "emptied)")),
+    (True, Decision(ST, ExitReason.STOPPED, "stopped on request (exit status unknown: its "
+                    "shim had died; its attempt directory was deleted, moved or emptied)")),
+])
+def test_vanished_with_its_files(stop_requested: bool, expected: Decision) -> None:
+    assert vanished(stop_requested=stop_requested, shim_recorded=True,
+                    files_gone=True) == expected
+
+
+@pytest.mark.parametrize("stop_requested,expected", [
+    (False, Decision(L, ExitReason.LOST, "its shim ended and its attempt directory was "
+                     "deleted, moved or emptied: whether it started the job is unknown, so "
+                     "it is not launched again")),
+    (True, Decision(ST, ExitReason.STOPPED, "stopped on request (whether it ran is unknown: "
+                    "its shim ended and its attempt directory was deleted, moved or "
+                    "emptied)")),
+])
+def test_files_vanished_is_never_a_second_run(stop_requested: bool,
+                                              expected: Decision) -> None:
+    decision = files_vanished(stop_requested=stop_requested)
+    assert decision == expected and decision.state is not P
+
+
 # -- a running job's processes, as the checks diagnosed them -> what follows -------------
 
 def status(exit_code: int | None = 1, signal: int | None = None, *,
@@ -126,9 +153,11 @@ def status(exit_code: int | None = 1, signal: int | None = None, *,
 
 def seen(shim: ShimState, worker: WorkerSeen = WorkerSeen.UNREAD, *,
          exit: ExitStatus | None = None, shim_recorded: bool = True,
-         stop_requested: bool = False, launch_age_s: float = 60.0) -> Processes:
+         stop_requested: bool = False, launch_age_s: float = 60.0,
+         launch_on_disk: bool = True) -> Processes:
     return Processes(shim=shim, worker=worker, exit=exit, shim_recorded=shim_recorded,
-                     stop_requested=stop_requested, launch_age_s=launch_age_s)
+                     stop_requested=stop_requested, launch_age_s=launch_age_s,
+                     launch_on_disk=launch_on_disk)
 
 
 RUN, SUS, GONE = ShimState.RUNNING, ShimState.SUSPENDED, ShimState.GONE
@@ -164,6 +193,21 @@ LOST_UNKNOWN = Decision(L, ExitReason.LOST, "the job's process vanished after it
      Verdict(Step.SETTLE_LAUNCH)),
     (seen(GONE, NONE, shim_recorded=False, launch_age_s=LAUNCH_CONFIRM_S / 2),
      Verdict(Step.WAIT)),
+    # the attempt's files vanished (#46): a started shim had its launch.json, so the
+    # launch is not settled (the daemon would claim the empty directory and run the job
+    # again); without a shim on record the daemon may have died writing it: settled
+    (seen(GONE, NONE, launch_on_disk=False),
+     Verdict(Step.TRANSITION, files_vanished(stop_requested=False))),
+    (seen(GONE, NONE, launch_on_disk=False, stop_requested=True),
+     Verdict(Step.TRANSITION, files_vanished(stop_requested=True))),
+    (seen(GONE, NONE, shim_recorded=False, launch_on_disk=False,
+          launch_age_s=LAUNCH_CONFIRM_S + 1), Verdict(Step.SETTLE_LAUNCH)),
+    (seen(SUS, NONE, launch_on_disk=False), Verdict(Step.RESUME_SHIM)),
+    # a worker on record is judged by its processes, whatever became of the files
+    (seen(GONE, ALIVE, launch_on_disk=False), Verdict(Step.WATCH_WORKER)),
+    (seen(GONE, DEAD, launch_on_disk=False), Verdict(Step.TRANSITION, vanished(
+        stop_requested=False, shim_recorded=True, files_gone=True))),
+    (seen(GONE, DEAD, exit=status(0), launch_on_disk=False), Verdict(Step.FINISH)),
 ])
 def test_judge(processes: Processes, expected: Verdict) -> None:
     assert judge(processes) == expected

@@ -132,6 +132,12 @@ class Backend(ABC):
         """The worker the shim started, None before it started one."""
         return files.read_worker(attempt.dir)
 
+    def launch_on_disk(self, attempt: Attempt) -> bool:
+        """The attempt's `launch.json` is still there. Every backend writes it before it
+        starts the shim (`launch.write_launch`), so once a shim was started its absence
+        means the attempt's directory was deleted, moved or emptied since."""
+        return (attempt.dir / files.LAUNCH).is_file()
+
     @abstractmethod
     def worker_alive(self, worker: WorkerInfo) -> bool:
         """The worker, or what it left in its process group, still runs."""

@@ -158,9 +158,10 @@ class JobChecks:
         """What a running job's processes are now, read as little as deciding needs: a
         running shim has not recorded an exit yet (or has just done so: then the exit
         watcher wakes the next tick as it ends), so its status file is not read, nor its
-        worker's file once the worker's pid is known (most jobs, most ticks; #15)."""
-        pid_known = job.pid is not None
-        worker = None if pid_known else backend.read_worker(attempt)
+        worker's file once the worker's pid is known (most jobs, most ticks; #15). Once
+        recorded, the worker is the row's (as `Backends.worker` gives it), so a job whose
+        files vanished is judged by its processes, never as a launch that never started."""
+        worker = None if job.pid is not None else backend.read_worker(attempt)
         if worker is not None:
             store.record_worker(job, worker)
         shim = backend.shim_state(attempt, self.stat_of)
@@ -171,9 +172,9 @@ class JobChecks:
             job.shim_start_ticks = start_ticks_of(attempt.shim_pid)
         status = None if shim is ShimState.RUNNING else backend.read_exit(attempt)
         seen = WorkerSeen.UNREAD
+        launch_on_disk = True
         if status is None and shim is not ShimState.RUNNING:
-            if pid_known:
-                worker = backend.read_worker(attempt)
+            worker = worker or store.recorded_worker(job)  # also with worker.json gone
             if worker is None:
                 seen = WorkerSeen.NEVER_STARTED
             elif (backend.worker_running(worker) if shim is ShimState.SUSPENDED
@@ -183,10 +184,12 @@ class JobChecks:
                 seen = WorkerSeen.GONE
             if shim is ShimState.GONE and seen is not WorkerSeen.ALIVE:
                 status = backend.read_exit(attempt)  # the shim may have just finished
+                launch_on_disk = status is not None or backend.launch_on_disk(attempt)
         return lifecycle.Processes(
             shim=shim, worker=seen, exit=status, shim_recorded=attempt.shim_pid is not None,
             stop_requested=job.stop_requested_at is not None,
-            launch_age_s=now - (job.started_at or now), worker_record=worker)
+            launch_age_s=now - (job.started_at or now), launch_on_disk=launch_on_disk,
+            worker_record=worker)
 
     def _act(self, session: Session, job: Job, attempt: Attempt, backend: Backend,
              seen: lifecycle.Processes, verdict: lifecycle.Verdict, now: float) -> None:
@@ -226,7 +229,7 @@ class JobChecks:
     def _stop_running(self, job: Job, attempt: Attempt, now: float) -> None:
         key, backend = (job.id, job.attempt), self.backends.backend_for(job)
         grace_s = stop_grace_s(job, self.settings)
-        worker = backend.read_worker(attempt)
+        worker = self.backends.worker(job, attempt)  # the row's: also with its files gone
         sent_at = self._stop_sent.get(key)
         if sent_at is None:
             self._stop_sent[key] = now

@@ -213,7 +213,13 @@ def failed_rank(text: str) -> str | None:
 
 def launch_cut_short(*, shim_recorded: bool, abandoned: bool) -> Decision:
     """No worker was ever started and the launch is settled: `abandoned` (the daemon
-    owns the attempt now) starts it again; otherwise its shim died starting it."""
+    owns the attempt now) starts it again; otherwise its shim died starting it.
+
+    The one path on which a running job is launched again without its restart policy
+    asking, so `judge` sends here only a launch that provably never started a worker:
+    none on record, neither in the job's row nor in `worker.json` (`WorkerSeen`), and
+    the attempt's files as the daemon left them (`Processes.launch_on_disk`; else
+    `files_vanished` decides, never a second run)."""
     if abandoned:
         why = ("its shim exited before starting the job (see shim.log)" if shim_recorded
                else "the daemon died while launching")
@@ -221,15 +227,39 @@ def launch_cut_short(*, shim_recorded: bool, abandoned: bool) -> Decision:
     return Decision(JobState.LOST, ExitReason.LOST, "its shim died while starting the job")
 
 
-def vanished(*, stop_requested: bool, shim_recorded: bool) -> Decision:
-    """A started job whose processes are all gone with no exit record."""
+DIR_VANISHED = "its attempt directory was deleted, moved or emptied"
+"""Why an attempt's files are gone while it ran (`Processes.launch_on_disk` False): an
+operator's cleanup, a tmp cleaner, a `mv` of the job's directory."""
+
+
+def vanished(*, stop_requested: bool, shim_recorded: bool,
+             files_gone: bool = False) -> Decision:
+    """A started job whose processes are all gone with no exit record; `files_gone`: its
+    attempt's files had vanished too (then its shim could not record the exit)."""
     if stop_requested:  # what the user asked for, exit unknown
+        why = "stopped on request (exit status unknown: its shim had died"
         return Decision(JobState.STOPPED, ExitReason.STOPPED,
-                        "stopped on request (exit status unknown: its shim had died)")
+                        f"{why}; {DIR_VANISHED})" if files_gone else f"{why})")
     why = ("the job's process vanished after its shim died; exit status unknown"
            if shim_recorded else
            "the job's processes vanished without recording an exit status")
-    return Decision(JobState.LOST, ExitReason.LOST, why)
+    return Decision(JobState.LOST, ExitReason.LOST,
+                    f"{why} ({DIR_VANISHED})" if files_gone else why)
+
+
+def files_vanished(*, stop_requested: bool) -> Decision:
+    """A launch whose shim is gone with no worker on record and whose attempt no longer
+    holds the `launch.json` the daemon wrote before it started that shim: the attempt's
+    directory was deleted, moved or emptied, its `worker.json` and claim with it. Whether
+    the shim had started the worker cannot be known, so the job is not launched again
+    (one run per attempt: docs/reliability.md); it ends `lost`, or `stopped` if asked."""
+    if stop_requested:
+        return Decision(JobState.STOPPED, ExitReason.STOPPED,
+                        f"stopped on request (whether it ran is unknown: its shim ended "
+                        f"and {DIR_VANISHED})")
+    return Decision(JobState.LOST, ExitReason.LOST,
+                    f"its shim ended and {DIR_VANISHED}: whether it started the job is "
+                    "unknown, so it is not launched again")
 
 
 LAUNCH_CONFIRM_S = 10.0
@@ -244,8 +274,9 @@ class WorkerSeen(StrEnum):
     UNREAD = "unread"
     """Not looked at: an exit is recorded, or the shim runs and watches the worker."""
     NEVER_STARTED = "never started"
-    """No worker was recorded (no `worker.json`): the launch was cut short, or its shim
-    is still starting it."""
+    """No worker was recorded, neither in the job's row nor in `worker.json`: the launch
+    was cut short, or its shim is still starting it. A worker the row holds is ALIVE or
+    GONE, never this, whatever became of the attempt's files (#46)."""
     ALIVE = "alive"
     """It runs: beside a suspended shim, the worker process itself; beside a gone
     shim, the worker or what it left in its process group."""
@@ -268,6 +299,10 @@ class Processes:
     stop_requested: bool
     launch_age_s: float
     """Seconds since the attempt's launch was recorded."""
+    launch_on_disk: bool = True
+    """The attempt's `launch.json`, which the daemon writes before it starts the shim, is
+    still there (looked at only once the shim no longer runs and no exit is recorded).
+    False once a shim was started: its directory was deleted, moved or emptied."""
     worker_record: WorkerInfo | None = field(default=None, compare=False)
     """The worker's `worker.json` where the checks read it (to watch it, `WATCH_WORKER`)."""
 
@@ -316,6 +351,12 @@ def judge(seen: Processes) -> Verdict:
     if seen.worker is WorkerSeen.ALIVE:
         return _VERDICTS[Step.WATCH_WORKER]
     if seen.worker is WorkerSeen.NEVER_STARTED:
+        if seen.shim_recorded and not seen.launch_on_disk:
+            # a shim was started, so its launch.json was written: the attempt's files
+            # were taken from under it, its claim and worker.json with them; settling
+            # would claim an empty directory and run the job a second time (#46)
+            return Verdict(Step.TRANSITION,
+                           files_vanished(stop_requested=seen.stop_requested))
         # a launch cut short (the daemon died before it recorded the shim, or the shim
         # exited before claiming, e.g. on a full disk where it could not reserve its
         # status file); a shim known to be dead needs no waiting
@@ -323,7 +364,8 @@ def judge(seen: Processes) -> Verdict:
             return _VERDICTS[Step.SETTLE_LAUNCH]
         return _VERDICTS[Step.WAIT]
     return Verdict(Step.TRANSITION, vanished(stop_requested=seen.stop_requested,
-                                             shim_recorded=seen.shim_recorded))
+                                             shim_recorded=seen.shim_recorded,
+                                             files_gone=not seen.launch_on_disk))
 
 
 @dataclass(frozen=True)

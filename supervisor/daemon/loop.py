@@ -210,7 +210,7 @@ class Engine:
                 continue
             attempt, backend = self.backends.attempt(job), self.backends.backend_for(job)
             self.checks.stopped_for_exit(job.id)
-            backend.request_stop(attempt, backend.read_worker(attempt))
+            backend.request_stop(attempt, self.backends.worker(job, attempt))
         return running
 
     def recover(self) -> None:
@@ -223,7 +223,7 @@ class Engine:
                     self.observer.seed(job.id, progress)
             for job in store.jobs_in_states(session, JobState.RUNNING):
                 attempt, backend = self.backends.attempt(job), self.backends.backend_for(job)
-                backend.watch(attempt, backend.read_worker(attempt))
+                backend.watch(attempt, self.backends.worker(job, attempt))
                 rows = store.samples(session, job.id, since=job.started_at or 0, limit=100_000)
                 self.observer.load_history(self._observed(job, attempt, self.clock()), rows)
         self.tick()

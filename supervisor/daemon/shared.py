@@ -1,7 +1,7 @@
 """Two parts of the engine its other parts share (`wiring.build_engine` makes them and
 hands them over): the backends (`Backends`: each job's by name, made when first needed,
-and a job's attempt on its backend) and the loop's wake-ups (`Waker`: a tick now, or at
-a time).
+a job's attempt on its backend and the worker that attempt started) and the loop's
+wake-ups (`Waker`: a tick now, or at a time).
 """
 
 from __future__ import annotations
@@ -12,7 +12,9 @@ from collections.abc import Callable
 from supervisor.backends import registry
 from supervisor.backends.base import Attempt, Backend, backend_class
 from supervisor.config import Settings
+from supervisor.runtime.files import WorkerInfo
 from supervisor.spec import stored_spec
+from supervisor.storage import store
 from supervisor.storage.tables import Job
 
 
@@ -39,6 +41,14 @@ class Backends:
         """The job's current attempt, on its backend."""
         return self.backend_for(job).attempt(job.id, job.attempt, job.shim_pid,
                                              job.shim_create_time, job.shim_start_ticks)
+
+    def worker(self, job: Job, attempt: Attempt) -> WorkerInfo | None:
+        """The worker the job's current attempt started: the identity its row recorded,
+        else its shim's `worker.json` (not yet recorded); None while none is known to
+        have started. The row comes first: once recorded, the worker is watched, stopped
+        and judged through it even when the attempt's files are gone (its directory
+        deleted, moved or emptied, #46), never taken for a launch that never started."""
+        return store.recorded_worker(job) or self.backend_for(job).read_worker(attempt)
 
     def backend_for(self, job: Job) -> Backend:
         """The backend the job runs on: its spec's, stored resolved at submit; a job

@@ -326,11 +326,17 @@ def reserve_status(path: Path) -> None:
 
 
 def write_status(path: Path, status: files.Status) -> None:
-    """Overwrite the reserved status file in place (no new blocks, no temp file)."""
+    """Overwrite the reserved status file in place (no new blocks, no temp file).
+
+    Where it is gone, it is written anew, its directory made again first: an attempt
+    dir from before reservations existed, or one deleted, moved or emptied while the
+    job ran (an operator's cleanup, a tmp cleaner). The daemon reads the exit at this
+    path and nowhere else; without it a job that ended well would end `lost` (#46)."""
     data = _padded(status)
     try:
         fd = os.open(path, os.O_WRONLY | os.O_CLOEXEC)
-    except FileNotFoundError:  # an attempt dir from before reservations existed
+    except FileNotFoundError:
+        path.parent.mkdir(parents=True, exist_ok=True)
         atomic_write_json(path, status)
         return
     try:

@@ -368,6 +368,17 @@ def record_worker(job: Job, worker: WorkerInfo) -> None:
                                                          worker.start_ticks)
 
 
+def recorded_worker(job: Job) -> WorkerInfo | None:
+    """The worker the attempt's shim started, as its row recorded it (`record_worker`),
+    None before it was: the daemon's own record, which outlives the attempt's
+    `worker.json` (a job directory deleted, moved or emptied while the job runs, #46).
+    `started_at` is the attempt's launch (the row does not keep the worker's own)."""
+    if job.pid is None:
+        return None
+    return WorkerInfo(job.pid, job.pid_create_time, job.started_at or 0.0,
+                      job.pid_start_ticks)
+
+
 def record_exit(job: Job, *, exit_code: int | None, signal: int | None) -> None:
     """The attempt's exit status, as its shim recorded it (before the transition that
     follows from it)."""
