@@ -97,6 +97,15 @@ class Eagle3Pipeline(BaseModel):
     dtype: Literal["auto", "bf16", "fp16", "fp32"] = Field(
         default="auto", description="extraction and evaluation dtype (auto: bf16 on a "
                                     "GPU, fp32 on a CPU)")
+    features: Literal["online", "disk"] | None = Field(
+        default=None, description="how training gets the target's hidden states: online "
+                                  "(workers.train --online: the target's forward inside the "
+                                  "train step's job, nothing on disk, no extract step) or "
+                                  "disk (an extract step writes them, train reads them). "
+                                  "Unset: online where the target fits on the trainer's "
+                                  "device beside the draft, disk where extraction is spread "
+                                  "over GPUs or nodes (extract_gpus, gpus_per_model, an "
+                                  "extract slurm section) or a store is asked for")
     store: Literal["fp8", "dtype"] | None = Field(
         default=None, description="how extraction stores hidden states (workers.extract "
                                   "--store): fp8 (the default, half of bf16's disk) or dtype "
@@ -187,11 +196,25 @@ class Eagle3Pipeline(BaseModel):
                     "WORLD_SIZE); generate, vocab, train and evaluate are one process "
                     "each, so several would repeat the same work side by side. Give "
                     "extract its own section for several nodes and keep `all` at one task")
+        if self.features == "online" and (self.extract_gpus or self.gpus_per_model > 1
+                                          or self.store or "extract" in self.slurm):
+            raise ValueError("features online: the train step makes the hidden states "
+                             "itself and there is no extract step, so extract_gpus, "
+                             "gpus_per_model, store and an extract slurm section do not "
+                             "apply; drop them, or set features disk")
         if self.serve and (self.launcher == "slurm" or self.slurm):
             raise ValueError("serve: a served target listens on 127.0.0.1 of its node, which "
                              "the generate step on another node cannot reach; run the server "
                              "on the cluster yourself and give its endpoint")
         return self
+
+    @property
+    def online(self) -> bool:
+        """The train step makes the features itself (`features`, resolved)."""
+        if self.features is not None:
+            return self.features == "online"
+        return not (self.extract_gpus or self.gpus_per_model > 1 or self.store
+                    or "extract" in self.slurm)
 
     def slurm_for(self, step: PipelineStep) -> SlurmResources | None:
         """What `step` asks SLURM for: its own section, else `all`'s."""
@@ -285,29 +308,37 @@ def eagle3_jobs(p: Eagle3Pipeline, *,
     if p.serve:
         yield job("serve", command=serve_command(p), stop_when_ended=[generate_id])
 
-    extract_devices = device
-    if p.extract_gpus or p.gpus_per_model > 1:  # the worker picks the CUDA devices
-        extract_devices = ["--gpus-per-model", str(p.gpus_per_model)]
-        if p.extract_gpus:
-            extract_devices += ["--gpus", p.extract_gpus]
-    yield job(
-        "extract",
-        command=[*py, "workers.extract", "--model", str(model), "--data", str(conversations),
-                 "--out", str(hidden), "--dtype", p.dtype, "--max-length", str(p.max_length),
-                 *(["--store", p.store] if p.store else []), *extract_devices],
-        depends_on=[generate_id], output_dir=str(hidden), pattern="rows_*/*.safetensors",
-        expected_items=n_train)
-    extract_id = resolve("extract")
+    if p.online:  # no extract step: the train step's target makes the features
+        features_id, counted = generate_id, conversations
+    else:
+        extract_devices = device
+        if p.extract_gpus or p.gpus_per_model > 1:  # the worker picks the CUDA devices
+            extract_devices = ["--gpus-per-model", str(p.gpus_per_model)]
+            if p.extract_gpus:
+                extract_devices += ["--gpus", p.extract_gpus]
+        yield job(
+            "extract",
+            command=[*py, "workers.extract", "--model", str(model), "--data",
+                     str(conversations), "--out", str(hidden), "--dtype", p.dtype,
+                     "--max-length", str(p.max_length),
+                     *(["--store", p.store] if p.store else []), *extract_devices],
+            depends_on=[generate_id], output_dir=str(hidden), pattern="rows_*/*.safetensors",
+            expected_items=n_train)
+        features_id, counted = resolve("extract"), hidden
 
-    vocab_command = [*py, "workers.vocab", "--data", str(hidden), "--tokenizer", str(model),
+    vocab_command = [*py, "workers.vocab", "--data", str(counted), "--tokenizer", str(model),
                      "--draft-vocab-size", str(p.draft_vocab_size), "--out", str(vocab)]
+    if p.online:
+        vocab_command += ["--max-length", str(p.max_length)]
     if p.init:
         vocab_command += ["--from-checkpoint", p.init]
-    yield job("vocab", command=vocab_command, depends_on=[extract_id],
+    yield job("vocab", command=vocab_command, depends_on=[features_id],
               output_dir=str(vocab.parent), pattern=vocab.name)
     vocab_id = resolve("vocab")
 
-    train = [*py, "workers.train", "--data", str(hidden), "--target", str(model),
+    source_of_features = (["--online", "--conversations", str(conversations)] if p.online
+                          else ["--data", str(hidden)])
+    train = [*py, "workers.train", *source_of_features, "--target", str(model),
              "--vocab", str(vocab), "--out", str(out / "train"), "--ttt-steps",
              str(p.ttt_steps), "--epochs", str(p.epochs), "--lr", str(p.lr), *device]
     if p.train_batch_tokens:
@@ -322,8 +353,9 @@ def eagle3_jobs(p: Eagle3Pipeline, *,
 
     evaluate = [*py, "workers.evaluate", "--target", str(model), "--draft",
                 str(out / "train" / "draft"), "--prompts", str(prompts), "--skip", str(n_train),
-                "--limit", str(p.eval_prompts), "--exclude", str(conversations), "--data",
-                str(hidden), "--out", str(out / "evaluate"), "--max-new-tokens",
+                "--limit", str(p.eval_prompts), "--exclude", str(conversations),
+                *([] if p.online else ["--data", str(hidden)]),
+                "--out", str(out / "evaluate"), "--max-new-tokens",
                 str(p.eval_max_new_tokens), "--dtype", p.dtype, *device]
     evaluate += ["--handwritten-limit", str(p.eval_handwritten)] if p.eval_handwritten \
         else ["--no-handwritten"]

@@ -23,16 +23,21 @@ def step_id(step: str) -> str:
 
 
 @pytest.mark.parametrize("extra", [{}, {"serve": "stub"}, {"eval_prompts": 0},
-                                   {"serve": "stub", "eval_prompts": 0}])
+                                   {"serve": "stub", "eval_prompts": 0},
+                                   {"features": "disk"}, {"features": "disk", "serve": "stub"}])
 def test_each_step_depends_on_the_step_it_names(tiny_model: Path, tmp_path: Path,
                                                 extra: dict[str, object]) -> None:
     """The chain is wired by step name: with or without the served target (a step
-    more before extraction) and the evaluation (a step fewer at the end)."""
+    more before extraction), the extraction (features disk; online, the default, has
+    none) and the evaluation (a step fewer at the end)."""
     from supervisor.pipeline import Eagle3Pipeline, eagle3_jobs
 
     request = Eagle3Pipeline.model_validate(body(tiny_model, tmp_path / "run", **extra))
     specs = {spec.labels["step"]: spec for spec in eagle3_jobs(request, resolve=step_id)}
     wanted = {"extract": "generate", "vocab": "extract", "train": "vocab", "evaluate": "train"}
+    if extra.get("features") != "disk":
+        del wanted["extract"]
+        wanted["vocab"] = "generate"
     if "serve" in extra:
         assert specs["serve"].stop_when_ended == ["job-generate"]
     if extra.get("eval_prompts") == 0:
@@ -68,7 +73,8 @@ def test_bad_pipeline_requests(daemon: Daemon, tiny_model: Path, tmp_path: Path)
 def test_jobs_are_chained_and_labelled(daemon: Daemon, tiny_model: Path, tmp_path: Path) -> None:
     port = free_port()
     response = daemon.http.post("/api/v1/pipelines/eagle3", json=body(
-        tiny_model, tmp_path / "run", serve="stub", port=port, name="chain", max_tokens=8))
+        tiny_model, tmp_path / "run", serve="stub", port=port, name="chain", max_tokens=8,
+        features="disk"))
     assert response.status_code == 201, response.text
     generate, serve, extract, vocab, train, evaluate = response.json()
     assert [j["name"] for j in (generate, serve, extract, vocab, train, evaluate)] == [
@@ -91,6 +97,34 @@ def test_jobs_are_chained_and_labelled(daemon: Daemon, tiny_model: Path, tmp_pat
         daemon.http.post(f"/api/v1/jobs/{job['id']}/stop")
 
 
+def test_online_features_train_from_the_conversations_with_no_extract_step(
+        tiny_model: Path, tmp_path: Path) -> None:
+    """features online (the default where the target fits beside the draft): no
+    extract step; vocab counts the conversations, train makes the hidden states
+    (workers.train --online), evaluate reads the layers from the draft's config; disk
+    where extraction is spread over GPUs, or a store is asked for; online with those
+    is refused."""
+    from supervisor.pipeline import Eagle3Pipeline, eagle3_jobs
+
+    out = tmp_path / "run"
+    conversations = str(out / "generate" / "conversations.jsonl")
+    request = Eagle3Pipeline.model_validate(body(tiny_model, out))
+    assert request.online
+    steps = {s.labels["step"]: s for s in eagle3_jobs(request, resolve=step_id)}
+    assert list(steps) == ["generate", "vocab", "train", "evaluate"]
+    vocab, train, evaluate = (steps[s].command for s in ("vocab", "train", "evaluate"))
+    assert vocab[vocab.index("--data") + 1] == conversations
+    assert vocab[vocab.index("--max-length") + 1] == "4096"
+    assert train[3:6] == ["--online", "--conversations", conversations]
+    assert "--data" not in train and "--data" not in evaluate
+    assert steps["vocab"].depends_on == ["job-generate"]
+    for spread in ({"extract_gpus": "all"}, {"gpus_per_model": 2}, {"store": "fp8"},
+                   {"slurm": {"extract": {"gpus_per_node": 8}}}):
+        assert not Eagle3Pipeline.model_validate(body(tiny_model, out, **spread)).online
+        with pytest.raises(ValueError, match="features online"):
+            Eagle3Pipeline.model_validate(body(tiny_model, out, features="online", **spread))
+
+
 @pytest.mark.slow
 def test_the_evaluate_step_measures_held_out_prompts(daemon: Daemon, tiny_model: Path,
                                                      tmp_path: Path) -> None:
@@ -99,7 +133,8 @@ def test_the_evaluate_step_measures_held_out_prompts(daemon: Daemon, tiny_model:
     conversations hold; its job carries the low_acceptance threshold."""
     out = tmp_path / "run"
     response = daemon.http.post("/api/v1/pipelines/eagle3", json=body(
-        tiny_model, out, name="held", eval_prompts=12, eval_max_new_tokens=64))
+        tiny_model, out, name="held", eval_prompts=12, eval_max_new_tokens=64,
+        features="disk"))
     assert response.status_code == 201, response.text
     jobs = {j["name"]: j["spec"] for j in response.json()}
     generate = jobs["held-generate"]["command"]
@@ -138,7 +173,7 @@ def test_the_evaluate_step_measures_held_out_prompts(daemon: Daemon, tiny_model:
     assert response.status_code == 201, response.text
     assert [j["name"] for j in response.json()][-1] == "all-train"
     assert "--limit" not in response.json()[0]["spec"]["command"]
-    assert response.json()[1]["spec"]["expected_items"] == 32
+    assert response.json()[0]["spec"]["expected_items"] == 32  # generate: every prompt
     for job in response.json():
         daemon.http.post(f"/api/v1/jobs/{job['id']}/stop")
 
@@ -278,7 +313,7 @@ def test_self_prompts_spelling_writes_the_held_out_prompts_too(tiny_model: Path,
 
     out = tmp_path / "run"
     request = Eagle3Pipeline.model_validate(body(tiny_model, out, prompts="self:40",
-                                                 eval_prompts=8))
+                                                 eval_prompts=8, features="disk"))
     steps = {s.labels["step"]: s for s in eagle3_jobs(request, resolve=step_id)}
     generate = steps["generate"].command
     assert "--prompts" not in generate

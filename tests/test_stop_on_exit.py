@@ -169,10 +169,10 @@ def test_the_demo_pipeline_survives_a_container_restart(make_daemon, tiny_model:
                                 json={**request, "eval_max_new_tokens": 8})
     assert response.status_code == 201, response.text
     steps = {job["spec"]["labels"]["step"]: job["id"] for job in response.json()}
-    assert list(steps) == ["generate", "extract", "vocab", "train", "evaluate"]
-    # the middle of the pipeline: extraction under way, its inputs written
-    cut = daemon.wait_state(steps["extract"], "running", timeout=240)
-    assert daemon.job(steps["generate"])["state"] == "succeeded"
+    assert list(steps) == ["generate", "vocab", "train", "evaluate"]  # online features
+    # the middle of the pipeline: training under way, its inputs written
+    cut = daemon.wait_state(steps["train"], "running", timeout=240)
+    assert daemon.job(steps["vocab"])["state"] == "succeeded"
 
     assert daemon.proc is not None
     daemon.proc.terminate()
@@ -186,6 +186,6 @@ def test_the_demo_pipeline_survives_a_container_restart(make_daemon, tiny_model:
     assert {step: job["state"] for step, job in jobs.items()} == dict.fromkeys(
         steps, "succeeded"), [(j["name"], j["state"], j["reason"]) for j in jobs.values()]
     assert last["state"] == "succeeded"
-    assert jobs["extract"]["attempt"] == 2 and jobs["extract"]["restarts"] == 0
-    assert all(job["attempt"] == 1 for step, job in jobs.items() if step != "extract")
+    assert jobs["train"]["attempt"] == 2 and jobs["train"]["restarts"] == 0
+    assert all(job["attempt"] == 1 for step, job in jobs.items() if step != "train")
     assert (tmp_path / "run" / "evaluate" / "eval.json").is_file()

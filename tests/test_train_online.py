@@ -103,18 +103,27 @@ def test_online_trains_the_offline_losses_and_draft(tiny: dict[str, Path],
     assert summary["features"] == "online"
     assert summary["online_skipped"] == {"too_long": 0, "foreign_tokens": 0, "empty": 0,
                                          "malformed_lines": 0}
+    # on a CPU the features made are kept (--feature-cache-gb 4 by default): the second
+    # epoch's batches, and the held-out ones after the first measure, come from memory
+    steps = summary["last_step"]
+    assert summary["online_batches"] > steps
+    assert summary["online_forwards"] < steps, summary
 
 
 def test_a_stopped_online_run_resumes_its_stream_where_it_stopped(
         tiny: dict[str, Path], tmp_path: Path) -> None:
     whole, broken = tmp_path / "whole", tmp_path / "broken"
     trace = tmp_path / "broken.trace"
-    assert train(parse_args(online(tiny, whole)), ProgressReporter(None, "step")) == 0
+    # features made anew each epoch, as on a GPU: the resumed run's batches then hold
+    # bit for bit what the uninterrupted run's do
+    uncached = ("--feature-cache-gb", "0")
+    assert train(parse_args(online(tiny, whole, *uncached)),
+                 ProgressReporter(None, "step")) == 0
 
     def after_four_steps() -> bool:  # a SIGTERM mid-epoch, as workers.train takes it
         return trace.exists() and len(trace.read_text().splitlines()) >= 4
 
-    args = parse_args(online(tiny, broken, "--trace-data", str(trace)))
+    args = parse_args(online(tiny, broken, "--trace-data", str(trace), *uncached))
     assert train(args, ProgressReporter(None, "step"), stop=after_four_steps) \
         == EXIT_TERMINATED
     state = json.loads((broken / "checkpoints" / "step_0000004" /

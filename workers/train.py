@@ -386,7 +386,10 @@ def open_online(args: argparse.Namespace, device: torch.device) -> OnlineFeature
              args.conversations, capture_layers(target.num_layers),
              ", ".join(f"{n} {why.replace('_', ' ')}" for why, n in skipped.items()))
     config = OnlineFeatures.config_of(target)
-    return OnlineFeatures(target, OnlineSamples(tokenized, config, skipped=skipped))
+    cache_gb = args.feature_cache_gb if args.feature_cache_gb is not None \
+        else (0.0 if device.type == "cuda" else 4.0)
+    return OnlineFeatures(target, OnlineSamples(tokenized, config, skipped=skipped),
+                          cache_bytes=int(cache_gb * 1e9))
 
 
 def train(args: argparse.Namespace, progress: ProgressReporter,
@@ -570,7 +573,9 @@ def train(args: argparse.Namespace, progress: ProgressReporter,
         "best": best.record() if best is not None else None,
         "last": latest.record() if latest is not None else None,
         "features": "online" if features is not None else "disk",
-        **({"online_skipped": features.samples.skipped} if features is not None else {})})
+        **({"online_skipped": features.samples.skipped,
+            "online_batches": features.batches, "online_forwards": features.forwards}
+           if features is not None else {})})
     progress.update(step, shown, force=True)
     if best is not None and latest is not None:
         log.info("done: %d steps; draft written to %s from step %d (held-out tau_sim(%d) "
@@ -651,6 +656,11 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
                              "nothing is written to disk")
     parser.add_argument("--conversations", type=Path,
                         help="--online: the conversations JSONL (workers.generate's output)")
+    parser.add_argument("--feature-cache-gb", type=float, default=None, metavar="GB",
+                        help="--online: keep up to this many GB of the features made in "
+                             "host memory and build later epochs' batches from them where "
+                             "all their samples are kept (default 4 on a CPU, where the "
+                             "target's forward is most of an epoch; 0 on a GPU)")
     parser.add_argument("--max-length", type=int, default=None,
                         help="--online: conversations longer than this many tokens are "
                              "skipped and counted (default: the target's "
@@ -729,6 +739,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
                      "FILE to make the features while training")
     if args.max_length is not None and (args.max_length < 1 or not args.online):
         parser.error("--max-length is an --online option and must be >= 1")
+    if args.feature_cache_gb is not None and (not args.online or not (
+            math.isfinite(args.feature_cache_gb) and args.feature_cache_gb >= 0)):
+        parser.error("--feature-cache-gb is an --online option and must be >= 0")
     if args.read_processes is not None and args.read_processes < 0:
         parser.error("--read-processes must be >= 0")
     if not (math.isfinite(args.target_temperature) and args.target_temperature >= 0):

@@ -57,6 +57,11 @@ def pipeline_run(
     dtype: Annotated[str, typer.Option(
         help="auto | bf16 | fp16 | fp32 (extraction, evaluation; auto: bf16 on a GPU, "
              "fp32 on a CPU).")] = "auto",
+    features: Annotated[str | None, typer.Option(
+        help="online | disk: training makes the target's hidden states itself (online: "
+             "no extract step, nothing on disk) or reads what an extract step wrote "
+             "(disk). Default: online, disk where extraction is spread over GPUs or "
+             "nodes or --store is given.")] = None,
     store: Annotated[str | None, typer.Option(
         help="fp8 | dtype: how extraction stores hidden states (default fp8, half of "
              "bf16's disk; dtype: the extraction dtype).")] = None,
@@ -93,7 +98,7 @@ def pipeline_run(
         "out": str(out.resolve()), "name": name, "serve": serve, "endpoint": endpoint,
         "port": port, "max_tokens": max_tokens, "draft_vocab_size": draft_vocab_size,
         "ttt_steps": ttt_steps, "epochs": epochs, "device": device, "dtype": dtype,
-        "store": store,
+        "store": store, "features": features,
         "extract_gpus": extract_gpus, "gpus_per_model": gpus_per_model,
         "init": str(init.resolve()) if init else None, "eval_prompts": eval_prompts,
         "eval_max_new_tokens": eval_max_new_tokens, "eval_handwritten": eval_handwritten,

@@ -48,11 +48,24 @@ class OnlineSamples(TrainingSamples):
 
 class OnlineFeatures:
     """The target, hooked at its captured layers, turning samples into batches on its
-    device. One forward pass per batch, without gradients, in the target's dtype."""
+    device. One forward pass per batch, without gradients, in the target's dtype.
 
-    def __init__(self, target: Target, samples: OnlineSamples):
+    With `cache_bytes`, the features of samples are kept in host memory, as made, up to
+    that many bytes, and a batch whose samples are all kept is built from them instead
+    of a forward pass: a data set that fits (the demo's, on a CPU, where the forward is
+    most of an epoch) costs its forward once, not once per epoch. One that does not fit
+    is made anew each epoch, as SpecForge's online mode does."""
+
+    def __init__(self, target: Target, samples: OnlineSamples, cache_bytes: int = 0):
         self.target = target
         self.samples = samples
+        self.cache_bytes = cache_bytes
+        self.cached: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        """Sample index -> its (aux [S, 3H], hidden [S, H]) on the host, as made."""
+        self.cached_bytes = 0
+        self.batches = 0
+        self.forwards = 0
+        """Of `batches`, those made by the target's forward (the others: the cache)."""
         self.layer_ids = capture_layers(target.num_layers)
         self.base = target.decoder
         self.input_device = self.base.get_input_embeddings().weight.device
@@ -85,6 +98,13 @@ class OnlineFeatures:
             ids[row, :length] = torch.tensor(t.input_ids[:length])
             attention[row, :length] = 1
             mask[row, :length] = torch.tensor(t.loss_mask[:length], dtype=torch.bool)
+        scored = ScoredRows.of(mask, ttt_steps).to(self.device)
+        cached = [self.cached.get(s.index) for s in samples]
+        self.batches += 1
+        if all(c is not None and c[0].shape[0] >= n for c, n in zip(cached, lengths,
+                                                                      strict=True)):
+            return self._from_cache(samples, lengths, padded, ids, mask, scored)
+        self.forwards += 1
         self.capture.states.clear()
         self.base(input_ids=ids.to(self.input_device, non_blocking=True),
                   attention_mask=attention.to(self.input_device, non_blocking=True),
@@ -98,9 +118,38 @@ class OnlineFeatures:
         aux = torch.where(kept, aux, 0)  # the padding zero, as a batch read from disk has it
         hidden = torch.where(kept, hidden, 0)
         loss_mask = mask.to(self.device, non_blocking=True) & finite
+        self._keep(samples, lengths, aux, hidden, finite)
         return Batch(aux, hidden, ids.to(self.device, non_blocking=True), loss_mask,
-                     [s.index for s in samples], sum(lengths),
-                     scored=ScoredRows.of(mask, ttt_steps).to(self.device))
+                     [s.index for s in samples], sum(lengths), scored=scored)
+
+    def _keep(self, samples: Sequence[Sample], lengths: Sequence[int], aux: torch.Tensor,
+              hidden: torch.Tensor, finite: torch.Tensor) -> None:
+        """Each sample's features into the cache while it has room (a sample with a
+        non-finite position is not kept: its batch's mask says where)."""
+        if not self.cache_bytes:
+            return
+        whole = finite.all(-1).tolist() if len(samples) else []
+        for row, (sample, length) in enumerate(zip(samples, lengths, strict=True)):
+            size = length * (aux.shape[-1] + hidden.shape[-1]) * aux.element_size()
+            if sample.index in self.cached or not whole[row] \
+                    or self.cached_bytes + size > self.cache_bytes:
+                continue
+            self.cached[sample.index] = (aux[row, :length].to("cpu", copy=True),
+                                         hidden[row, :length].to("cpu", copy=True))
+            self.cached_bytes += size
+
+    def _from_cache(self, samples: Sequence[Sample], lengths: Sequence[int], padded: int,
+                    ids: torch.Tensor, mask: torch.Tensor, scored: ScoredRows) -> Batch:
+        first_aux, first_hidden = self.cached[samples[0].index]
+        aux = first_aux.new_zeros((len(samples), padded, first_aux.shape[-1]))
+        hidden = first_hidden.new_zeros((len(samples), padded, first_hidden.shape[-1]))
+        for row, (sample, length) in enumerate(zip(samples, lengths, strict=True)):
+            kept_aux, kept_hidden = self.cached[sample.index]
+            aux[row, :length] = kept_aux[:length]
+            hidden[row, :length] = kept_hidden[:length]
+        move = {"device": self.device, "non_blocking": True}
+        return Batch(aux.to(**move), hidden.to(**move), ids.to(**move), mask.to(**move),
+                     [s.index for s in samples], sum(lengths), scored=scored)
 
     def close(self) -> None:
         self.capture.remove()
