@@ -18,6 +18,10 @@ from supervisor.backends import registry
 MAX_BODY_BYTES = 1 << 20
 """Default cap of a request body (1 MiB): a JobSpec is a few KB."""
 
+BODY_TIMEOUT_S = 10.0
+"""Default seconds a request's body has to arrive whole after its head (a JobSpec of a
+few KB arrives in milliseconds; 1 MiB, the body cap, in 10 s at 100 KiB/s)."""
+
 CommaSeparated = Annotated[frozenset[str], NoDecode]
 """A set read from `a,b,c` in the environment (not JSON)."""
 
@@ -64,6 +68,11 @@ class Settings(BaseSettings):
 
     max_body_bytes: int = Field(default=MAX_BODY_BYTES, ge=1)
     """Largest request body accepted; a larger one answers 413."""
+
+    body_timeout_s: float = Field(default=BODY_TIMEOUT_S, gt=0)
+    """Seconds a request's body has to arrive whole, counted from the end of its head;
+    later, the request answers 408 and its connection is closed (`daemon/connections.py`:
+    ~1,100 bodies sent a byte at a time held every connection the daemon keeps, #46)."""
 
     sample_interval: float = Field(default=2.0, gt=0)
     """Seconds between two ticks of the engine (sampling, forecasts, alerts)."""

@@ -72,6 +72,10 @@ def serve(
         "--stop-jobs-on-exit", envvar="JOBSUP_STOP_JOBS_ON_EXIT",
         help="On SIGTERM, stop every running job (SIGTERM, grace, SIGKILL) and wait for "
              "them before exiting (in a container). Default: jobs keep running.")] = False,
+    body_timeout_s: Annotated[float | None, typer.Option(
+        "--body-timeout-s", envvar="JOBSUP_BODY_TIMEOUT_S", min=0.001,
+        help="Seconds a request's body has to arrive whole after its head; later it "
+             "answers 408 and the connection is closed (default 10).")] = None,
 ) -> None:
     """Run the daemon (foreground)."""
     from supervisor.daemon.app import serve as run_daemon
@@ -81,6 +85,8 @@ def serve(
                                  "stop_jobs_on_exit": stop_jobs_on_exit}
     if data_dir is not None:
         overrides["data_dir"] = data_dir
+    if body_timeout_s is not None:
+        overrides["body_timeout_s"] = body_timeout_s
     settings = Settings(**overrides)
     logging.basicConfig(level=settings.log_level,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")

@@ -226,8 +226,10 @@ def serve(settings: Settings) -> None:
             announcing.append(loop.create_task(announce_when_serving()))
 
         app = build_app(settings, guard, on_started=started)
-        # idle and half-sent connections cannot take the descriptors the tick needs
-        bounds = ConnectionBounds(max_connections(open_files))
+        # idle and half-sent connections cannot take the descriptors the tick needs, nor
+        # slow bodies every connection
+        bounds = ConnectionBounds(max_connections(open_files),
+                                  body_timeout_s=settings.body_timeout_s)
         server = uvicorn.Server(uvicorn.Config(
             bounds.app(app), http=bounds.protocol(), backlog=listen_backlog(open_files),
             host=settings.host, port=settings.port, log_level="warning", access_log=False))
