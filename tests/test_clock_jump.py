@@ -1,10 +1,19 @@
 """The system clock steps while jobs run (NTP, a resumed VM, `date -s`): no timeout of
-the daemon moves. The daemon and its jobs run under libfaketime (Debian's
-`libfaketime`, installed by `./dev.sh test`), whose offset the test changes on the fly;
-the monotonic clock is left alone, as a real clock step leaves it."""
+the daemon moves. The daemon and
+its jobs run under libfaketime (Debian's `libfaketime`, installed by `./dev.sh test`),
+whose offset the test changes on the fly; the monotonic and boot-time clocks are left
+alone, as a real clock step leaves them.
+
+libfaketime fakes the clock calls, not the kernel's files: /proc/stat's `btime` (the
+wall clock minus the time since boot) moves with a real step, and a daemon started after
+the step reads it moved. Where that matters, the restarted daemon runs in a mount
+namespace of its own whose /proc/stat has `btime` moved by the step (`moved_boot_time`);
+everything else is the machine's."""
 
 from __future__ import annotations
 
+import os
+import subprocess
 import time
 from pathlib import Path
 
@@ -39,6 +48,30 @@ def faked(clock_file: Path, **env: str) -> dict[str, str]:
 def step(clock_file: Path, offset_s: int) -> None:
     clock_file.write_text(f"{offset_s:+d}\n")
     time.sleep(0.05)
+
+
+def moved_boot_time(tmp_path: Path, offset_s: int) -> list[str]:
+    """A command prefix that runs a daemon in a mount namespace of its own where
+    /proc/stat says the machine booted `offset_s` later: what a step of the wall clock
+    by `offset_s` does to `btime` for every process that reads it afterwards (the shims
+    the daemon launches there too). Needs root (CI and the dev machines run as root)."""
+    if os.geteuid() != 0:
+        pytest.fail("this test bind-mounts a file over /proc/stat and needs root")
+    stat = tmp_path / f"proc-stat{offset_s:+d}"
+    lines = Path("/proc/stat").read_text().splitlines(keepends=True)
+    stat.write_text("".join(f"btime {int(line.split()[1]) + offset_s}\n"
+                            if line.startswith("btime ") else line for line in lines))
+    prefix = ["unshare", "--mount", "--propagation", "private", "sh", "-c",
+              f'mount --bind {stat} /proc/stat && exec "$@"', "sh"]
+    seen = subprocess.run([*prefix, "grep", "^btime", "/proc/stat"], capture_output=True,
+                          text=True, check=True).stdout.split()
+    real = next(line for line in lines if line.startswith("btime ")).split()
+    assert int(seen[1]) == int(real[1]) + offset_s, seen  # the namespace sees it moved
+    return prefix
+
+
+WAITS = "import threading; threading.Event().wait()"
+"""A job that runs until signalled, without clock calls (see above)."""
 
 
 @pytest.mark.timeout(90)
@@ -97,3 +130,30 @@ def test_a_job_submitted_after_a_step_keeps_its_events_in_order(make_daemon,
     assert events[0] == (None, "pending") and events[-1] == ("running", "failed"), events
     shown = daemon.job(job["id"])
     assert shown["created_at"] <= shown["started_at"] <= shown["ended_at"], shown
+
+
+@pytest.mark.parametrize("offset_s", [+7200, -7200])
+@pytest.mark.timeout(90)
+def test_a_job_stays_its_own_across_a_step_and_a_daemon_restart(
+        make_daemon, clock_file: Path, tmp_path: Path, offset_s: int) -> None:
+    """Two hours either way, then a daemon restart: the job's shim and worker are the
+    processes recorded (pid, start ticks, boot id), whatever create time the moved
+    `btime` gives them now. Before #46 the restarted daemon compared create times, two
+    hours apart, past its one-hour limit for "another boot": `lost` at its first tick,
+    the job running on unsupervised and a stop answered 409."""
+    daemon: Daemon = make_daemon(env=faked(clock_file))
+    job = daemon.submit(python_job(WAITS), name="steady")
+    pid = wait_for(lambda: daemon.job(job["id"])["pid"], 15, what="worker started")
+    daemon.wait_ticks(1)
+
+    step(clock_file, offset_s)
+    daemon.kill()
+    daemon.wrapper = moved_boot_time(tmp_path, offset_s)
+    daemon.start()
+    daemon.wait_ticks(3)  # the restart's re-adoption and a few ticks of checks
+    shown = daemon.job(job["id"])
+    assert (shown["state"], shown["pid"], shown["attempt"]) == ("running", pid, 1), shown
+    response = daemon.http.post(f"/api/v1/jobs/{job['id']}/stop")
+    assert response.status_code == 202, response.text
+    done = daemon.wait_state(job["id"], "stopped", "failed", "lost", timeout=20)
+    assert (done["state"], done["signal"]) == ("stopped", 15), done

@@ -24,7 +24,7 @@ from supervisor.daemon.lifecycle import WorkerSeen
 from supervisor.daemon.shared import Backends, Waker
 from supervisor.runtime.fileio import tail_lines
 from supervisor.runtime.files import ExitStatus, launched_from, log_path
-from supervisor.runtime.procfs import StatReader, start_ticks_of
+from supervisor.runtime.procfs import StatReader, start_ticks_of, this_boot_id
 from supervisor.spec import ExitReason, JobSpec, JobState, stored_spec
 from supervisor.storage import store
 from supervisor.storage.tables import Job
@@ -164,11 +164,14 @@ class JobChecks:
         if worker is not None:
             store.record_worker(job, worker)
         shim = backend.shim_state(attempt, self.stat_of)
-        if (shim is not ShimState.GONE and job.shim_start_ticks is None
+        if (shim is not ShimState.GONE and None in (job.shim_start_ticks, job.shim_boot_id)
                 and attempt.shim_pid is not None and backend.observes_locally):
-            # a shim started before start ticks were recorded, matched by its create
-            # time this once: from now on by its start ticks (immune to clock steps)
-            job.shim_start_ticks = start_ticks_of(attempt.shim_pid)
+            # a shim started before start ticks or boot ids were recorded, matched by its
+            # create time this once: from now on by its start ticks and this boot's id
+            # (immune to clock steps)
+            if job.shim_start_ticks is None:
+                job.shim_start_ticks = start_ticks_of(attempt.shim_pid)
+            job.shim_boot_id = this_boot_id()
         status = None if shim is ShimState.RUNNING else backend.read_exit(attempt)
         seen = WorkerSeen.UNREAD
         if status is None and shim is not ShimState.RUNNING:

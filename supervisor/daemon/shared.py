@@ -38,7 +38,8 @@ class Backends:
     def attempt(self, job: Job) -> Attempt:
         """The job's current attempt, on its backend."""
         return self.backend_for(job).attempt(job.id, job.attempt, job.shim_pid,
-                                             job.shim_create_time, job.shim_start_ticks)
+                                             job.shim_create_time, job.shim_start_ticks,
+                                             job.shim_boot_id)
 
     def backend_for(self, job: Job) -> Backend:
         """The backend the job runs on: its spec's, stored resolved at submit; a job
