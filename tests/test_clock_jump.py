@@ -1,5 +1,5 @@
 """The system clock steps while jobs run (NTP, a resumed VM, `date -s`): no timeout of
-the daemon moves. The daemon and
+the daemon moves, and none moves when the daemon restarts after the step. The daemon and
 its jobs run under libfaketime (Debian's `libfaketime`, installed by `./dev.sh test`),
 whose offset the test changes on the fly; the monotonic and boot-time clocks are left
 alone, as a real clock step leaves them.
@@ -15,6 +15,7 @@ from __future__ import annotations
 import os
 import subprocess
 import time
+from datetime import datetime
 from pathlib import Path
 
 import pytest
@@ -157,3 +158,63 @@ def test_a_job_stays_its_own_across_a_step_and_a_daemon_restart(
     assert response.status_code == 202, response.text
     done = daemon.wait_state(job["id"], "stopped", "failed", "lost", timeout=20)
     assert (done["state"], done["signal"]) == ("stopped", 15), done
+
+
+@pytest.mark.timeout(90)
+def test_a_restart_backoff_survives_a_backward_step_and_a_daemon_restart(
+        make_daemon, clock_file: Path) -> None:
+    """The job fails, the clock goes two hours back in its backoff, the daemon is killed
+    and started again: the restart comes when the backoff is over, on the boot-time clock
+    the next daemon continues (`clock.SteadyClock.of_boot`). Before #46 the new daemon
+    took the stepped wall clock as its own, and the restart's due time, stored on the old
+    one, lay two hours ahead: the job stayed `pending` for 2 h 0 min 8 s."""
+    backoff_s = 8
+    daemon: Daemon = make_daemon(env=faked(clock_file,
+                                           JOBSUP_RESTART_BACKOFF_S=str(backoff_s)))
+    job = daemon.submit(python_job("import sys; sys.exit(1)"), name="flaky",
+                        restart_policy="on-failure", max_restarts=1)
+    wait_for(lambda: daemon.job(job["id"])["restarts"] == 1, 15, what="the first failure")
+    step(clock_file, -7200)
+    daemon.kill()
+    daemon.start()
+    # the failure was at most a few ticks ago: the backoff and a few ticks bound the
+    # second attempt, counted without the time the daemon waited for a CPU
+    wait_for(lambda: daemon.job(job["id"])["attempt"] == 2, backoff_s + 4,
+             what="the second attempt", cpu_wait=lambda: cpu_wait_s(daemon.proc.pid))
+    events = [(e["from_state"], e["to_state"], datetime.fromisoformat(e["t"]))
+              for e in daemon.events(job["id"])]
+    failed = next(t for before, after, t in events if (before, after) == ("running", "pending"))
+    relaunched = next(t for _, after, t in events if after == "running" and t > failed)
+    waited_s = (relaunched - failed).total_seconds()  # both on the one clock of this boot
+    assert backoff_s - 0.5 <= waited_s <= backoff_s + 6, (waited_s, events)
+    done = daemon.wait_state(job["id"], "failed", timeout=30)
+    assert done["attempt"] == 2, done
+
+
+@pytest.mark.timeout(90)
+def test_a_forward_step_then_a_daemon_restart_fires_no_stall(make_daemon,
+                                                             clock_file: Path) -> None:
+    """Two hours forward, then a daemon restart: the ages of the stall rules (since the
+    start, since the last activity, since the last item) are read on the clock the
+    stored times were taken on. Before #46 the new daemon's clock was two hours ahead of
+    them: "no first item 2h00m after start", "no activity ... for 2h00m" at its first
+    tick."""
+    daemon: Daemon = make_daemon(env=faked(clock_file))
+    warming = daemon.submit(python_job(WAITS), name="warming", startup_timeout_s=600)
+    quiet = daemon.submit(python_job(WAITS), name="quiet", expected_items=10,
+                          stall_timeout_s=60)
+    busy = daemon.submit(job_module("progress_ticker"), name="busy", stall_timeout_s=30)
+    for job in (warming, quiet, busy):
+        wait_for(lambda j=job: daemon.job(j["id"])["pid"], 15, what="worker started")
+    wait_for(lambda: (daemon.job(busy["id"])["progress"]["items_done"] or 0) > 2, 10,
+             what="progress")
+    daemon.wait_ticks(2)  # samples of every job stored
+
+    step(clock_file, +7200)
+    daemon.kill()
+    daemon.start()
+    daemon.wait_ticks(6)
+    alerts = daemon.http.get("/api/v1/alerts").json()
+    assert not [a for a in alerts if a["rule"] == "stalled"], alerts
+    for job in (warming, quiet, busy):
+        assert daemon.job(job["id"])["state"] == "running"

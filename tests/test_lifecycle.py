@@ -26,6 +26,7 @@ from supervisor.daemon.lifecycle import (
     judge,
     launch_cut_short,
     vanished,
+    wait_over,
 )
 from supervisor.runtime.files import ExitStatus
 from supervisor.spec import ExitReason, JobState, RestartPolicy
@@ -90,6 +91,19 @@ def test_after_exit(ended: Exit, restarts: Restarts, expected: Decision) -> None
 def test_backoff_never_overflows() -> None:
     huge = Restarts(RestartPolicy.ON_FAILURE, 10**9, 10**10, 1.0, 300.0)
     assert huge.delay_s() == 300.0
+
+
+@pytest.mark.parametrize("next_start_at,now,over", [
+    (None, 100.0, True),  # no wait
+    (120.0, 100.0, False),  # its backoff: 20 s to go
+    (120.0, 120.0, True),
+    (400.0, 100.0, False),  # the longest backoff (300 s) to go
+    (400.1, 100.0, True),  # further than any backoff: set on another boot's clock
+    (7320.0, 100.0, True),  # a restart's due time two hours ahead of this clock
+])
+def test_a_wait_is_never_longer_than_the_longest_backoff(next_start_at: float | None,
+                                                         now: float, over: bool) -> None:
+    assert wait_over(next_start_at, now, 300.0) is over
 
 
 @pytest.mark.parametrize("shim_recorded,abandoned,expected", [

@@ -102,6 +102,9 @@ class JobChecks:
         state was checked: their reading is rooted at the shim without a second look."""
         self._exiting = False
         """Set by `stop_starting`: no pending job starts."""
+        self._longest_wait_s = max(settings.restart_backoff_max_s, LAUNCH_RETRY_S)
+        """The longest a pending job is made to wait for its next attempt
+        (`lifecycle.wait_over`)."""
         self._launched_from = launched_from(settings.data_dir, settings.jobs_dir)
         """Recorded with each attempt it launches (`Job.data_dir_id`, `Job.jobs_dir`)."""
         self._stopped_for_exit: set[str] = set()
@@ -337,7 +340,7 @@ class JobChecks:
                     answers[self._depends_on[row.id]] = answer
             dependencies, decision, met = answer
             if decision is None and not (
-                    met and (row.next_start_at is None or now >= row.next_start_at)):
+                    met and lifecycle.wait_over(row.next_start_at, now, self._longest_wait_s)):
                 continue  # it waits: nothing to read or write
             # what it becomes, for its dependents further down (the row, read again
             # when the batch is written, may say otherwise: they follow next tick)
@@ -397,7 +400,7 @@ class JobChecks:
             return
         if not lifecycle.dependencies_met(dependencies):
             return
-        if job.next_start_at is not None and now < job.next_start_at:
+        if not lifecycle.wait_over(job.next_start_at, now, self._longest_wait_s):
             return
         self._launch(session, job, stored_spec(job.spec_json), now)
 

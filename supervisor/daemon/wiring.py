@@ -38,8 +38,9 @@ def build_engine(settings: Settings, sessions: sessionmaker[Session], *,
                  backend: Backend | None = None,
                  clock: Callable[[], float] | None = None) -> Engine:
     """The engine over `sessions`, its parts made from `settings`; `backend`: the local
-    one (a test's own), `clock`: the steady clock unless a test gives one."""
-    clock = clock or SteadyClock()
+    one (a test's own), `clock`: the steady clock of this boot on the data dir
+    (`SteadyClock.of_boot`) unless a test gives one."""
+    clock = clock or SteadyClock.of_boot(settings.data_dir)
     waker = Waker(clock, settings.sample_interval)
     backends = Backends(settings, on_exit=waker.wake, local=backend)
     # a tick waits for the jobs' file readings at most 1 s, less with short ticks
