@@ -12,7 +12,7 @@ from __future__ import annotations
 import errno
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from sqlalchemy.orm import Session
 
@@ -83,8 +83,11 @@ class JobChecks:
     alive."""
 
     def __init__(self, settings: Settings, backends: Backends, waker: Waker,
-                 steps: TickSteps, stat_of: StatReader):
+                 steps: TickSteps, stat_of: StatReader, clock: Callable[[], float]):
         self.settings = settings
+        self.clock = clock
+        """The engine's (`clock.SteadyClock`): the tick passes its `now`; read here only
+        with the system clock, for the offset between the two (`lifecycle.end_time`)."""
         self.backends = backends
         self.waker = waker
         self.steps = steps
@@ -248,9 +251,9 @@ class JobChecks:
         """Record the exit and apply what the lifecycle decides follows it: ended, or
         pending again for a restart."""
         store.record_exit(job, exit_code=status.exit_code, signal=status.signal)
-        # the shim's wall-clock time; never later than the daemon's own clock (a system
-        # clock stepped forward must not push the end, and the alerts' windows, ahead)
-        ended_at = min(status.ended_at, now)
+        ended_at = lifecycle.end_time(status.ended_at, now=now,
+                                      offset_s=time.time() - self.clock(),
+                                      started_at=job.started_at)
         stop_requested = job.stop_requested_at is not None or status.stop_requested
         lines: list[str] = []
         if lifecycle.is_failure(status, stop_requested=stop_requested):

@@ -311,7 +311,9 @@ def _ended(jobs_dir: Path, job: Job, status: files.ExitStatus,
         job.restarts += 1
         job.next_start_at = now + decision.restart_in_s
     if decision.state.ended:
-        job.ended_at = min(status.ended_at, now)
+        # a rebuild runs on the system clock (`recovery.open_database`'s `now`), the
+        # shim's: its stamp needs no moving (and the start it has may be a file's mtime)
+        job.ended_at = lifecycle.end_time(status.ended_at, now=now, offset_s=0.0)
     return decision.state, decision.reason
 
 

@@ -58,7 +58,8 @@ def build_engine(settings: Settings, sessions: sessionmaker[Session], *,
                         webhook_secret=secret.get_secret_value() if secret else None,
                         wall=time.time)
     checks = JobChecks(settings, backends, waker, steps,
-                       stat_of=lambda pid: observer.sampler.processes.current_stat(pid))
+                       stat_of=lambda pid: observer.sampler.processes.current_stat(pid),
+                       clock=clock)
     return Engine(settings, sessions, clock=clock, backends=backends, waker=waker,
                   checks=checks, observer=observer, notifier=notifier,
                   alerting=AlertRecorder(settings, observer, notifier,
