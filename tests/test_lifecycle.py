@@ -22,11 +22,13 @@ from supervisor.daemon.lifecycle import (
     after_exit,
     before_start,
     dependencies_met,
+    end_time,
     exit_of,
     files_vanished,
     judge,
     launch_cut_short,
     vanished,
+    wait_over,
 )
 from supervisor.runtime.files import ExitStatus
 from supervisor.spec import ExitReason, JobState, RestartPolicy
@@ -91,6 +93,35 @@ def test_after_exit(ended: Exit, restarts: Restarts, expected: Decision) -> None
 def test_backoff_never_overflows() -> None:
     huge = Restarts(RestartPolicy.ON_FAILURE, 10**9, 10**10, 1.0, 300.0)
     assert huge.delay_s() == 300.0
+
+
+@pytest.mark.parametrize("recorded,offset_s,started_at,expected", [
+    (995.0, 0.0, None, 995.0),  # the clocks agree: the shim's stamp
+    (995.0 - 7200, -7200.0, 990.0, 995.0),  # the system clock 2 h behind
+    (995.0 + 7200, 7200.0, 990.0, 995.0),  # 2 h ahead
+    (1_500.0, 0.0, 990.0, 1_000.0),  # stamped after the reading: never later than now
+    (995.0, 7200.0, 990.0, 990.0),  # a step between the end and the reading: never
+    (995.0, 7200.0, None, 995.0 - 7200),  # before the start (where one is known)
+    (995.0, 0.0, 1_200.0, 1_000.0),  # a start after now bounds nothing
+])
+def test_an_end_is_taken_on_the_daemon_clock(recorded: float, offset_s: float,
+                                             started_at: float | None,
+                                             expected: float) -> None:
+    assert end_time(recorded, now=1_000.0, offset_s=offset_s,
+                    started_at=started_at) == expected
+
+
+@pytest.mark.parametrize("next_start_at,now,over", [
+    (None, 100.0, True),  # no wait
+    (120.0, 100.0, False),  # its backoff: 20 s to go
+    (120.0, 120.0, True),
+    (400.0, 100.0, False),  # the longest backoff (300 s) to go
+    (400.1, 100.0, True),  # further than any backoff: set on another boot's clock
+    (7320.0, 100.0, True),  # a restart's due time two hours ahead of this clock
+])
+def test_a_wait_is_never_longer_than_the_longest_backoff(next_start_at: float | None,
+                                                         now: float, over: bool) -> None:
+    assert wait_over(next_start_at, now, 300.0) is over
 
 
 @pytest.mark.parametrize("shim_recorded,abandoned,expected", [

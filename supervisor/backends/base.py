@@ -41,6 +41,8 @@ class Attempt:
     shim_create_time: float | None = None
     shim_start_ticks: int | None = None
     """The shim's identity with its pid (`procfs.is_same_process`)."""
+    shim_boot_id: str | None = None
+    """The boot it runs in (`procfs.this_boot_id`), with the start ticks."""
 
 
 class LaunchDeferred(OSError):
@@ -120,7 +122,8 @@ class Backend(ABC):
 
     @abstractmethod
     def attempt(self, job_id: str, number: int, shim_pid: int | None,
-                shim_create_time: float | None, shim_start_ticks: int | None) -> Attempt:
+                shim_create_time: float | None, shim_start_ticks: int | None,
+                shim_boot_id: str | None = None) -> Attempt:
         """The attempt of a stored job (the shim's identity from the attempt's files
         when the database does not have it)."""
 

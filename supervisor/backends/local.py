@@ -36,6 +36,7 @@ from supervisor.runtime.procfs import (
     read_stat,
     signal_group,
     start_ticks_to_time,
+    this_boot_id,
 )
 from supervisor.spec import JobSpec
 
@@ -52,10 +53,11 @@ def worker_group_alive(worker: WorkerInfo) -> bool:
     The group's id is the worker's pid, and the kernel keeps a pid number reserved while
     any process still has it as its group id. So the group is still the worker's unless
     another process now holds that pid (then the group, if any, is that stranger's)."""
-    if is_same_process(worker.pid, worker.create_time, worker.start_ticks):
+    if is_same_process(worker.pid, worker.create_time, worker.start_ticks, worker.boot_id):
         return True
     holder = read_stat(worker.pid)  # our worker as a zombie, or a stranger
-    if holder is not None and not is_started_at(holder, worker.start_ticks, worker.create_time):
+    if holder is not None and not is_started_at(holder, worker.start_ticks, worker.create_time,
+                                                worker.boot_id):
         return False
     return any(stat.pgid == worker.pid and stat.state not in ("Z", "X")
                for stat in all_stats())
@@ -102,12 +104,13 @@ class LocalBackend(Backend):
         stat = read_stat(proc.pid)
         attempt = Attempt(job_id, number, adir, proc.pid,
                           start_ticks_to_time(stat.start_ticks) if stat else None,
-                          stat.start_ticks if stat else None)
+                          stat.start_ticks if stat else None, this_boot_id())
         self._watcher.add(proc.pid)
         return attempt
 
     def attempt(self, job_id: str, number: int, shim_pid: int | None,
-                shim_create_time: float | None, shim_start_ticks: int | None) -> Attempt:
+                shim_create_time: float | None, shim_start_ticks: int | None,
+                shim_boot_id: str | None = None) -> Attempt:
         """The attempt of a stored job; the shim's identity from its own `shim.json` when
         the daemon died before recording it."""
         adir = files.attempt_dir(self.jobs_dir, job_id, number)
@@ -115,8 +118,9 @@ class LocalBackend(Backend):
             shim = files.read_shim(adir)
             if shim is not None:
                 shim_pid, shim_create_time = shim["pid"], shim["create_time"]
-                shim_start_ticks = shim.get("start_ticks")
-        return Attempt(job_id, number, adir, shim_pid, shim_create_time, shim_start_ticks)
+                shim_start_ticks, shim_boot_id = shim.get("start_ticks"), shim.get("boot_id")
+        return Attempt(job_id, number, adir, shim_pid, shim_create_time, shim_start_ticks,
+                       shim_boot_id)
 
     def settle_launch(self, attempt: Attempt) -> LaunchFate:
         """Claim an attempt whose shim left no trace (see `LaunchFate`)."""
@@ -134,7 +138,8 @@ class LocalBackend(Backend):
         if claim is not None and claim["by"] == "daemon":
             return LaunchFate.ABANDONED  # by an earlier daemon that died before relaunching
         if claim is not None and is_same_process(claim["pid"], claim.get("create_time"),
-                                                 claim.get("start_ticks")):
+                                                 claim.get("start_ticks"),
+                                                 claim.get("boot_id")):
             return LaunchFate.WAIT
         return LaunchFate.DEAD
 
@@ -143,7 +148,8 @@ class LocalBackend(Backend):
         return worker_group_alive(worker)
 
     def worker_running(self, worker: WorkerInfo) -> bool:
-        return is_same_process(worker.pid, worker.create_time, worker.start_ticks)
+        return is_same_process(worker.pid, worker.create_time, worker.start_ticks,
+                               worker.boot_id)
 
     def read_exit(self, attempt: Attempt) -> ExitStatus | None:
         return files.read_exit(attempt.dir)
@@ -152,7 +158,8 @@ class LocalBackend(Backend):
         stat = ((stat_of or read_stat)(attempt.shim_pid) if attempt.shim_pid is not None
                 else None)
         if (stat is None or stat.state in ("Z", "X")
-                or not is_started_at(stat, attempt.shim_start_ticks, attempt.shim_create_time)):
+                or not is_started_at(stat, attempt.shim_start_ticks, attempt.shim_create_time,
+                                     attempt.shim_boot_id)):
             return ShimState.GONE
         return ShimState.SUSPENDED if stat.state in ("T", "t") else ShimState.RUNNING
 
@@ -187,7 +194,7 @@ class LocalBackend(Backend):
         if self.shim_alive(attempt) and attempt.shim_pid is not None:
             self._watcher.add(attempt.shim_pid)
         elif worker is not None and is_same_process(worker.pid, worker.create_time,
-                                                    worker.start_ticks):
+                                                    worker.start_ticks, worker.boot_id):
             self._watcher.add(worker.pid)
 
     def forget(self, attempt: Attempt) -> None:

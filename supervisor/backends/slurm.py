@@ -192,7 +192,8 @@ class SlurmBackend(SlurmQueries, Backend):
             log.warning("cannot claim %s (%s)", adir, exc)
 
     def attempt(self, job_id: str, number: int, shim_pid: int | None,
-                shim_create_time: float | None, shim_start_ticks: int | None) -> Attempt:
+                shim_create_time: float | None, shim_start_ticks: int | None,
+                shim_boot_id: str | None = None) -> Attempt:
         return Attempt(job_id, number, files.attempt_dir(self.jobs_dir, job_id, number))
 
     def shim_state(self, attempt: Attempt, stat_of: StatReader | None = None) -> ShimState:

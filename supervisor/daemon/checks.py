@@ -12,7 +12,7 @@ from __future__ import annotations
 import errno
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from sqlalchemy.orm import Session
 
@@ -24,7 +24,7 @@ from supervisor.daemon.lifecycle import WorkerSeen
 from supervisor.daemon.shared import Backends, Waker
 from supervisor.runtime.fileio import tail_lines
 from supervisor.runtime.files import ExitStatus, launched_from, log_path
-from supervisor.runtime.procfs import StatReader, start_ticks_of
+from supervisor.runtime.procfs import StatReader, start_ticks_of, this_boot_id
 from supervisor.spec import ExitReason, JobSpec, JobState, stored_spec
 from supervisor.storage import store
 from supervisor.storage.tables import Job
@@ -83,8 +83,11 @@ class JobChecks:
     alive."""
 
     def __init__(self, settings: Settings, backends: Backends, waker: Waker,
-                 steps: TickSteps, stat_of: StatReader):
+                 steps: TickSteps, stat_of: StatReader, clock: Callable[[], float]):
         self.settings = settings
+        self.clock = clock
+        """The engine's (`clock.SteadyClock`): the tick passes its `now`; read here only
+        with the system clock, for the offset between the two (`lifecycle.end_time`)."""
         self.backends = backends
         self.waker = waker
         self.steps = steps
@@ -102,6 +105,9 @@ class JobChecks:
         state was checked: their reading is rooted at the shim without a second look."""
         self._exiting = False
         """Set by `stop_starting`: no pending job starts."""
+        self._longest_wait_s = max(settings.restart_backoff_max_s, LAUNCH_RETRY_S)
+        """The longest a pending job is made to wait for its next attempt
+        (`lifecycle.wait_over`)."""
         self._launched_from = launched_from(settings.data_dir, settings.jobs_dir)
         """Recorded with each attempt it launches (`Job.data_dir_id`, `Job.jobs_dir`)."""
         self._stopped_for_exit: set[str] = set()
@@ -165,11 +171,14 @@ class JobChecks:
         if worker is not None:
             store.record_worker(job, worker)
         shim = backend.shim_state(attempt, self.stat_of)
-        if (shim is not ShimState.GONE and job.shim_start_ticks is None
+        if (shim is not ShimState.GONE and None in (job.shim_start_ticks, job.shim_boot_id)
                 and attempt.shim_pid is not None and backend.observes_locally):
-            # a shim started before start ticks were recorded, matched by its create
-            # time this once: from now on by its start ticks (immune to clock steps)
-            job.shim_start_ticks = start_ticks_of(attempt.shim_pid)
+            # a shim started before start ticks or boot ids were recorded, matched by its
+            # create time this once: from now on by its start ticks and this boot's id
+            # (immune to clock steps)
+            if job.shim_start_ticks is None:
+                job.shim_start_ticks = start_ticks_of(attempt.shim_pid)
+            job.shim_boot_id = this_boot_id()
         status = None if shim is ShimState.RUNNING else backend.read_exit(attempt)
         seen = WorkerSeen.UNREAD
         launch_on_disk = True
@@ -245,9 +254,9 @@ class JobChecks:
         """Record the exit and apply what the lifecycle decides follows it: ended, or
         pending again for a restart."""
         store.record_exit(job, exit_code=status.exit_code, signal=status.signal)
-        # the shim's wall-clock time; never later than the daemon's own clock (a system
-        # clock stepped forward must not push the end, and the alerts' windows, ahead)
-        ended_at = min(status.ended_at, now)
+        ended_at = lifecycle.end_time(status.ended_at, now=now,
+                                      offset_s=time.time() - self.clock(),
+                                      started_at=job.started_at)
         stop_requested = job.stop_requested_at is not None or status.stop_requested
         lines: list[str] = []
         if lifecycle.is_failure(status, stop_requested=stop_requested):
@@ -337,7 +346,7 @@ class JobChecks:
                     answers[self._depends_on[row.id]] = answer
             dependencies, decision, met = answer
             if decision is None and not (
-                    met and (row.next_start_at is None or now >= row.next_start_at)):
+                    met and lifecycle.wait_over(row.next_start_at, now, self._longest_wait_s)):
                 continue  # it waits: nothing to read or write
             # what it becomes, for its dependents further down (the row, read again
             # when the batch is written, may say otherwise: they follow next tick)
@@ -397,7 +406,7 @@ class JobChecks:
             return
         if not lifecycle.dependencies_met(dependencies):
             return
-        if job.next_start_at is not None and now < job.next_start_at:
+        if not lifecycle.wait_over(job.next_start_at, now, self._longest_wait_s):
             return
         self._launch(session, job, stored_spec(job.spec_json), now)
 

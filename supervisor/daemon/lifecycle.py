@@ -113,6 +113,28 @@ class Restarts:
         return min(self.backoff_s * 2.0 ** min(self.done, 64), self.backoff_max_s)
 
 
+def wait_over(next_start_at: float | None, now: float, longest_s: float) -> bool:
+    """A pending job's wait before its next attempt (a restart's backoff, a launch's
+    retry) is over: at its due time, or at once where that lies further ahead than
+    `longest_s`, the longest wait the daemon sets. Such a due time was set on another
+    clock: another boot's, whose readings this boot's clock does not continue
+    (`clock.SteadyClock.of_boot`), or the system clock's (a database rebuilt from the
+    data dir); the job is not held for however far the two clocks were apart."""
+    return next_start_at is None or now >= next_start_at or next_start_at - now > longest_s
+
+
+def end_time(recorded_s: float, *, now: float, offset_s: float,
+             started_at: float | None = None) -> float:
+    """When an attempt ended, on the daemon's clock (`now`): its shim's stamp, taken on
+    the system clock, less `offset_s`, how far the system clock is from the daemon's
+    now (`clock.SteadyClock.offset_s`: stamped as it was, a job that ended after a step
+    back ended hours before it began); never later than `now` nor before the attempt
+    began (`started_at`): a step between the end and this reading must not push the
+    end, and the alerts' windows, ahead, nor put it before the start."""
+    ended = min(recorded_s - offset_s, now)
+    return ended if started_at is None else max(ended, min(started_at, now))
+
+
 def after_exit(ended: Exit, restarts: Restarts) -> Decision:
     """An attempt's recorded end: stopped, succeeded, failed, or pending for a restart."""
     if ended.stop_requested and ended.by_daemon_exit:

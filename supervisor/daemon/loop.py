@@ -402,14 +402,16 @@ class Engine:
                                else backend.running_since(attempt, now))
         if attempt.shim_pid is not None and (self.checks.seen_alive(job.id) is attempt
                                              or backend.shim_alive(attempt)):
-            root, root_time, root_ticks = (attempt.shim_pid, attempt.shim_create_time,
-                                           attempt.shim_start_ticks)
+            root, root_time, root_ticks, root_boot = (
+                attempt.shim_pid, attempt.shim_create_time, attempt.shim_start_ticks,
+                attempt.shim_boot_id)
         else:
-            root, root_time, root_ticks = job.pid or -1, job.pid_create_time, job.pid_start_ticks
+            root, root_time, root_ticks, root_boot = (
+                job.pid or -1, job.pid_create_time, job.pid_start_ticks, job.pid_boot_id)
         return ObservedJob(job_id=job.id, spec=stored_spec(job.spec_json),
                            attempt=job.attempt, root_pid=root, root_create_time=root_time,
                            worker_pid=job.pid, started_at=job.started_at,
-                           root_start_ticks=root_ticks,
+                           root_start_ticks=root_ticks, root_boot_id=root_boot,
                            remote=self._observed_by_shim(job, backend))
 
     def _observed_by_shim(self, job: Job, backend: Backend) -> bool:

@@ -265,7 +265,7 @@ def _from_attempt(jobs_dir: Path, job: Job, spec: JobSpec, number: int,
                       else _mtime(adir / files.LAUNCH, _mtime(adir, now)))
     if shim is not None:
         job.shim_pid, job.shim_create_time = shim["pid"], shim["create_time"]
-        job.shim_start_ticks = shim.get("start_ticks")
+        job.shim_start_ticks, job.shim_boot_id = shim.get("start_ticks"), shim.get("boot_id")
 
     started = f"started (attempt {number})"
     if (adir / SLURM_FILE).exists():
@@ -276,7 +276,8 @@ def _from_attempt(jobs_dir: Path, job: Job, spec: JobSpec, number: int,
     status = files.read_exit(adir)
     if status is not None:
         return _ended(jobs_dir, job, status, now, settings)
-    if is_same_process(job.shim_pid, job.shim_create_time, job.shim_start_ticks):
+    if is_same_process(job.shim_pid, job.shim_create_time, job.shim_start_ticks,
+                       job.shim_boot_id):
         return JobState.RUNNING, f"{started}; re-adopted after the database was rebuilt"
     if worker is not None and worker_group_alive(worker):
         return JobState.RUNNING, (f"{started}; its shim is gone, its worker re-adopted after "
@@ -310,7 +311,9 @@ def _ended(jobs_dir: Path, job: Job, status: files.ExitStatus,
         job.restarts += 1
         job.next_start_at = now + decision.restart_in_s
     if decision.state.ended:
-        job.ended_at = min(status.ended_at, now)
+        # a rebuild runs on the system clock (`recovery.open_database`'s `now`), the
+        # shim's: its stamp needs no moving (and the start it has may be a file's mtime)
+        job.ended_at = lifecycle.end_time(status.ended_at, now=now, offset_s=0.0)
     return decision.state, decision.reason
 
 

@@ -40,7 +40,8 @@ class Backends:
     def attempt(self, job: Job) -> Attempt:
         """The job's current attempt, on its backend."""
         return self.backend_for(job).attempt(job.id, job.attempt, job.shim_pid,
-                                             job.shim_create_time, job.shim_start_ticks)
+                                             job.shim_create_time, job.shim_start_ticks,
+                                             job.shim_boot_id)
 
     def worker(self, job: Job, attempt: Attempt) -> WorkerInfo | None:
         """The worker the job's current attempt started: the identity its row recorded,

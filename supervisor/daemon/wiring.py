@@ -38,8 +38,9 @@ def build_engine(settings: Settings, sessions: sessionmaker[Session], *,
                  backend: Backend | None = None,
                  clock: Callable[[], float] | None = None) -> Engine:
     """The engine over `sessions`, its parts made from `settings`; `backend`: the local
-    one (a test's own), `clock`: the steady clock unless a test gives one."""
-    clock = clock or SteadyClock()
+    one (a test's own), `clock`: the steady clock of this boot on the data dir
+    (`SteadyClock.of_boot`) unless a test gives one."""
+    clock = clock or SteadyClock.of_boot(settings.data_dir)
     waker = Waker(clock, settings.sample_interval)
     backends = Backends(settings, on_exit=waker.wake, local=backend)
     # a tick waits for the jobs' file readings at most 1 s, less with short ticks
@@ -57,7 +58,8 @@ def build_engine(settings: Settings, sessions: sessionmaker[Session], *,
                         webhook_secret=secret.get_secret_value() if secret else None,
                         wall=time.time)
     checks = JobChecks(settings, backends, waker, steps,
-                       stat_of=lambda pid: observer.sampler.processes.current_stat(pid))
+                       stat_of=lambda pid: observer.sampler.processes.current_stat(pid),
+                       clock=clock)
     return Engine(settings, sessions, clock=clock, backends=backends, waker=waker,
                   checks=checks, observer=observer, notifier=notifier,
                   alerting=AlertRecorder(settings, observer, notifier,

@@ -373,7 +373,7 @@ class Observer:
         """Every job's process tree in one pass; if that pass fails, job by job, so a
         failure costs only the jobs it concerns (their CPU % reads 0 this once)."""
         targets = [TreeTarget(j.job_id, j.root_pid, j.root_create_time, j.worker_pid,
-                              j.root_start_ticks) for j in jobs if not j.remote]
+                              j.root_start_ticks, j.root_boot_id) for j in jobs if not j.remote]
         try:
             readings = self.sampler.sample(targets, now)
             self._sampler_error = None

@@ -36,6 +36,7 @@ class ObservedJob:
     worker_pid: int | None
     started_at: float | None = None
     root_start_ticks: int | None = None
+    root_boot_id: str | None = None
     remote: bool = False
     """Its shim publishes its readings (`observed.jsonl`), which the observer reads
     instead of /proc and the output directory: a job on another node

@@ -22,7 +22,7 @@ Who writes what, in order:
   `observed.jsonl.1` at `Observe.max_bytes` (`runtime/publish.py` writes it,
   `observe/remote.py` reads it; its line format is `observed.py`'s).
 
-A process is named by (pid, start ticks), never by its pid alone (`procfs`). Every file
+A process is named by (pid, start ticks, boot id), never by its pid alone (`procfs`). Every file
 lives in a directory the job can write to: the readers here trust no type, and answer
 None for a missing, unreadable or malformed file.
 """
@@ -38,7 +38,7 @@ from typing import Any, Literal, NotRequired, TypedDict
 
 from supervisor.runtime.fileio import create_json_exclusive, read_json
 from supervisor.runtime.observed import float_or_none, int_or_none, str_or_none
-from supervisor.runtime.procfs import is_same_process
+from supervisor.runtime.procfs import boot_id_or_none, is_same_process
 
 LAUNCH = "launch.json"
 CLAIM = "claim.json"
@@ -158,6 +158,8 @@ class Claim(TypedDict):
     """The shim's; a daemon's claim has none (the daemon's liveness does not matter)."""
     start_ticks: NotRequired[int | None]
     """The shim's start ticks (`procfs.start_ticks_of`), its identity with `pid`."""
+    boot_id: NotRequired[str | None]
+    """The boot the shim runs in (`procfs.this_boot_id`), its identity with the two."""
 
 
 class Identity(TypedDict):
@@ -170,6 +172,10 @@ class Identity(TypedDict):
     start_ticks: NotRequired[int | None]
     """Start time after boot in clock ticks (`procfs.start_ticks_of`); absent in files
     of an older shim, which `procfs.is_same_process` then matches by create time."""
+    boot_id: NotRequired[str | None]
+    """The boot it started in (`procfs.this_boot_id`): start ticks count from each
+    boot. Absent in files of a shim older than boot ids (#46), which
+    `procfs.is_same_process` then tells from another boot's by create time."""
 
 
 class WorkerRecord(Identity):
@@ -215,6 +221,7 @@ class WorkerInfo:
     create_time: float | None
     started_at: float
     start_ticks: int | None = None
+    boot_id: str | None = None
 
 
 @dataclass(frozen=True)
@@ -278,7 +285,8 @@ def read_claim(adir: str | os.PathLike[str]) -> Claim | None:
         return None
     return Claim(by=data["by"], pid=int_or_none(data.get("pid")),
                  create_time=float_or_none(data.get("create_time")),
-                 start_ticks=int_or_none(data.get("start_ticks")))
+                 start_ticks=int_or_none(data.get("start_ticks")),
+                 boot_id=boot_id_or_none(data.get("boot_id")))
 
 
 def read_shim(adir: str | os.PathLike[str]) -> Identity | None:
@@ -287,7 +295,8 @@ def read_shim(adir: str | os.PathLike[str]) -> Identity | None:
     if not isinstance(data, dict) or int_or_none(data.get("pid")) is None:
         return None
     return Identity(pid=data["pid"], create_time=float_or_none(data.get("create_time")),
-                    start_ticks=int_or_none(data.get("start_ticks")))
+                    start_ticks=int_or_none(data.get("start_ticks")),
+                    boot_id=boot_id_or_none(data.get("boot_id")))
 
 
 def read_worker(adir: str | os.PathLike[str]) -> WorkerInfo | None:
@@ -297,20 +306,20 @@ def read_worker(adir: str | os.PathLike[str]) -> WorkerInfo | None:
         return None
     return WorkerInfo(data["pid"], float_or_none(data.get("create_time")),
                       float_or_none(data.get("started_at")) or 0.0,
-                      int_or_none(data.get("start_ticks")))
+                      int_or_none(data.get("start_ticks")), boot_id_or_none(data.get("boot_id")))
 
 
 def live_processes(jobs_dir: str | os.PathLike[str]) -> Iterator[tuple[str, int]]:
     """(SHIM or WORKER, pid) of every attempt's shim and worker under `jobs_dir` that
-    is still the process its file recorded (pid and start ticks): what a test or a
+    is still the process its file recorded (pid, start ticks, boot): what a test or a
     benchmark must kill when it tears a data dir down."""
     for adir in sorted(Path(jobs_dir).glob("*/attempt-*")):
         shim, worker = read_shim(adir), read_worker(adir)
         if shim is not None and is_same_process(shim["pid"], shim["create_time"],
-                                                shim.get("start_ticks")):
+                                                shim.get("start_ticks"), shim.get("boot_id")):
             yield SHIM, shim["pid"]
         if worker is not None and is_same_process(worker.pid, worker.create_time,
-                                                  worker.start_ticks):
+                                                  worker.start_ticks, worker.boot_id):
             yield WORKER, worker.pid
 
 

@@ -2,13 +2,14 @@
 `/proc/<pid>/stat` (stdlib only: the shim imports it).
 
 A pid alone names a process only until it is reused; jobsup identifies a process by
-(pid, start_ticks): its start time after boot in clock ticks, which the kernel fixes at
-fork and no clock adjustment moves. The create time (boot time plus start ticks, computed
-exactly as psutil does) is kept beside it for people and for files written before
-start ticks were recorded; it is not an identity across processes: /proc/stat's boot
-time is the wall clock minus the time since boot, so it moves whenever the wall clock
-is stepped or slewed (NTP), and two processes that read it at different times compute
-create times seconds apart for one process.
+(pid, start_ticks, boot id): its start time after boot in clock ticks, which the kernel
+fixes at fork and no clock adjustment moves, and the boot it started in (`this_boot_id`),
+since start ticks count again from zero at every boot. The create time (boot time plus
+start ticks, computed exactly as psutil does) is kept beside them for people and for
+files written before start ticks were recorded; it is not an identity across processes:
+/proc/stat's boot time is the wall clock minus the time since boot, so it moves whenever
+the wall clock is stepped or slewed (NTP), and two processes that read it at different
+times compute create times seconds, or a step's hours, apart for one process.
 """
 
 from __future__ import annotations
@@ -37,12 +38,18 @@ last holder's start would pass; cycling through pid_max that fast does not happe
 
 
 OTHER_BOOT_S = 3600.0
-"""Start ticks count from boot, so after a reboot a stranger may hold a recorded pid with
-the same start tick (early boot services start alike each boot). Its create time is then
-off by the previous boot's whole uptime plus the downtime: a process whose create time is
-this far from the recorded one is from another boot. Clock steps and NTP slews move
-create times by seconds; an hour tolerates any of those and catches the reboot of a
-machine that had been up for more than an hour."""
+"""For a record with start ticks but no boot id (written by a shim or daemon older than
+boot ids): start ticks count from boot, so after a reboot a stranger may hold a recorded
+pid with the same start tick (early boot services start alike each boot). Its create time
+is then off by the previous boot's whole uptime plus the downtime: a process whose create
+time is this far from the recorded one is taken for one of another boot. A wall-clock
+step of more than this moves create times as far, and such a record's process is then
+taken for a stranger too; a record with a boot id is compared by it instead
+(`is_started_at`), whatever the clock did."""
+
+BOOT_ID_PATH = "/proc/sys/kernel/random/boot_id"
+"""A random UUID the kernel makes at each boot (the same in every container of the
+machine): with start ticks, it tells a process of this boot from one of another."""
 
 
 class ProcStat(NamedTuple):
@@ -103,6 +110,27 @@ def _boot_time() -> float:
     raise RuntimeError("/proc/stat has no btime line")
 
 
+@cache
+def this_boot_id() -> str | None:
+    """The id of the boot this process runs in (`BOOT_ID_PATH`), None where it cannot be
+    read (then identities fall back to create times). Read once: a process never
+    outlives its boot."""
+    try:
+        with open(BOOT_ID_PATH, "rb") as f:
+            return boot_id_or_none(f.read(64).decode("ascii", "replace").strip())
+    except OSError:
+        return None
+
+
+def boot_id_or_none(value: object) -> str | None:
+    """`value` if it has the form of a boot id (a lower-case UUID, 36 characters), else
+    None: the attempt's files are the job's to write, and the database column holds 36."""
+    if (isinstance(value, str) and len(value) == 36
+            and all(c in "0123456789abcdef-" for c in value)):
+        return value
+    return None
+
+
 def start_ticks_to_time(start_ticks: int) -> float:
     """Clock ticks since boot -> seconds since the epoch, rounded like psutil."""
     return round(_boot_time() + start_ticks / CLOCK_TICKS, 2)
@@ -114,14 +142,21 @@ def start_ticks_of(pid: int) -> int | None:
     return stat.start_ticks if stat else None
 
 
-def is_started_at(stat: ProcStat, start_ticks: int | None, create_time: float | None) -> bool:
-    """`stat` is of the process recorded with these start ticks (exact, and within
-    OTHER_BOOT_S of its create time: not a namesake from another boot), or, for a record
-    without them (written by an older shim), with this create time."""
+def is_started_at(stat: ProcStat, start_ticks: int | None, create_time: float | None,
+                  boot_id: str | None = None) -> bool:
+    """`stat` is of the process recorded with these start ticks in this boot (exact, and
+    the recorded boot id is this boot's: no wall-clock time is compared), or, for a record
+    without a boot id, within OTHER_BOOT_S of its create time (not a namesake from another
+    boot); for a record without start ticks (written by an older shim), with this create
+    time."""
     if start_ticks is not None:
-        return stat.start_ticks == start_ticks and (
-            create_time is None
-            or abs(start_ticks_to_time(stat.start_ticks) - create_time) < OTHER_BOOT_S)
+        if stat.start_ticks != start_ticks:
+            return False
+        here = this_boot_id()
+        if boot_id is not None and here is not None:
+            return boot_id == here
+        return create_time is None or abs(
+            start_ticks_to_time(stat.start_ticks) - create_time) < OTHER_BOOT_S
     return create_time is not None and same_create_time(
         start_ticks_to_time(stat.start_ticks), create_time)
 
@@ -173,15 +208,16 @@ def process_state(pid: int) -> str | None:
 
 
 def is_same_process(pid: int | None, expected_create_time: float | None,
-                    expected_start_ticks: int | None = None) -> bool:
+                    expected_start_ticks: int | None = None,
+                    expected_boot_id: str | None = None) -> bool:
     """True when `pid` is alive, not a zombie, and is the process recorded with these
-    start ticks (or, without them, this create time: `is_started_at`)."""
+    start ticks and boot id (or, without them, this create time: `is_started_at`)."""
     if pid is None:
         return False
     stat = read_stat(pid)
     if stat is None or stat.state in ("Z", "X"):
         return False
-    return is_started_at(stat, expected_start_ticks, expected_create_time)
+    return is_started_at(stat, expected_start_ticks, expected_create_time, expected_boot_id)
 
 
 def signal_group(pgid: int, sig: signal.Signals) -> bool:

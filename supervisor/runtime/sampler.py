@@ -300,9 +300,11 @@ class TreeTarget:
     job_id: str
     root_pid: int
     root_create_time: float | None
-    """With `root_start_ticks`, the root's identity; both None: whatever holds the pid."""
+    """With `root_start_ticks` and `root_boot_id`, the root's identity; it and the start
+    ticks None: whatever holds the pid."""
     worker_pid: int | None
     root_start_ticks: int | None = None
+    root_boot_id: str | None = None
 
 
 @dataclass(frozen=True)
@@ -377,7 +379,8 @@ class Sampler:
         root = table.procs.get(target.root_pid)
         same_root = root is not None and (
             (target.root_start_ticks is None and target.root_create_time is None)
-            or is_started_at(root, target.root_start_ticks, target.root_create_time))
+            or is_started_at(root, target.root_start_ticks, target.root_create_time,
+                             target.root_boot_id))
         procs = table.tree(target.root_pid) if same_root else []
         live: list[ProcStat] = []
         cpu_ticks = read_bytes = write_bytes = num_threads = rss_pages = 0

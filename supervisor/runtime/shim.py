@@ -45,6 +45,7 @@ from supervisor.runtime.procfs import (
     create_time,
     signal_group,
     start_ticks_of,
+    this_boot_id,
 )
 
 PR_SET_CHILD_SUBREAPER = 36
@@ -174,7 +175,7 @@ class Shim:
         _become_subreaper()
         me = os.getpid()
         identity = files.Identity(pid=me, create_time=create_time(me),
-                                  start_ticks=start_ticks_of(me))
+                                  start_ticks=start_ticks_of(me), boot_id=this_boot_id())
         try:
             reserve_status(self.attempt_dir / STATUS_FILE)
         except OSError as exc:  # a full disk: the daemon claims and relaunches later
@@ -184,7 +185,7 @@ class Shim:
         try:
             claimed = create_json_exclusive(self.attempt_dir / CLAIM_FILE, files.Claim(
                 by="shim", pid=identity["pid"], create_time=identity["create_time"],
-                start_ticks=identity.get("start_ticks")))
+                start_ticks=identity.get("start_ticks"), boot_id=identity.get("boot_id")))
         except OSError as exc:  # a full disk: the daemon settles the launch later
             print(f"jobsup shim: cannot claim the launch ({exc}); not starting the job",
                   file=sys.stderr)
@@ -219,7 +220,8 @@ class Shim:
         worker_pid = self.worker.pid
         _write_or_warn(self.attempt_dir / files.WORKER, files.WorkerRecord(
             pid=worker_pid, create_time=create_time(worker_pid),
-            start_ticks=start_ticks_of(worker_pid), started_at=time.time()))
+            start_ticks=start_ticks_of(worker_pid), boot_id=this_boot_id(),
+            started_at=time.time()))
         if self.stop_requested:  # a stop that arrived while the worker was starting
             signal_group(worker_pid, signal.SIGTERM)
         publisher = None

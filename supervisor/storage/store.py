@@ -350,22 +350,23 @@ def start_attempt(session: Session, job: Job, *, now: float,
     job.attempt += 1
     job.data_dir_id, job.jobs_dir = launched_from
     job.started_at, job.ended_at, job.next_start_at = now, None, None
-    job.pid = job.pid_create_time = job.pid_start_ticks = None
-    job.shim_pid = job.shim_create_time = job.shim_start_ticks = None
+    job.pid = job.pid_create_time = job.pid_start_ticks = job.pid_boot_id = None
+    job.shim_pid = job.shim_create_time = job.shim_start_ticks = job.shim_boot_id = None
     job.exit_code = job.signal = job.exit_reason = None
     transition(session, job, JobState.RUNNING, now=now, reason=f"started (attempt {job.attempt})")
 
 
 def record_shim(job: Job, attempt: Attempt) -> None:
-    """The identity of the attempt's shim (pid, start ticks, create time)."""
+    """The identity of the attempt's shim (pid, start ticks, boot id, create time)."""
     job.shim_pid, job.shim_create_time = attempt.shim_pid, attempt.shim_create_time
-    job.shim_start_ticks = attempt.shim_start_ticks
+    job.shim_start_ticks, job.shim_boot_id = attempt.shim_start_ticks, attempt.shim_boot_id
 
 
 def record_worker(job: Job, worker: WorkerInfo) -> None:
     """The identity of the worker the attempt's shim started."""
     job.pid, job.pid_create_time, job.pid_start_ticks = (worker.pid, worker.create_time,
                                                          worker.start_ticks)
+    job.pid_boot_id = worker.boot_id
 
 
 def recorded_worker(job: Job) -> WorkerInfo | None:

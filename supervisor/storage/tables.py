@@ -37,12 +37,16 @@ class Job(Base):
     pid: Mapped[int | None] = mapped_column(Integer)
     pid_create_time: Mapped[float | None] = mapped_column(Float)
     pid_start_ticks: Mapped[int | None] = mapped_column(Count)
-    """With `pid`, the worker's identity (`procfs.is_same_process`); the create time is
-    for people and for rows written before migration 0006."""
+    pid_boot_id: Mapped[str | None] = mapped_column(String(36))
+    """With `pid` and its start ticks, the worker's identity (`procfs.is_same_process`):
+    the boot it started in (`procfs.this_boot_id`, migration 0011). The create time is
+    for people, for rows written before migration 0006 and, with the start ticks, for
+    rows written before 0011."""
     # the shim that started the worker and records its exit
     shim_pid: Mapped[int | None] = mapped_column(Integer)
     shim_create_time: Mapped[float | None] = mapped_column(Float)
     shim_start_ticks: Mapped[int | None] = mapped_column(Count)
+    shim_boot_id: Mapped[str | None] = mapped_column(String(36))
 
     attempt: Mapped[int] = mapped_column(Integer, default=0)
     restarts: Mapped[int] = mapped_column(Integer, default=0)
