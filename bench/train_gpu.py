@@ -1,5 +1,9 @@
-"""GPU benchmark of workers.train's training step (`train_step`, not a copy) for an
-8B-class target: H=4096, intermediate 14336, 32 heads / 8 kv heads (head_dim 128),
+"""GPU benchmark of workers.train's training step (`train_step`, not a copy), its
+reference form and its fused one side by side (`--variants old,new`: `fused=False` with
+its metrics read every step, as the trainer ran before the fused head, and `fused=True`
+with the rows chosen on the host and metrics read every 10 steps), for an
+8B-class target (`--config smollm2`: SmolLM2-135M's shapes; `--draft-intermediate-size
+6144`: the wide recipe): H=4096, intermediate 14336, 32 heads / 8 kv heads (head_dim 128),
 vocab 128,256, draft vocab 32,000, Llama-3 RoPE, TTT 7, sequences of 2048 tokens packed
 into `--batch-tokens` (16,384: 8 sequences). The draft, a random frozen target
 lm_head/embedding and synthetic aux/hidden/ids/loss_mask all live in GPU memory (no
@@ -23,7 +27,8 @@ MFU = model FLOPs / step time / the bf16 matmul ceiling measured in the same run
 spec. `--tiny` runs a small config on the CPU to check the script. Prints a markdown
 table; `--json FILE` also writes the numbers; `--profile` the top kernels.
 
-Measured on an H200 (torch 2.11+cu130, defaults): 720 ms/step, 22,758 tokens/s, 267.5
+Measured on an H200 before the fused step existed (the old step, torch 2.11+cu130,
+defaults): 720 ms/step, 22,758 tokens/s, 267.5
 model TFLOP per step = 372 TFLOP/s = 51.6% of the 721 TFLOP/s measured matmul ceiling
 (37.6% of 989), peak 68.9 GiB. Matmuls are ~47% of GPU time; the rest is mostly
 elementwise work (RoPE, RMSNorm, dtype casts, the fp32 loss over [N, 32000] logits).
