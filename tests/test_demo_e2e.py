@@ -1,8 +1,10 @@
-"""`jobsup demo` end to end: the five EAGLE-3 steps on a tiny local Llama, under a real
-daemon, with the training metrics visible in the API and in /metrics."""
+"""`jobsup demo` end to end: the four EAGLE-3 steps on a tiny local Llama (online: the
+train step makes the hidden states), under a real daemon, with the training metrics
+visible in the API and in /metrics."""
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -32,16 +34,19 @@ def test_demo_runs_the_whole_pipeline(make_daemon, tmp_path: Path) -> None:
 
     jobs = daemon.http.get("/api/v1/jobs", params={"label": "demo=1"}).json()
     steps = {job["spec"]["labels"]["step"]: job for job in jobs}
-    assert set(steps) == {"generate", "extract", "vocab", "train", "evaluate"}
+    assert set(steps) == {"generate", "vocab", "train", "evaluate"}  # no extract: online
     assert all(job["state"] == "succeeded" for job in jobs), [
         (j["name"], j["state"], j["reason"]) for j in jobs]
-    assert steps["extract"]["progress"]["files"] == 16  # the last 16 prompts held out
+    assert steps["generate"]["progress"]["items_done"] == 16  # the last 16 prompts held out
     train = steps["train"]
+    assert "--online" in train["spec"]["command"]
     metrics = train["progress"]["metrics"]
     assert "loss" in metrics and "acc_0" in metrics, metrics
     out = Path(train["spec"]["output_dir"])
     assert (out / "draft" / "config.json").exists()
     assert (out / "draft" / "model.safetensors").exists()
+    summary = json.loads((out / "train_summary.json").read_text())
+    assert summary["features"] == "online" and summary["online_skipped"]["too_long"] == 0
     # the last step's final reading may come a tick after its end (`Observer.forget`:
     # output files still settling): waited for, not assumed done with the demo
     seen: list[dict] = []

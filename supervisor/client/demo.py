@@ -1,8 +1,9 @@
 """`jobsup demo`: the EAGLE-3 pipeline on a local model under the daemon.
 
 Starts a daemon unless one answers at the URL, prepares the target once, submits the
-five steps (generation with the transformers backend, extraction, vocabulary, training,
-evaluation on held-out prompts), shows them live until they end, and says where to look.
+four steps (generation with the transformers backend, vocabulary, training with the
+target making the hidden states as it goes (online), evaluation on held-out prompts),
+shows them live until they end, and says where to look.
 
 Targets (`--model`): `tiny`, a random Llama built locally with no download, on the 32
 prompts shipped in `workers/fixtures/data/` (16 held out) -- fast, and its draft learns nothing;
