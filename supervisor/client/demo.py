@@ -10,7 +10,8 @@ prompts shipped in `workers/fixtures/data/` (16 held out) -- fast, and its draft
 `smollm2`, SmolLM2-135M-Instruct from the package registry (workers/fixtures/smollm2.py), on 96
 synthetic prompts (4 more held out) -- a real chat model whose draft's acceptance means
 something, in about 6 minutes on 2 CPU cores once the model is converted (the default),
-which also evaluates 8 of the hand-written questions (workers/eagle3/evaluation/handwritten.py), one per category.
+which also evaluates 8 of the hand-written questions
+(workers/eagle3/evaluation/handwritten.py), one per category.
 """
 
 from __future__ import annotations
