@@ -338,8 +338,7 @@ def main() -> None:
     batch = synthetic_batch(config, batch_tokens, seq_len, device, dtype)
     scored = ScoredRows.of(batch.loss_mask, args.ttt_steps)
     if device.type == "cuda":
-        scored = dataclasses.replace(scored, draft=[t.pin_memory() for t in scored.draft],
-                                     target=[t.pin_memory() for t in scored.target])
+        scored = scored.map(torch.Tensor.pin_memory)
     ceiling = matmul_ceiling(device, 1024 if tiny else 8192, dtype)
     results = {name: run_variant(name, config, batch, scored, args, warmup, steps, device,
                                  dtype, ceiling) for name in args.variants.split(",")}

@@ -89,6 +89,7 @@ from workers.eagle3.draft.model import (
 )
 from workers.eagle3.extraction.extractor import capture_layers
 from workers.eagle3.extraction.hidden_files import truncate_torn_line
+from workers.eagle3.target.model import Target
 from workers.eagle3.training.checkpoints import (
     best_dir,
     latest_checkpoint,
@@ -100,7 +101,11 @@ from workers.eagle3.training.checkpoints import (
 )
 from workers.eagle3.training.fused_loss import ScoredRows, ttt_losses_fused
 from workers.eagle3.training.online_features import OnlineFeatures, OnlineSamples
-from workers.eagle3.training.target_head import load_target_head, load_target_norm
+from workers.eagle3.training.target_head import (
+    load_target_head,
+    load_target_norm,
+    read_target_config,
+)
 from workers.eagle3.training.train_data import (
     Batch,
     ExtractedData,
@@ -307,10 +312,18 @@ def check_init_layers(init: Path, extracted: list[int], target_num_layers: int) 
     raise TrainError(message)
 
 
-def build_model(args: argparse.Namespace, data: TrainingSamples,
-                device: torch.device) -> tuple[Eagle3Draft, TargetHead]:
+def build_model(args: argparse.Namespace, data: TrainingSamples, device: torch.device,
+                loaded: Target | None = None) -> tuple[Eagle3Draft, TargetHead]:
+    """The draft, and the target's head its targets come from. `loaded`: the target
+    `--online` holds on `device` already, whose embedding and lm_head are used as they
+    are, not read from its files a second time."""
     dtype = compute_dtype(device)
-    target_config, embed, lm_head = load_target_head(args.target, device, dtype)
+    if loaded is None:
+        target_config, embed, lm_head = load_target_head(args.target, device, dtype)
+    else:
+        target_config = read_target_config(args.target)
+        embed = loaded.decoder.get_input_embeddings().weight.detach()
+        lm_head = embed if loaded.lm_head is None else loaded.lm_head.weight.detach()
     target_layers = int((target_config.get("text_config") or target_config)
                         .get("num_hidden_layers") or 0)
     layers = extracted_layers(data, target_layers)
@@ -409,7 +422,8 @@ def train(args: argparse.Namespace, progress: ProgressReporter,
     if select_k > args.ttt_steps:
         raise TrainError(f"--select-k {select_k} is more than --ttt-steps {args.ttt_steps}: "
                          "the held-out measure has one accuracy per TTT step")
-    model, head = build_model(args, data, device)
+    model, head = build_model(args, data, device,
+                              loaded=features.target if features is not None else None)
     for stale in [*args.out.glob("checkpoints/.tmp-*"), *args.out.glob("best/.tmp-*"),
                   *args.out.glob(".draft.*-*")]:
         shutil.rmtree(stale, ignore_errors=True)  # left by a run killed while writing

@@ -28,6 +28,7 @@ softmaxes, as the reference's autocast makes them.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -63,10 +64,13 @@ class ScoredRows:
             target.append(flat + 1 + i)
         return cls(draft, target)
 
+    def map(self, how: Callable[[torch.Tensor], torch.Tensor]) -> ScoredRows:
+        """`how` applied to each index tensor (a batch's `pin_memory`, `to`)."""
+        return ScoredRows([how(t) for t in self.draft], [how(t) for t in self.target])
+
     def to(self, device: torch.device) -> ScoredRows:
         """On `device` (a batch's reader pins them with the batch: `Batch.pin_memory`)."""
-        return ScoredRows(*([t.to(device, non_blocking=True) for t in part]
-                            for part in (self.draft, self.target)))
+        return self.map(lambda t: t.to(device, non_blocking=True))
 
 
 class FusedHeadLoss(torch.autograd.Function):

@@ -40,16 +40,22 @@ def read_tensor(files: dict[str, Path], name: str, device: torch.device,
         return f.get_tensor(name).to(device=device, dtype=dtype)
 
 
+def read_target_config(model_dir: Path) -> dict[str, Any]:
+    """The target's config.json."""
+    config_file = model_dir / "config.json"
+    if not config_file.is_file():
+        raise TrainError(f"--target {str(model_dir)!r} has no config.json")
+    config: dict[str, Any] = json.loads(config_file.read_text(encoding="utf-8"))
+    return config
+
+
 def load_target_head(model_dir: Path, device: torch.device,
                      dtype: torch.dtype) -> tuple[dict[str, Any], torch.Tensor, torch.Tensor]:
     """(config.json, embed_tokens [V, H], lm_head [V, H]) of the target, reading only
     those two tensors; lm_head is the embedding when the target ties them. A multimodal
     target's are its language model's (Kimi-K2.5: `language_model.model.embed_tokens`,
     `language_model.lm_head`), never a vision tower's."""
-    config_file = model_dir / "config.json"
-    if not config_file.is_file():
-        raise TrainError(f"--target {str(model_dir)!r} has no config.json")
-    config = json.loads(config_file.read_text(encoding="utf-8"))
+    config = read_target_config(model_dir)
     files = tensor_files(model_dir)
     embeds = text_first(n for n in files if n.endswith("embed_tokens.weight"))
     heads = text_first(n for n in files if n == "lm_head.weight" or n.endswith(".lm_head.weight"))

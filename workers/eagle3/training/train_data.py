@@ -131,8 +131,7 @@ class Batch:
     def _map(self, how: Callable[[torch.Tensor], torch.Tensor]) -> Batch:
         aux_scale, hidden_scale = (None if t is None else how(t)
                                    for t in (self.aux_scale, self.hidden_scale))
-        scored = None if self.scored is None else ScoredRows(
-            [how(t) for t in self.scored.draft], [how(t) for t in self.scored.target])
+        scored = None if self.scored is None else self.scored.map(how)
         return Batch(how(self.aux), how(self.hidden), how(self.input_ids),
                      how(self.loss_mask), self.indices, self.tokens, aux_scale, hidden_scale,
                      self.decode_to, scored)
