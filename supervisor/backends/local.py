@@ -31,6 +31,7 @@ from supervisor.runtime.files import ExitStatus, WorkerInfo
 from supervisor.runtime.procfs import (
     StatReader,
     all_stats,
+    boot_id_or_none,
     is_same_process,
     is_started_at,
     read_stat,
@@ -118,7 +119,8 @@ class LocalBackend(Backend):
             shim = files.read_shim(adir)
             if shim is not None:
                 shim_pid, shim_create_time = shim["pid"], shim["create_time"]
-                shim_start_ticks, shim_boot_id = shim.get("start_ticks"), shim.get("boot_id")
+                shim_start_ticks = shim.get("start_ticks")
+                shim_boot_id = boot_id_or_none(shim.get("boot_id"))
         return Attempt(job_id, number, adir, shim_pid, shim_create_time, shim_start_ticks,
                        shim_boot_id)
 
@@ -139,7 +141,7 @@ class LocalBackend(Backend):
             return LaunchFate.ABANDONED  # by an earlier daemon that died before relaunching
         if claim is not None and is_same_process(claim["pid"], claim.get("create_time"),
                                                  claim.get("start_ticks"),
-                                                 claim.get("boot_id")):
+                                                 boot_id_or_none(claim.get("boot_id"))):
             return LaunchFate.WAIT
         return LaunchFate.DEAD
 

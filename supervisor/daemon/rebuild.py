@@ -46,7 +46,7 @@ from supervisor.observe.view import JobView, ProgressRecord, progress_json
 from supervisor.runtime import files
 from supervisor.runtime.fileio import read_json, tail_lines
 from supervisor.runtime.files import attempt_dir, launched_from, log_path, progress_path
-from supervisor.runtime.procfs import is_same_process
+from supervisor.runtime.procfs import boot_id_or_none, is_same_process
 from supervisor.spec import (
     ExitReason,
     JobSpec,
@@ -265,7 +265,8 @@ def _from_attempt(jobs_dir: Path, job: Job, spec: JobSpec, number: int,
                       else _mtime(adir / files.LAUNCH, _mtime(adir, now)))
     if shim is not None:
         job.shim_pid, job.shim_create_time = shim["pid"], shim["create_time"]
-        job.shim_start_ticks, job.shim_boot_id = shim.get("start_ticks"), shim.get("boot_id")
+        job.shim_start_ticks = shim.get("start_ticks")
+        job.shim_boot_id = boot_id_or_none(shim.get("boot_id"))  # a job-writable file
 
     started = f"started (attempt {number})"
     if (adir / SLURM_FILE).exists():
