@@ -196,8 +196,7 @@ class Eagle3Pipeline(BaseModel):
                     "WORLD_SIZE); generate, vocab, train and evaluate are one process "
                     "each, so several would repeat the same work side by side. Give "
                     "extract its own section for several nodes and keep `all` at one task")
-        if self.features == "online" and (self.extract_gpus or self.gpus_per_model > 1
-                                          or self.store or "extract" in self.slurm):
+        if self.features == "online" and self.asks_extraction:
             raise ValueError("features online: the train step makes the hidden states "
                              "itself and there is no extract step, so extract_gpus, "
                              "gpus_per_model, store and an extract slurm section do not "
@@ -209,12 +208,18 @@ class Eagle3Pipeline(BaseModel):
         return self
 
     @property
+    def asks_extraction(self) -> bool:
+        """An option of the extract step was given: extraction over several GPUs or
+        nodes, or a store for what it writes."""
+        return bool(self.extract_gpus or self.gpus_per_model > 1 or self.store
+                    or "extract" in self.slurm)
+
+    @property
     def online(self) -> bool:
         """The train step makes the features itself (`features`, resolved)."""
         if self.features is not None:
             return self.features == "online"
-        return not (self.extract_gpus or self.gpus_per_model > 1 or self.store
-                    or "extract" in self.slurm)
+        return not self.asks_extraction
 
     def slurm_for(self, step: PipelineStep) -> SlurmResources | None:
         """What `step` asks SLURM for: its own section, else `all`'s."""
