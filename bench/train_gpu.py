@@ -1,9 +1,9 @@
 """GPU benchmark of workers.train's training step (`train_step`, not a copy), its
 reference form and its fused one side by side (`--variants old,new`: `fused=False` with
 its metrics read every step, as the trainer ran before the fused head, and `fused=True`
-with the rows chosen on the host and metrics read every 10 steps), for an
-8B-class target (`--config smollm2`: SmolLM2-135M's shapes; `--draft-intermediate-size
-6144`: the wide recipe): H=4096, intermediate 14336, 32 heads / 8 kv heads (head_dim 128),
+with the rows chosen on the host and metrics read every 10 steps). `--config smollm2`
+takes SmolLM2-135M's shapes (`--draft-intermediate-size 6144`: the wide recipe); the
+default is an 8B-class target: H=4096, intermediate 14336, 32 heads / 8 kv heads (head_dim 128),
 vocab 128,256, draft vocab 32,000, Llama-3 RoPE, TTT 7, sequences of 2048 tokens packed
 into `--batch-tokens` (16,384: 8 sequences). The draft, a random frozen target
 lm_head/embedding and synthetic aux/hidden/ids/loss_mask all live in GPU memory (no
