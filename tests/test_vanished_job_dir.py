@@ -16,6 +16,7 @@ import signal
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -125,6 +126,21 @@ def gone(pid: object) -> bool:
         return True
 
 
+def end_both(daemon: Daemon, tmp_path: Path, runs: Path, jobs: dict[str, dict[str, object]],
+             stopped_name: str) -> tuple[dict[str, Any], dict[str, Any]]:
+    """The job `ends` released to exit 3 and the job `stopped_name` stopped: their end
+    states, each after the job ran once, and every worker gone."""
+    (tmp_path / "release-ends").touch()
+    ended = daemon.wait_state(str(jobs["ends"]["id"]), "failed", "lost", "pending")
+    daemon.http.post(f"/api/v1/jobs/{jobs[stopped_name]['id']}/stop")
+    stopped = daemon.wait_state(str(jobs[stopped_name]["id"]), "stopped", "lost", "pending")
+    daemon.wait_ticks(4)
+    assert_runs_once(daemon, runs, {"ends": jobs["ends"]}, "failed")
+    assert_runs_once(daemon, runs, {stopped_name: jobs[stopped_name]}, "stopped")
+    assert all(gone(job["pid"]) for job in jobs.values())
+    return ended, stopped
+
+
 @pytest.mark.parametrize("how", VANISH)
 def test_a_job_whose_dir_vanished_runs_once_and_ends_as_it_ended(
         make_daemon: Callable[..., Daemon], tmp_path: Path, workers: list[Recorded],
@@ -138,17 +154,10 @@ def test_a_job_whose_dir_vanished_runs_once_and_ends_as_it_ended(
     daemon.wait_ticks(4)
     assert_runs_once(daemon, runs, jobs)
 
-    (tmp_path / "release-ends").touch()
-    ended = daemon.wait_state(str(jobs["ends"]["id"]), "failed", "lost", "pending")
+    ended, stopped = end_both(daemon, tmp_path, runs, jobs, "stopped")
     assert (ended["state"], ended["exit_code"], ended["reason"]) == (
         "failed", 3, "exited with code 3"), ended
-    daemon.http.post(f"/api/v1/jobs/{jobs['stopped']['id']}/stop")
-    stopped = daemon.wait_state(str(jobs["stopped"]["id"]), "stopped", "lost", "pending")
     assert (stopped["state"], stopped["exit_reason"]) == ("stopped", "stopped"), stopped
-    daemon.wait_ticks(4)
-    assert_runs_once(daemon, runs, {"ends": jobs["ends"]}, "failed")
-    assert_runs_once(daemon, runs, {"stopped": jobs["stopped"]}, "stopped")
-    assert all(gone(job["pid"]) for job in jobs.values())
 
 
 @pytest.mark.parametrize("how", VANISH)
@@ -199,16 +208,9 @@ def test_a_daemon_started_while_a_running_jobs_dir_is_missing_adopts_it_by_its_p
     daemon.wait_ticks(4)
     assert_runs_once(daemon, runs, jobs)
 
-    (tmp_path / "release-ends").touch()
-    ended = daemon.wait_state(str(jobs["ends"]["id"]), "failed", "lost", "pending")
+    ended, stopped = end_both(daemon, tmp_path, runs, jobs, "orphan")
     assert (ended["state"], ended["exit_code"]) == ("failed", 3), ended
-    daemon.http.post(f"/api/v1/jobs/{jobs['orphan']['id']}/stop")
-    stopped = daemon.wait_state(str(jobs["orphan"]["id"]), "stopped", "lost", "pending")
     assert (stopped["state"], stopped["exit_reason"]) == ("stopped", "stopped"), stopped
-    daemon.wait_ticks(4)
-    assert_runs_once(daemon, runs, {"ends": jobs["ends"]}, "failed")
-    assert_runs_once(daemon, runs, {"orphan": jobs["orphan"]}, "stopped")
-    assert all(gone(job["pid"]) for job in jobs.values())
 
 
 def test_a_shim_dead_before_its_worker_was_recorded_is_lost_never_run_again(
